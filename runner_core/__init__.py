@@ -1,0 +1,14 @@
+"""runner_core: a paged-KV, continuously batched LLM engine behind the ModelRunner API."""
+
+from runner_core.config import RunnerConfig
+from runner_core.errors import ConfigError, EngineNotReadyError, InvalidRequestError, ModelLoadError, RunnerError
+from runner_core.model_runner import ModelRunner, StreamDelta
+from runner_core.sampling import SamplingParams
+from runner_core.sequence import RequestOutput
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError", "EngineNotReadyError", "InvalidRequestError", "ModelLoadError", "ModelRunner",
+    "RequestOutput", "RunnerConfig", "RunnerError", "SamplingParams", "StreamDelta",
+]

@@ -1,0 +1,240 @@
+"""`RunnerConfig`: every setting of the runner (the seed's Appendix A plus engine
+fields), built from a dict or keyword arguments and validated up front.
+
+Each bad value raises `ConfigError` naming the field, the value and what is allowed.
+Change a field through `replace()`, which validates again.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from runner_core.errors import ConfigError
+
+logger = logging.getLogger("runner_core")
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+_DTYPES = {
+    "auto": "auto",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float32": "float32", "float": "float32", "fp32": "float32",
+}
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_COMMON_BACKENDS = ("inductor", "aot_eager", "eager")
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "auto")
+_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+_CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
+
+
+def _bad(name: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"config field {name!r} got {value!r}; allowed: {allowed}")
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(name, value, "True or False")
+    return value
+
+
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> Optional[int]:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = f"an int >= {minimum}" + (" or None" if optional else "")
+        raise _bad(name, value, allowed)
+    return value
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> Any:
+    if type(value) is not type(choices[0]) or value not in choices:
+        raise _bad(name, value, "one of " + ", ".join(map(repr, choices)))
+    return value
+
+
+def _check_str(name: str, value: Any, optional: bool = False) -> Optional[str]:
+    if value is None and optional:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        raise _bad(name, value, "a non-empty string" + (" or None" if optional else ""))
+    return value
+
+
+def _normalise_dtype(value: Any) -> str:
+    if isinstance(value, torch.dtype):
+        for name, dtype in _TORCH_DTYPES.items():
+            if value == dtype:
+                return name
+    elif isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    allowed = ", ".join(map(repr, _DTYPES)) + " or torch.float16/bfloat16/float32"
+    raise _bad("dtype", value, allowed)
+
+
+def _normalise_device(value: Any) -> Union[int, str]:
+    if isinstance(value, torch.device):
+        value = str(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and (value == "cpu" or _CUDA_DEVICE.fullmatch(value)):
+        return value
+    raise _bad("device", value, "a GPU index >= 0, 'cpu', 'cuda' or 'cuda:N'")
+
+
+def _resolve_device(device: Union[int, str]) -> torch.device:
+    """The torch.device to run on; falls back to the CPU (one info line) without CUDA."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        logger.info("CUDA is not available; device=%r falls back to the CPU", device)
+        return torch.device("cpu")
+    if isinstance(device, int):
+        index = device
+    else:
+        match = _CUDA_DEVICE.fullmatch(device)
+        index = int(match.group(1)) if match.group(1) else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise _bad("device", device, f"a CUDA index below {count} (devices visible: {count})")
+    return torch.device("cuda", index)
+
+
+def _check_backend(value: Any) -> str:
+    if value in _COMMON_BACKENDS:
+        return value
+    import torch._dynamo
+
+    known = sorted(set(_COMMON_BACKENDS) | set(torch._dynamo.list_backends()))
+    if not isinstance(value, str) or value not in known:
+        raise _bad("compile_backend", value, "one of " + ", ".join(map(repr, known)))
+    return value
+
+
+def _check_memory_fraction(value: Any) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+    if not ok:
+        raise _bad("gpu_memory_utilization", value, "a number in (0, 1]")
+    return float(value)
+
+
+@dataclass(init=False)
+class RunnerConfig:
+    """Validated runner settings; build with kwargs, a dict, `from_dict` or `coerce`."""
+
+    model: str
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    device: Union[int, str] = 0
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_mode: str = "max-autotune"
+    compile_cache_dir: str = "./compile_cache"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    trust_remote_code: bool = False
+    gpu_memory_utilization: float = 0.9
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    block_size: int = 16
+    kv_cache_memory: Optional[int] = None
+    enable_prefix_caching: bool = False
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __init__(self, config: Union["RunnerConfig", Mapping[str, Any], None] = None, /, **kwargs: Any):
+        if config is None:
+            values: dict[str, Any] = {}
+        elif isinstance(config, RunnerConfig):
+            values = config.to_dict()
+        elif isinstance(config, Mapping):
+            values = dict(config)
+        else:
+            raise ConfigError(
+                f"RunnerConfig takes a dict or a RunnerConfig, got {type(config).__name__} {config!r}"
+            )
+        values.update(kwargs)
+        known = [f.name for f in fields(RunnerConfig)]
+        for key in values:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known)}"
+                raise ConfigError(f"unknown config key {key!r}{hint}")
+        if "model" not in values:
+            raise ConfigError("config key 'model' is required: a local HF directory, a preset name "
+                              "('tiny-llama', 'small-llama') or a hub id")
+        for f in fields(RunnerConfig):
+            setattr(self, f.name, values.get(f.name, f.default))
+        self._validate()
+
+    def _validate(self) -> None:
+        self.model = _check_str("model", self.model)
+        self.tokenizer = _check_str("tokenizer", self.tokenizer, optional=True)
+        self.dtype = _normalise_dtype(self.dtype)
+        self.device = _normalise_device(self.device)
+        self.compile = _check_bool("compile", self.compile)
+        self.compile_backend = _check_backend(self.compile_backend)
+        self.compile_mode = _check_choice("compile_mode", self.compile_mode, _COMPILE_MODES)
+        self.compile_cache_dir = _check_str("compile_cache_dir", self.compile_cache_dir)
+        self.tensor_parallel_size = _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        self.pipeline_parallel_size = _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        self.trust_remote_code = _check_bool("trust_remote_code", self.trust_remote_code)
+        self.gpu_memory_utilization = _check_memory_fraction(self.gpu_memory_utilization)
+        self.max_model_len = _check_int("max_model_len", self.max_model_len, 1, optional=True)
+        self.max_num_seqs = _check_int("max_num_seqs", self.max_num_seqs, 1)
+        self.max_num_batched_tokens = _check_int(
+            "max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        self.block_size = _check_choice("block_size", self.block_size, _BLOCK_SIZES)
+        self.kv_cache_memory = _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
+        self.enable_prefix_caching = _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        self.enforce_eager = _check_bool("enforce_eager", self.enforce_eager)
+        self.seed = _check_int("seed", self.seed, 0)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"config field 'max_num_batched_tokens' got {self.max_num_batched_tokens!r}; allowed: "
+                f"an int >= max_num_seqs ({self.max_num_seqs}), since a decode step of every running "
+                "sequence needs one token each")
+        self._torch_device = _resolve_device(self.device)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> "RunnerConfig":
+        return cls(config)
+
+    @classmethod
+    def coerce(
+        cls, obj: Union["RunnerConfig", Mapping[str, Any], None] = None, **overrides: Any
+    ) -> "RunnerConfig":
+        """A new validated config from a RunnerConfig, a dict or None, with `overrides` applied."""
+        return cls(obj, **overrides)
+
+    def replace(self, **changes: Any) -> "RunnerConfig":
+        return type(self)(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self._torch_device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float16 if self._torch_device.type == "cuda" else torch.float32
+        return _TORCH_DTYPES[self.dtype]
+
+    @property
+    def effective_max_num_batched_tokens(self) -> int:
+        if self.max_num_batched_tokens is None:
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return self.max_num_batched_tokens

@@ -1,0 +1,247 @@
+"""LLMEngine: the step loop. Admits requests, schedules, runs ForwardPass and the sampler,
+appends tokens, applies stop conditions and emits outputs. One bad request never stops it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from runner_core.config import RunnerConfig
+from runner_core.errors import ConfigError, InvalidRequestError
+from runner_core.forward_pass import ForwardPass
+from runner_core.layers.sampler import Sampler, SamplingMetadata
+from runner_core.memory_manager import MemoryManager, kv_bytes_per_token, plan_num_blocks
+from runner_core.sampling import SamplingParams
+from runner_core.scheduler import Scheduler
+from runner_core.sequence import RequestOutput, Sequence
+from runner_core.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger("runner_core")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(slots=True)
+class StepMetrics:
+    """What one step did and how long its phases took (seconds)."""
+
+    step: int
+    time: float
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_sampled: int
+    num_preempted: int
+    num_waiting: int
+    num_running: int
+    schedule_s: float
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+    total_s: float
+    blocks_used: int
+    blocks_free: int
+
+
+class LLMEngine:
+    def __init__(self, config: RunnerConfig, loaded):
+        self.config = config
+        self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_model_len = self._resolve_max_model_len()
+        bs = config.block_size
+        self.bytes_per_token = kv_bytes_per_token(self.hf_config.num_hidden_layers, self.model.num_kv_heads,
+                                                  self.model.head_dim, self.dtype)
+        num_blocks = plan_num_blocks(
+            bytes_per_token=self.bytes_per_token, block_size=bs, max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs, kv_cache_memory=config.kv_cache_memory, device=self.device,
+            gpu_memory_utilization=config.gpu_memory_utilization)
+        if num_blocks * bs < self.max_model_len:
+            raise ConfigError(
+                f"the KV pool holds {num_blocks * bs} tokens ({num_blocks} blocks of {bs}), fewer than one "
+                f"max_model_len={self.max_model_len} sequence needs; raise kv_cache_memory to at least "
+                f"{-(-self.max_model_len // bs) * bs * self.bytes_per_token} bytes or lower max_model_len")
+        self.memory = MemoryManager(num_blocks, bs)
+        kv_cache = self.memory.allocate_kv_cache(self.hf_config.num_hidden_layers, self.model.num_kv_heads,
+                                                 self.model.head_dim, self.dtype, self.device)
+        logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at %d tokens: %.1f",
+                    num_blocks, bs, num_blocks * bs, kv_cache.numel() * kv_cache.element_size() / 2**20,
+                    self.max_model_len, num_blocks * bs / self.max_model_len)
+        max_batched = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.scheduler = Scheduler(self.memory, config.max_num_seqs, max_batched)
+        self.forward_pass = ForwardPass(self.model, kv_cache, bs, self.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, Sequence] = {}
+        self.step_metrics: deque[StepMetrics] = deque(maxlen=4096)
+        self._ids = itertools.count()
+        self._num_steps = 0
+        torch.manual_seed(config.seed)
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.hf_config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ConfigError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}; "
+                              f"use max_model_len <= {limit}")
+        return wanted
+
+    # ---- requests -------------------------------------------------------------------------
+    def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty; give at least one character or one token id")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in prompt):
+            raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise InvalidRequestError("prompt is empty; give at least one character or one token id")
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {prompt[bad]} at position {bad} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
+        return None, list(prompt)
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    stream: bool = False) -> Sequence:
+        """Validate and queue a request; raises InvalidRequestError naming the problem."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self.encode_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (prompt and output "
+                f"together); shorten the prompt or raise max_model_len")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        seq = Sequence(request_id, text, ids, len(ids), params, generator)
+        if stream or params.stop:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.finish("abort")
+        return self._output(seq, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + forward + sampling round. Returns outputs of streaming requests that
+        advanced and of every request that finished."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        outputs = [self._fail(s, f"request needs {self.memory.blocks_for(s.num_tokens)} KV blocks but the "
+                                 f"pool has {self.memory.num_blocks}; raise kv_cache_memory")
+                   for s in sched.rejected]
+        if sched.is_empty:
+            return outputs
+        t1 = time.perf_counter()
+        inp = self.forward_pass.prepare(sched.scheduled)
+        t2 = time.perf_counter()
+        try:
+            logits = self.forward_pass.execute(inp)
+            t3 = time.perf_counter()
+            seqs = inp.sampling_seqs
+            sampled = None
+            if seqs:
+                meta = SamplingMetadata.build([s.params for s in seqs], [s.generator for s in seqs],
+                                              self.vocab_size, self.device)
+                sampled = self.sampler(logits, meta)
+        except Exception as e:  # the batch is lost, not the engine
+            logger.exception("step failed; failing the %d scheduled requests", len(sched.scheduled))
+            return outputs + [self._fail(s, f"{type(e).__name__}: {e}") for s, _ in sched.scheduled]
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+        if sampled is not None:
+            outputs += self._append_tokens(seqs, sampled)
+        t4 = time.perf_counter()
+        self._num_steps += 1
+        self.step_metrics.append(StepMetrics(
+            self._num_steps, t4, len(sched.scheduled), inp.num_prefill_tokens, inp.num_decode_tokens,
+            len(seqs), len(sched.preempted), len(self.scheduler.waiting), len(self.scheduler.running),
+            t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0,
+            self.memory.num_blocks - self.memory.num_free_blocks, self.memory.num_free_blocks))
+        return outputs
+
+    def _append_tokens(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
+        outputs = []
+        now = time.perf_counter()
+        token_ids = sampled.sampled_token_ids.tolist()
+        lp_ids = sampled.logprob_token_ids.tolist() if sampled.logprob_token_ids is not None else None
+        lp_vals = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        for i, (seq, tok) in enumerate(zip(seqs, token_ids)):
+            seq.token_ids.append(tok)
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            if seq.logprobs is not None:
+                k = seq.params.logprobs + 1
+                seq.logprobs.append(dict(zip(lp_ids[i][:k], lp_vals[i][:k])))
+            prev_len = len(seq.detokenizer.text) if seq.detokenizer is not None else 0
+            delta = seq.detokenizer.add([tok]) if seq.detokenizer is not None else ""
+            self._check_stop(seq, tok)
+            if seq.text is not None:  # a stop string cut the text: do not stream past it
+                delta = seq.text[prev_len:]
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+                self.requests.pop(seq.request_id, None)
+                outputs.append(self._output(seq, [tok], delta))
+            elif seq.detokenizer is not None:
+                outputs.append(self._output(seq, [tok], delta))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                return seq.finish("stop", tok)
+            if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
+                return seq.finish("stop")
+            if p.stop:
+                text = seq.detokenizer.text
+                hits = [(text.find(s), s) for s in p.stop if s in text]
+                if hits:
+                    cut, s = min(hits)
+                    seq.text = text[:cut]
+                    return seq.finish("stop", s)
+        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish("length")
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        self.scheduler.remove(seq)
+        self.requests.pop(seq.request_id, None)
+        seq.finish("error", error=message)
+        return self._output(seq, [], "")
+
+    def _output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
+        if seq.is_finished and seq.text is None:
+            seq.text = (seq.detokenizer.text if seq.detokenizer is not None
+                        else self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens))
+        text = seq.text if seq.is_finished else seq.detokenizer.text
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            token_ids=list(seq.output_token_ids), text=text, delta_token_ids=delta_ids, delta_text=delta_text,
+            finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            error=seq.error, logprobs=seq.logprobs, metrics=seq.metrics.as_dict(seq.num_output_tokens))

@@ -1,0 +1,21 @@
+"""Exception types of the runner: each names what went wrong and how to fix it."""
+
+
+class RunnerError(Exception):
+    """Base class of every error the runner raises on purpose."""
+
+
+class ConfigError(RunnerError, ValueError):
+    """A configuration field has a bad value, a bad type or an unknown name."""
+
+
+class ModelLoadError(RunnerError):
+    """A model directory, checkpoint, preset or tokenizer could not be loaded."""
+
+
+class InvalidRequestError(RunnerError, ValueError):
+    """One request (prompt or sampling parameters) is malformed; the engine is unaffected."""
+
+
+class EngineNotReadyError(RunnerError):
+    """An operation needs a loaded model (call `load_model()` first)."""

@@ -1,0 +1,140 @@
+"""ForwardPass: turns a scheduled batch into flat tensors once per step and runs the model.
+
+Layout: decode sequences (one new token) first, then prefill chunks. Everything the
+attention layers need (slot mapping, gather indices, masks) is derived here with
+tensor operations from per-sequence (start, length, block table); no per-token loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from runner_core.layers.attention import AttentionMetadata
+from runner_core.sequence import Sequence
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] flat index of the last token of each sampling sequence
+    sampling_seqs: list[Sequence]  # in the order of logits_indices
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+def _kv_gather(block_tables: torch.Tensor | None, base: torch.Tensor | None, length: int, block_size: int):
+    """[B, length] gather index of keys 0..length-1: pool slots via block tables, or base + j."""
+    j = torch.arange(length)
+    if block_tables is None:
+        return base.unsqueeze(1) + j
+    blocks = block_tables.gather(1, (j // block_size).expand(block_tables.shape[0], -1))
+    return blocks * block_size + j % block_size
+
+
+def _visible(q_pos: torch.Tensor, key_len: int, sliding_window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) mask: key j visible from a query at position p iff j <= p (and p - j < w)."""
+    j = torch.arange(key_len)
+    mask = j <= q_pos.unsqueeze(-1)
+    if sliding_window is not None:
+        mask &= q_pos.unsqueeze(-1) - j < sliding_window
+    return mask
+
+
+def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block_tables: list[list[int]] | None,
+                   block_size: int, sliding_window: int | None) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions [N] and attention metadata for sequences whose first `num_decodes` have one query token.
+
+    With `block_tables=None` there is no pool: keys come from the step's own tokens (stateless forward).
+    """
+    start_t, qlen_t = torch.tensor(starts), torch.tensor(q_lens)
+    n = int(qlen_t.sum())
+    cu = torch.cumsum(qlen_t, 0) - qlen_t  # flat offset of each sequence
+    positions = torch.arange(n) - torch.repeat_interleave(cu - start_t, qlen_t)
+    bt = None
+    slot_mapping = None
+    if block_tables is not None:
+        width = max(len(b) for b in block_tables)
+        bt = torch.tensor([b + [0] * (width - len(b)) for b in block_tables])
+        tok_bt = torch.repeat_interleave(bt, qlen_t, dim=0)
+        slot_mapping = tok_bt.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1) * block_size \
+            + positions % block_size
+    d, p = num_decodes, len(starts) - num_decodes
+    meta = AttentionMetadata(slot_mapping, d, None, None, p, 0, None, None, None)
+    if d:
+        ctx = start_t[:d] + 1
+        meta.decode_kv_idx = _kv_gather(None if bt is None else bt[:d], None if bt is not None else cu[:d],
+                                        int(ctx.max()), block_size)
+        meta.decode_mask = _visible(start_t[:d], int(ctx.max()), sliding_window)[:, None, None, :]
+    if p:
+        p_start, p_len = start_t[d:], qlen_t[d:]
+        max_q = int(p_len.max())
+        key_len = int((p_start + p_len).max())
+        meta.max_query_len = max_q
+        row = torch.repeat_interleave(torch.arange(p), p_len)
+        meta.prefill_q_idx = row * max_q + positions[d:] - torch.repeat_interleave(p_start, p_len)
+        meta.prefill_kv_idx = _kv_gather(None if bt is None else bt[d:], None if bt is not None else cu[d:],
+                                         key_len, block_size)
+        q_pos = p_start.unsqueeze(1) + torch.arange(max_q)
+        meta.prefill_mask = _visible(q_pos, key_len, sliding_window).unsqueeze(1)
+    return positions, meta
+
+
+class ForwardPass:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor | None, block_size: int, device: torch.device):
+        self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
+        self.sliding_window = getattr(model, "sliding_window", None)
+
+    def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
+        if self.device.type == "cpu":
+            return meta
+        for name, value in vars(meta).items():
+            if isinstance(value, torch.Tensor):
+                setattr(meta, name, value.to(self.device, non_blocking=True))
+        return meta
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> ModelInput:
+        ordered = [x for x in scheduled if x[1] == 1] + [x for x in scheduled if x[1] > 1]
+        num_decodes = len(scheduled) - sum(1 for _, n in scheduled if n > 1)
+        starts = [s.num_computed_tokens for s, _ in ordered]
+        q_lens = [n for _, n in ordered]
+        ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
+        positions, meta = build_metadata(starts, q_lens, num_decodes, [s.block_table for s, _ in ordered],
+                                         self.block_size, self.sliding_window)
+        ends = torch.cumsum(torch.tensor(q_lens), 0) - 1
+        sampling = [i for i, (s, n) in enumerate(ordered) if s.num_computed_tokens + n == s.num_tokens]
+        return ModelInput(
+            input_ids=torch.tensor(ids, device=self.device),
+            positions=positions.to(self.device),
+            meta=self._to_device(meta),
+            logits_indices=ends[sampling].to(self.device),
+            sampling_seqs=[ordered[i][0] for i in sampling],
+            num_prefill_tokens=sum(q_lens[num_decodes:]),
+            num_decode_tokens=num_decodes,
+        )
+
+    @torch.inference_mode()
+    def execute(self, inp: ModelInput) -> torch.Tensor:
+        """Logits [S, vocab] (float32) for the sequences that sample this step."""
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
+        return self.model.compute_logits(hidden[inp.logits_indices]).float()
+
+    @torch.inference_mode()
+    def run_stateless(self, seqs_ids: list[list[int]]) -> torch.Tensor:
+        """Full causal forward of independent sequences without the pool; hidden states [N, H]."""
+        q_lens = [len(x) for x in seqs_ids]
+        num_decodes = sum(1 for n in q_lens if n == 1)
+        order = sorted(range(len(q_lens)), key=lambda i: q_lens[i] > 1)
+        q_sorted = [q_lens[i] for i in order]
+        positions, meta = build_metadata([0] * len(order), q_sorted, num_decodes, None,
+                                         self.block_size, self.sliding_window)
+        ids = torch.tensor(list(chain.from_iterable(seqs_ids[i] for i in order)), device=self.device)
+        hidden = self.model(ids, positions.to(self.device), None, self._to_device(meta))
+        # back to the caller's order
+        offsets = torch.cumsum(torch.tensor([0] + q_sorted), 0)
+        back = torch.cat([torch.arange(offsets[k], offsets[k + 1]) for k in sorted(range(len(order)), key=lambda k: order[k])])
+        return hidden[back.to(self.device)]

@@ -1,0 +1,1 @@
+"""Building blocks of the models, each tensor-parallel aware (linear, embedding, attention, rotary, norm, activation, sampler)."""

@@ -1,0 +1,78 @@
+"""Paged attention over a flat token batch.
+
+The batch is laid out decodes first (one query token per sequence), then prefill
+chunks. K/V of every token are written into the KV pool at `slot_mapping`; queries
+then read their sequence's keys through gather indices derived from block tables
+(built once per step by ForwardPass and shared by all layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, shared by every layer.
+
+    For the decode part, `decode_kv_idx[i, j]` is the pool slot of the j-th key of
+    decode sequence i. For the prefill part, queries are scattered into a padded
+    [num_prefills, max_query_len] grid by `prefill_q_idx`, and keys gathered through
+    `prefill_kv_idx` from the pool (or, with no pool, from the step's own tokens).
+    Masks are True where a query may attend.
+    """
+
+    slot_mapping: torch.Tensor | None  # [N] pool slot of each token, None when there is no KV pool
+    num_decode_tokens: int
+    decode_kv_idx: torch.Tensor | None  # [D, L_d]
+    decode_mask: torch.Tensor | None  # [D, 1, 1, L_d]
+    num_prefills: int
+    max_query_len: int
+    prefill_q_idx: torch.Tensor | None  # [N - D] position of each prefill token in the padded grid
+    prefill_kv_idx: torch.Tensor | None  # [P, L_p]
+    prefill_mask: torch.Tensor | None  # [P, 1, max_query_len, L_p]
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q: [B, Lq, H, D]; k, v: [B, Lk, KVH, D] -> [B, Lq, H, D]."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return out.transpose(1, 2)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [N, H*D], k/v: [N, KVH*D]; kv_cache: [2, num_slots, KVH, D] or None."""
+        n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if kv_cache is not None:
+            kv_cache[0].index_copy_(0, meta.slot_mapping, k)
+            kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+            k_src, v_src = kv_cache[0], kv_cache[1]
+        else:
+            k_src, v_src = k, v
+        d = meta.num_decode_tokens
+        out = torch.empty_like(q)
+        if d:
+            idx = meta.decode_kv_idx
+            out[:d] = self._attend(q[:d].unsqueeze(1), k_src[idx], v_src[idx], meta.decode_mask).squeeze(1)
+        if meta.num_prefills:
+            grid = q.new_zeros(meta.num_prefills * meta.max_query_len, self.num_heads, self.head_dim)
+            grid[meta.prefill_q_idx] = q[d:]
+            grid = grid.view(meta.num_prefills, meta.max_query_len, self.num_heads, self.head_dim)
+            idx = meta.prefill_kv_idx
+            o = self._attend(grid, k_src[idx], v_src[idx], meta.prefill_mask)
+            out[d:] = o.reshape(-1, self.num_heads, self.head_dim)[meta.prefill_q_idx]
+        return out.view(n, self.num_heads * self.head_dim)

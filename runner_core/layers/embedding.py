@@ -1,0 +1,46 @@
+"""Vocabulary-parallel token embedding and LM head (rows of the vocabulary split across ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner_core.layers.linear import default_weight_loader
+from runner_core.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.shard_size = -(-num_embeddings // self.tp_size)  # padded so every rank holds the same rows
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
+            raise ValueError(
+                f"checkpoint shape {tuple(loaded.shape)} does not match expected {(self.num_embeddings, param.shape[1])}"
+            )
+        rows = min(self.shard_size, self.num_embeddings - self.vocab_start)
+        param.data.zero_()
+        default_weight_loader(param.narrow(0, 0, rows), loaded.narrow(0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return tp_all_reduce(y.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection onto the vocabulary; each rank computes its slice, then they are gathered."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = tp_all_gather(F.linear(hidden_states, self.weight))
+        return logits[..., : self.num_embeddings]

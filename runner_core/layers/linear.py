@@ -1,0 +1,124 @@
+"""Tensor-parallel linear layers: column, merged column (gate/up), QKV and row parallel.
+
+Each parameter carries a `weight_loader` that copies this rank's slice of a
+checkpoint tensor into it, so fused layouts (qkv, gate_up) and sharding are
+handled where the layout is defined.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner_core.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+
+def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param_slice.shape != loaded.shape:
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match expected {tuple(param_slice.shape)}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    _check_shape(param.data, loaded)
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b over this rank's [out, in] slice of W."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across tensor-parallel ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False):
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        super().__init__(in_features, divide(out_features, self.tp_size, "output features"), bias)
+        self.gather_output = gather_output
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[0]
+        default_weight_loader(param, loaded.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return tp_all_gather(y) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stored in one matrix (e.g. gate_proj and up_proj)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        shard = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        default_weight_loader(param.narrow(0, offset, shard), loaded.narrow(0, self.tp_rank * shard, shard))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; heads split across ranks, KV heads replicated when fewer than ranks."""
+
+    def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp_size = get_tp_size()
+        self.head_size = head_size
+        self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = divide(num_kv_heads, tp_size, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp_size, num_kv_heads, "tensor parallel size over num_key_value_heads")
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
+        super().__init__(hidden_size, out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q = self.num_heads * self.head_size
+        kv = self.num_kv_heads * self.head_size
+        if shard_id == "q":
+            offset, size, rank = 0, q, self.tp_rank
+        else:
+            offset = q if shard_id == "k" else q + kv
+            size, rank = kv, self.tp_rank // self.kv_replicas
+        default_weight_loader(param.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial products summed by an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        super().__init__(divide(in_features, self.tp_size, "input features"), out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is added once, after the reduction
+            default_weight_loader(param, loaded)
+            return
+        size = param.shape[1]
+        default_weight_loader(param, loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tp_all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,200 @@
+"""ModelLoader: resolves `model`, reads config.json, builds the runner's model and
+streams safetensors weights into it (never pickle), then loads the tokenizer.
+
+Mapping HF names onto fused parameters (qkv, gate_up) and tensor-parallel slicing
+are done by the model's `load_weights` and its parameters' weight loaders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm import tqdm
+
+from runner_core.errors import ModelLoadError
+from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
+from runner_core.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
+
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Tokenizer
+    hf_config: object  # transformers.PretrainedConfig
+    model_path: Path
+    load_seconds: float
+    weight_bytes: int
+
+
+class ModelLoader:
+    """Loads `config.model` onto `config.torch_device` in `config.torch_dtype`."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    def load(self) -> LoadedModel:
+        start = time.perf_counter()
+        cfg = self.config
+        path = resolve_model_path(cfg.model)
+        hf_config = read_hf_config(path, cfg.trust_remote_code)
+        model = self._build(hf_config)
+        self._load_weights(model, path)
+        tokenizer_path = resolve_model_path(cfg.tokenizer) if cfg.tokenizer else path
+        if cfg.tokenizer and not has_tokenizer_files(tokenizer_path):
+            raise ModelLoadError(
+                f"tokenizer {cfg.tokenizer!r} ({tokenizer_path}) holds no tokenizer files: pass a directory "
+                "with tokenizer.json or tokenizer_config.json, or leave tokenizer unset to use the model's"
+            )
+        tokenizer = load_tokenizer(tokenizer_path, hf_config, cfg.trust_remote_code)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        return LoadedModel(model, tokenizer, hf_config, path, time.perf_counter() - start, weight_bytes)
+
+    def _build(self, hf_config) -> nn.Module:
+        cls = MODEL_REGISTRY.resolve(hf_config)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.config.torch_dtype)
+        try:
+            with torch.device(self.config.torch_device):
+                model = cls(hf_config)
+        except ValueError as exc:  # e.g. heads not divisible by the tensor parallel size
+            raise ModelLoadError(
+                f"cannot build {cls.__name__} with tensor_parallel_size={self.config.tensor_parallel_size}: {exc}"
+            ) from exc
+        finally:
+            torch.set_default_dtype(previous)
+        return model.eval()
+
+    def _load_weights(self, model: nn.Module, path: Path) -> None:
+        weights = SafetensorsWeights(path)
+        try:
+            with torch.no_grad():
+                loaded = model.load_weights(iter(weights))
+        except ValueError as exc:
+            if weights.current is None:
+                raise ModelLoadError(f"cannot load the weights in {path}: {exc}") from exc
+            file, name, shape = weights.current
+            raise ModelLoadError(
+                f"cannot load tensor {name!r} of shape {shape} from {file}: {exc}. "
+                "The checkpoint does not match its config.json"
+            ) from exc
+        missing = [name for name, _ in model.named_parameters() if name not in loaded]
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ModelLoadError(
+                f"{len(missing)} parameters of the model were not in the checkpoint {path}: "
+                f"{', '.join(missing[:5])}{more}"
+            )
+
+
+class SafetensorsWeights:
+    """(hf_name, tensor) pairs from a directory's safetensors files, one tensor at a time.
+
+    `current` is (file, name, shape) of the last tensor handed out, for error messages.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.files = safetensors_files(path)
+        self.current: tuple[Path, str, tuple[int, ...]] | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for file in tqdm(self.files, desc="Loading safetensors shards", unit="shard", disable=len(self.files) < 2):
+            with _guard(file):
+                handle = safe_open(file, framework="pt", device="cpu")
+            with handle:
+                for name in handle.keys():
+                    with _guard(file):
+                        tensor = handle.get_tensor(name)
+                    self.current = (file, name, tuple(tensor.shape))
+                    yield name, tensor
+
+
+@contextmanager
+def _guard(file: Path) -> Iterator[None]:
+    """Turn safetensors' errors on `file` (bad header, short data) into ModelLoadError."""
+    try:
+        yield
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(
+            f"safetensors file {file} is corrupt or truncated ({exc}); download or save it again"
+        ) from exc
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the sharded index's, model.safetensors, or any *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
+            raise ModelLoadError(f"{index} is not a valid index (a JSON object with a 'weight_map'): {exc}") from exc
+        files = [path / name for name in names]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ModelLoadError(f"shards listed in {index} are missing: {', '.join(absent)}")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelLoadError(
+            f"{path} holds only pickle checkpoints ({', '.join(pickles)}), which are refused for safety "
+            "(unpickling can run arbitrary code). Convert once where you trust the file: "
+            "transformers.AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
+        )
+    raise ModelLoadError(f"no safetensors weights (*.safetensors) in {path}")
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory for `model`: an existing directory, a preset, or a hub id in the HF cache."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    if is_preset(model):
+        return ensure_preset(model)
+    if local.exists():
+        raise ModelLoadError(f"model path {local} is a file; pass the directory holding config.json")
+    if _HUB_ID.match(model) and not model.startswith("."):
+        return _from_hf_cache(model)
+    raise ModelLoadError(f"model directory not found: {local}")
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (OSError, ValueError) as exc:  # LocalEntryNotFoundError, HFValidationError
+        raise ModelLoadError(
+            f"{repo_id!r} is not a local directory or a preset, and it is not in the Hugging Face cache; "
+            "this machine cannot reach the hub (or it is offline), so nothing is downloaded. Pass a local "
+            f"model directory, one of the presets ({', '.join(preset_names())}), or fetch it first where the "
+            f"hub is reachable: `hf download {repo_id}`"
+        ) from exc
+
+
+def read_hf_config(path: Path, trust_remote_code: bool = False):
+    """The transformers config of the model directory `path`."""
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"no config.json in {path}: a model directory needs the Hugging Face config.json")
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises ValueError, OSError, KeyError, ...
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc

@@ -1,0 +1,101 @@
+"""`SamplingParams`: how one request picks its tokens (vLLM's names), validated on
+construction; a bad value raises `InvalidRequestError` naming the field and the range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Union
+
+from runner_core.errors import InvalidRequestError
+
+
+def _bad(name: str, value: Any, allowed: str) -> InvalidRequestError:
+    return InvalidRequestError(f"SamplingParams.{name} got {value!r}; allowed: {allowed}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings; `temperature=0` (or `top_k=1`) means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Union[tuple[str, ...], list[str], str, None] = None
+    stop_token_ids: Union[tuple[int, ...], list[int]] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise _bad("max_tokens", self.max_tokens, "an int >= 1")
+        if not _is_number(self.temperature) or self.temperature < 0 or math.isinf(self.temperature):
+            raise _bad("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise _bad("top_p", self.top_p, "a number in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise _bad("top_k", self.top_k, "0 or -1 (disabled), or an int >= 1")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise _bad("min_p", self.min_p, "a number in [0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise _bad("seed", self.seed, "None or an int in [0, 2**64)")
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+        self.min_p = float(self.min_p)
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "True or False")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise _bad("logprobs", self.logprobs, "None or an int >= 0 (top logprobs per token)")
+
+    @staticmethod
+    def _normalise_stop(stop: Union[Iterable[str], str, None]) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        items = (stop,) if isinstance(stop, str) else stop
+        try:
+            items = tuple(items)
+        except TypeError:
+            raise _bad("stop", stop, "None, a non-empty string or a list of non-empty strings") from None
+        for item in items:
+            if not isinstance(item, str) or not item:
+                raise _bad("stop", stop, "None, a non-empty string or a list of non-empty strings")
+        return items
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: Iterable[int]) -> tuple[int, ...]:
+        try:
+            items = tuple(ids)
+        except TypeError:
+            raise _bad("stop_token_ids", ids, "a list of ints >= 0") from None
+        for item in items:
+            if not _is_int(item) or item < 0:
+                raise _bad("stop_token_ids", ids, "a list of ints >= 0")
+        return items
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A new validated copy with `changes` applied."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,99 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+Each step first advances running sequences (a decode is one token, an unfinished
+prompt continues with a chunk), preempting the newest running sequence by recompute
+when the pool has no block left, then admits waiting sequences while the token budget,
+`max_num_seqs` and free blocks allow. Long prompts are split into chunks (chunked prefill).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from runner_core.memory_manager import MemoryManager
+from runner_core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)  # can never fit in the pool
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, memory: MemoryManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.memory = memory
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (finished or aborted) and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.memory.free(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.memory.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            target = seq.num_computed_tokens + n
+            while not self.memory.can_allocate(seq, target):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.WAITING:
+                break
+            self.memory.allocate(seq, target)
+            out.scheduled.append((seq, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            if self.memory.blocks_for(seq.num_tokens) > self.memory.num_blocks:
+                self.waiting.popleft()
+                out.rejected.append(seq)
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.memory.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.memory.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.perf_counter()
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out

@@ -1,0 +1,55 @@
+"""Tiny random-weight Hugging Face checkpoints for tests, built locally (no download)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+_FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+}
+# Logits std ~ sqrt(64) * 0.15 ~ 1.2: greedy top-1/top-2 gaps far above fp32 noise,
+# and greedy continuations that keep changing instead of repeating one token.
+INITIALIZER_RANGE = 0.15
+
+
+def make_tiny_hf_model(
+    tmp_path: Path,
+    family: str = "llama",
+    *,
+    tie_word_embeddings: bool = False,
+    head_dim: int | None = None,
+    rope_scaling: dict | None = None,
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Save a 2-layer model of `family` (safetensors, no tokenizer) in a new directory under tmp_path.
+
+    Biases (Qwen2's qkv) and norm weights are randomised too, so a loader that
+    drops them cannot pass a parity test by luck.
+    """
+    config_cls, model_cls = _FAMILIES[family]
+    config = config_cls(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=INITIALIZER_RANGE, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **({"head_dim": head_dim} if head_dim is not None else {}),
+        **({"rope_scaling": rope_scaling} if rope_scaling is not None else {}),
+    )
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():
+        torch.manual_seed(seed)
+        model = model_cls(config).to(torch.float32).eval()
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, INITIALIZER_RANGE)
+            elif "norm" in name:
+                param.normal_(1.0, 0.1)
+    out = Path(tempfile.mkdtemp(prefix=f"tiny-{family}-", dir=tmp_path))
+    model.save_pretrained(out)
+    return out

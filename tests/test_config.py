@@ -1,0 +1,271 @@
+"""RunnerConfig: defaults, construction forms, validation messages, device/dtype resolution."""
+
+import logging
+import math
+import pathlib
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runner_core.config import RunnerConfig
+from runner_core.errors import ConfigError
+
+DEFAULTS = {
+    "model": "tiny-llama",
+    "tokenizer": None,
+    "dtype": "auto",
+    "device": 0,
+    "compile": False,
+    "compile_backend": "inductor",
+    "compile_mode": "max-autotune",
+    "compile_cache_dir": "./compile_cache",
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "trust_remote_code": False,
+    "gpu_memory_utilization": 0.9,
+    "max_model_len": None,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": None,
+    "block_size": 16,
+    "kv_cache_memory": None,
+    "enable_prefix_caching": False,
+    "enforce_eager": False,
+    "seed": 0,
+}
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+
+
+def test_defaults_match_the_table():
+    config = RunnerConfig(model="tiny-llama")
+    assert config.to_dict() == DEFAULTS
+    assert config.effective_max_num_batched_tokens == 2048
+
+
+def test_construction_forms_agree():
+    base = RunnerConfig(model="tiny-llama", dtype="float32")
+    assert RunnerConfig({"model": "tiny-llama", "dtype": "float32"}) == base
+    assert RunnerConfig.from_dict({"model": "tiny-llama", "dtype": "float32"}) == base
+    assert RunnerConfig.coerce({"model": "tiny-llama"}, dtype="float32") == base
+    assert RunnerConfig.coerce(None, model="tiny-llama", dtype="float32") == base
+    assert RunnerConfig({"model": "other"}, model="tiny-llama", dtype="float32") == base
+    assert RunnerConfig(base) == base
+
+
+def test_coerce_returns_a_new_validated_config():
+    base = RunnerConfig(model="tiny-llama")
+    copy = RunnerConfig.coerce(base)
+    assert copy == base and copy is not base
+    bigger = RunnerConfig.coerce(base, max_num_seqs=8, block_size=32)
+    assert (bigger.max_num_seqs, bigger.block_size, bigger.model) == (8, 32, "tiny-llama")
+    assert base.max_num_seqs == 256
+    with pytest.raises(ConfigError, match="block_size"):
+        RunnerConfig.coerce(base, block_size=3)
+
+
+def test_replace_validates_and_keeps_the_original():
+    base = RunnerConfig(model="tiny-llama")
+    changed = base.replace(seed=7, dtype="bf16")
+    assert (changed.seed, changed.dtype, base.seed) == (7, "bfloat16", 0)
+    with pytest.raises(ConfigError, match="seed"):
+        base.replace(seed=-1)
+
+
+def test_to_dict_round_trips():
+    config = RunnerConfig(model="m", max_model_len=512, kv_cache_memory=1 << 20, device="cpu")
+    assert RunnerConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("build", [
+    lambda: RunnerConfig(model="m", max_num_seq=4),
+    lambda: RunnerConfig({"model": "m", "max_num_seq": 4}),
+    lambda: RunnerConfig.from_dict({"model": "m", "max_num_seq": 4}),
+    lambda: RunnerConfig.coerce({"model": "m"}, max_num_seq=4),
+    lambda: RunnerConfig(model="m").replace(max_num_seq=4),
+])
+def test_unknown_key_suggests_the_closest_field(build):
+    with pytest.raises(ConfigError, match=r"unknown config key 'max_num_seq'; did you mean 'max_num_seqs'\?"):
+        build()
+
+
+def test_unknown_key_without_a_close_match_lists_the_fields():
+    with pytest.raises(ConfigError, match=r"unknown config key 'zzz'.*known keys: model, tokenizer"):
+        RunnerConfig(model="m", zzz=1)
+
+
+@pytest.mark.parametrize("values", [{}, {"dtype": "float32"}])
+def test_missing_model(values):
+    with pytest.raises(ConfigError, match="'model' is required"):
+        RunnerConfig(values)
+
+
+def test_not_a_mapping():
+    with pytest.raises(ConfigError, match="takes a dict or a RunnerConfig, got list"):
+        RunnerConfig(["model"])
+
+
+BAD_VALUES = [
+    ("model", "", "a non-empty string"),
+    ("model", 3, "a non-empty string"),
+    ("tokenizer", "", "a non-empty string or None"),
+    ("dtype", "float8", "'auto', 'float16'"),
+    ("dtype", torch.int8, "torch.float16/bfloat16/float32"),
+    ("dtype", None, "'bfloat16'"),
+    ("device", -1, "a GPU index >= 0, 'cpu', 'cuda' or 'cuda:N'"),
+    ("device", "tpu", "'cpu', 'cuda' or 'cuda:N'"),
+    ("device", "cuda:x", "'cuda:N'"),
+    ("device", True, "a GPU index >= 0"),
+    ("device", 1.0, "a GPU index >= 0"),
+    ("compile", "yes", "True or False"),
+    ("compile", 1, "True or False"),
+    ("compile_backend", "nope", "'aot_eager', "),
+    ("compile_mode", "fast", "'default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs', 'auto'"),
+    ("compile_cache_dir", "", "a non-empty string"),
+    ("tensor_parallel_size", 0, "an int >= 1"),
+    ("tensor_parallel_size", 2.0, "an int >= 1"),
+    ("pipeline_parallel_size", True, "an int >= 1"),
+    ("trust_remote_code", None, "True or False"),
+    ("gpu_memory_utilization", 0, "a number in (0, 1]"),
+    ("gpu_memory_utilization", 1.5, "a number in (0, 1]"),
+    ("gpu_memory_utilization", math.nan, "a number in (0, 1]"),
+    ("gpu_memory_utilization", "0.9", "a number in (0, 1]"),
+    ("max_model_len", 0, "an int >= 1 or None"),
+    ("max_num_seqs", 0, "an int >= 1"),
+    ("max_num_seqs", None, "an int >= 1"),
+    ("max_num_batched_tokens", -5, "an int >= 1 or None"),
+    ("block_size", 3, "one of 1, 2, 4, 8, 16, 32, 64, 128"),
+    ("block_size", 16.0, "one of 1, 2, 4, 8, 16, 32, 64, 128"),
+    ("kv_cache_memory", 0, "an int >= 1 or None"),
+    ("enable_prefix_caching", "true", "True or False"),
+    ("enforce_eager", 0, "True or False"),
+    ("seed", -1, "an int >= 0"),
+]
+
+
+@pytest.mark.parametrize("field, value, allowed", BAD_VALUES, ids=[f"{f}={v!r}" for f, v, _ in BAD_VALUES])
+def test_bad_value_names_field_value_and_allowed(field, value, allowed):
+    values = {"model": "m", field: value}
+    with pytest.raises(ConfigError) as info:
+        RunnerConfig(values)
+    message = str(info.value)
+    assert repr(field) in message
+    assert repr(value) in message
+    assert allowed in message
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        RunnerConfig(model="m", seed=-1)
+
+
+def test_batched_tokens_below_num_seqs():
+    with pytest.raises(ConfigError, match=r"'max_num_batched_tokens' got 8.*>= max_num_seqs \(16\).*one token each"):
+        RunnerConfig(model="m", max_num_seqs=16, max_num_batched_tokens=8)
+    config = RunnerConfig(model="m", max_num_seqs=16, max_num_batched_tokens=16)
+    assert config.effective_max_num_batched_tokens == 16
+
+
+@pytest.mark.parametrize("value, canonical", [
+    ("auto", "auto"), ("float16", "float16"), ("half", "float16"), ("fp16", "float16"),
+    ("bfloat16", "bfloat16"), ("bf16", "bfloat16"), ("float32", "float32"), ("float", "float32"),
+    ("fp32", "float32"), ("FP16", "float16"),
+    (torch.float16, "float16"), (torch.bfloat16, "bfloat16"), (torch.float32, "float32"),
+])
+def test_dtype_aliases_normalise(value, canonical):
+    assert RunnerConfig(model="m", dtype=value).dtype == canonical
+
+
+def test_explicit_dtype_gives_torch_dtype():
+    assert RunnerConfig(model="m", dtype="bf16", device="cpu").torch_dtype is torch.bfloat16
+
+
+def test_auto_dtype_is_float32_on_cpu(no_cuda):
+    config = RunnerConfig(model="m")
+    assert config.torch_device == torch.device("cpu")
+    assert config.torch_dtype is torch.float32
+
+
+def test_auto_dtype_is_float16_on_cuda(two_gpus):
+    assert RunnerConfig(model="m", device=1).torch_dtype is torch.float16
+
+
+def test_device_falls_back_to_cpu_with_one_info_line(no_cuda, caplog):
+    with caplog.at_level(logging.INFO, logger="runner_core"):
+        config = RunnerConfig(model="m", device=0)
+    assert config.device == 0
+    assert config.torch_device == torch.device("cpu")
+    lines = [r for r in caplog.records if r.name == "runner_core"]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert "CUDA is not available" in lines[0].getMessage() and "CPU" in lines[0].getMessage()
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:3"])
+def test_cuda_strings_fall_back_to_cpu(no_cuda, device):
+    assert RunnerConfig(model="m", device=device).torch_device == torch.device("cpu")
+
+
+def test_cpu_device_logs_nothing(caplog):
+    with caplog.at_level(logging.INFO, logger="runner_core"):
+        assert RunnerConfig(model="m", device="cpu").torch_device == torch.device("cpu")
+    assert not [r for r in caplog.records if r.name == "runner_core"]
+
+
+@pytest.mark.parametrize("device, expected", [
+    (0, torch.device("cuda", 0)), (1, torch.device("cuda", 1)),
+    ("cuda:1", torch.device("cuda", 1)), ("cuda", torch.device("cuda", 1)),
+    (torch.device("cuda", 0), torch.device("cuda", 0)),
+])
+def test_cuda_devices_resolve(two_gpus, device, expected):
+    assert RunnerConfig(model="m", device=device).torch_device == expected
+
+
+@pytest.mark.parametrize("device", [2, "cuda:5"])
+def test_cuda_index_beyond_device_count(two_gpus, device):
+    with pytest.raises(ConfigError) as info:
+        RunnerConfig(model="m", device=device)
+    assert "'device'" in str(info.value) and repr(device) in str(info.value)
+    assert "a CUDA index below 2" in str(info.value)
+
+
+def test_compile_backend_accepts_registered_dynamo_backends():
+    import torch._dynamo
+
+    for name in ["inductor", "aot_eager", "eager", *torch._dynamo.list_backends()]:
+        assert RunnerConfig(model="m", compile_backend=name).compile_backend == name
+
+
+def test_compile_cache_dir_accepts_a_path():
+    assert RunnerConfig(model="m", compile_cache_dir=pathlib.Path("/tmp/cc")).compile_cache_dir == "/tmp/cc"
+
+
+@given(st.integers(min_value=1, max_value=2**40))
+def test_positive_ints_accepted(value):
+    config = RunnerConfig(model="m", device="cpu", max_num_seqs=value, max_model_len=value)
+    assert (config.max_num_seqs, config.max_model_len) == (value, value)
+
+
+@given(st.integers(max_value=0))
+def test_non_positive_ints_rejected(value):
+    with pytest.raises(ConfigError, match="'max_num_seqs'"):
+        RunnerConfig(model="m", device="cpu", max_num_seqs=value)
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_gpu_memory_utilization_range(value):
+    if 0 < value <= 1:
+        assert RunnerConfig(model="m", device="cpu", gpu_memory_utilization=value).gpu_memory_utilization == value
+    else:
+        with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+            RunnerConfig(model="m", device="cpu", gpu_memory_utilization=value)
