@@ -201,7 +201,11 @@ class LLMEngine:
             prev_len = len(seq.detokenizer.text) if seq.detokenizer is not None else 0
             delta = seq.detokenizer.add([tok]) if seq.detokenizer is not None else ""
             self._check_stop(seq, tok)
-            if seq.text is not None:  # a stop string cut the text: do not stream past it
+            if seq.is_finished and seq.detokenizer is not None:
+                # final text: cut at a stop string, else the full decode (flushes held-back bytes)
+                if seq.text is None:
+                    seq.text = self.tokenizer.decode(seq.output_token_ids,
+                                                     skip_special_tokens=seq.params.skip_special_tokens)
                 delta = seq.text[prev_len:]
             if seq.is_finished:
                 self.scheduler.remove(seq)
@@ -237,8 +241,7 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
         if seq.is_finished and seq.text is None:
-            seq.text = (seq.detokenizer.text if seq.detokenizer is not None
-                        else self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens))
+            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         text = seq.text if seq.is_finished else seq.detokenizer.text
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],

@@ -27,11 +27,13 @@ class ModelInput:
     num_decode_tokens: int
 
 
-def _kv_gather(block_tables: torch.Tensor | None, base: torch.Tensor | None, length: int, block_size: int):
-    """[B, length] gather index of keys 0..length-1: pool slots via block tables, or base + j."""
+def _kv_gather(block_tables: torch.Tensor | None, base: torch.Tensor | None, length: int, block_size: int,
+               num_tokens: int):
+    """[B, length] gather index of keys 0..length-1: pool slots via block tables, or base + j
+    into the step's own tokens (clamped: positions past a sequence's end are masked anyway)."""
     j = torch.arange(length)
     if block_tables is None:
-        return base.unsqueeze(1) + j
+        return (base.unsqueeze(1) + j).clamp_(max=num_tokens - 1)
     blocks = block_tables.gather(1, (j // block_size).expand(block_tables.shape[0], -1))
     return blocks * block_size + j % block_size
 
@@ -68,7 +70,7 @@ def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block
     if d:
         ctx = start_t[:d] + 1
         meta.decode_kv_idx = _kv_gather(None if bt is None else bt[:d], None if bt is not None else cu[:d],
-                                        int(ctx.max()), block_size)
+                                        int(ctx.max()), block_size, n)
         meta.decode_mask = _visible(start_t[:d], int(ctx.max()), sliding_window)[:, None, None, :]
     if p:
         p_start, p_len = start_t[d:], qlen_t[d:]
@@ -78,7 +80,7 @@ def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block
         row = torch.repeat_interleave(torch.arange(p), p_len)
         meta.prefill_q_idx = row * max_q + positions[d:] - torch.repeat_interleave(p_start, p_len)
         meta.prefill_kv_idx = _kv_gather(None if bt is None else bt[d:], None if bt is not None else cu[d:],
-                                         key_len, block_size)
+                                         key_len, block_size, n)
         q_pos = p_start.unsqueeze(1) + torch.arange(max_q)
         meta.prefill_mask = _visible(q_pos, key_len, sliding_window).unsqueeze(1)
     return positions, meta

@@ -8,13 +8,13 @@ are done by the model's `load_weights` and its parameters' weight loaders.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -25,6 +25,9 @@ from runner_core.errors import ModelLoadError
 from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
 from runner_core.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -33,7 +36,7 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 class LoadedModel:
     model: nn.Module
     tokenizer: Tokenizer
-    hf_config: object  # transformers.PretrainedConfig
+    hf_config: PretrainedConfig
     model_path: Path
     load_seconds: float
     weight_bytes: int
@@ -181,14 +184,14 @@ def _from_hf_cache(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except (OSError, ValueError) as exc:  # LocalEntryNotFoundError, HFValidationError
         raise ModelLoadError(
-            f"{repo_id!r} is not a local directory or a preset, and it is not in the Hugging Face cache; "
-            "this machine cannot reach the hub (or it is offline), so nothing is downloaded. Pass a local "
+            f"{repo_id!r} is not a local directory or a preset, and it is not in the Hugging Face cache "
+            "(the runner never downloads: this machine may not reach the hub, or it is offline). Pass a local "
             f"model directory, one of the presets ({', '.join(preset_names())}), or fetch it first where the "
             f"hub is reachable: `hf download {repo_id}`"
         ) from exc
 
 
-def read_hf_config(path: Path, trust_remote_code: bool = False):
+def read_hf_config(path: Path, trust_remote_code: bool = False) -> PretrainedConfig:
     """The transformers config of the model directory `path`."""
     from transformers import AutoConfig
 

@@ -122,7 +122,7 @@ def _build(spec: PresetSpec, name: str, out: Path) -> None:
             initializer_range=spec.initializer_range, tie_word_embeddings=False,
             pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )
-        # Private RNG state and CPU float32, whatever the caller's defaults are.
+        # A private RNG on CPU: the caller's RNG state and default device neither matter nor change.
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(spec.seed)
             model = transformers.LlamaForCausalLM(config).to(torch.float32)

@@ -1,0 +1,48 @@
+"""Fixed-seed synthetic workloads shared by the benchmarks.
+
+A request is a list of prompt token ids (random ids, no text) and the exact number of tokens it
+must produce (EOS is ignored), so every method does the same useful work and the same seed gives
+the same requests on every machine and every run.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int  # exact output length: generation ignores EOS
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+
+def make_workload(num_requests: int = 64, *, seed: int = 0, vocab_size: int = 8192,
+                  prompt_len: tuple[int, int] = (16, 256), output_len: tuple[int, int] = (16, 128),
+                  min_token_id: int = 3) -> list[Request]:
+    """`num_requests` requests with prompt and output lengths uniform in the inclusive ranges
+    given, prompt ids uniform in [min_token_id, vocab_size) (ids below it are the usual
+    pad/bos/eos specials). Listed in arrival order."""
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(num_requests):
+        n_prompt = rng.randint(*prompt_len)
+        n_out = rng.randint(*output_len)
+        reqs.append(Request([rng.randrange(min_token_id, vocab_size) for _ in range(n_prompt)], n_out))
+    return reqs
+
+
+def fixed_workload(num_requests: int, prompt_len: int, output_len: int, *, seed: int = 0,
+                   vocab_size: int = 8192, min_token_id: int = 3) -> list[Request]:
+    """`num_requests` requests all with the same prompt and output length (e.g. a pure-decode batch)."""
+    return make_workload(num_requests, seed=seed, vocab_size=vocab_size, prompt_len=(prompt_len, prompt_len),
+                         output_len=(output_len, output_len), min_token_id=min_token_id)
+
+
+def useful_tokens(reqs: list[Request]) -> int:
+    """Output tokens the requests asked for: the numerator of useful tok/s."""
+    return sum(r.max_tokens for r in reqs)
