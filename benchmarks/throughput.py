@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -114,7 +115,7 @@ def decode_overhead(args) -> dict:
     runner.engine.step_metrics.clear()
     reqs = fixed_workload(32, 64, 64, seed=args.seed + 1, vocab_size=runner.engine.vocab_size)
     runner.generate([r.prompt_ids for r in reqs], [greedy(r.max_tokens) for r in reqs])
-    steps = [m for m in runner.engine.step_metrics if m.num_prefill_tokens == 0 and m.num_seqs == 32]
+    steps = [m for m in runner.engine.step_metrics if m.num_prefill_tokens == 0]
     total, fwd = sum(m.total_s for m in steps), sum(m.forward_s for m in steps)
     return {"steps": len(steps), "total_ms": 1e3 * total / len(steps), "forward_ms": 1e3 * fwd / len(steps),
             "share": 1 - fwd / total}
@@ -146,7 +147,8 @@ def main() -> None:
     reqs = make_workload(n, seed=args.seed, vocab_size=vocab, **lens)
     print(f"workload: {n} requests, prompts {min(r.prompt_len for r in reqs)}-{max(r.prompt_len for r in reqs)}, "
           f"outputs {min(r.max_tokens for r in reqs)}-{max(r.max_tokens for r in reqs)}, "
-          f"{useful_tokens(reqs)} useful tokens; torch threads {torch.get_num_threads()}")
+          f"{useful_tokens(reqs)} useful tokens; torch threads {torch.get_num_threads()}; "
+          f"load average {os.getloadavg()[0]:.2f} (other busy processes skew every figure)")
 
     rows = {}  # name -> (requests, seconds, useful tok/s)
     secs, ours = run_ours(runner, reqs)
@@ -182,6 +184,7 @@ def main() -> None:
         print(f"{name:<14}{k:>9}{s:>10.2f}{tps:>14.1f}{engine_tok_s / tps:>9.2f}  {m}")
     if "hf single" in rows and rows["hf single"][0] < n:
         print(f"(hf single ran the first {rows['hf single'][0]} requests only; its tok/s is from that subset)")
+    print("(hf cb = transformers continuous batching: generate_batch's manager, per-request max_new_tokens)")
     if cb_error:
         print(f"hf cb skipped: {cb_error}")
     hf_best = max(tps for name, (_, _, tps) in rows.items() if name != "ours")
@@ -194,6 +197,7 @@ def main() -> None:
               f"{'' if exact[0] == exact[1] else '  <-- MISMATCH'}")
 
     ov = None if args.skip_overhead else decode_overhead(args)
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     if ov:
         print(f"decode step at batch 32 ({ov['steps']} pure-decode steps): {ov['total_ms']:.2f} ms total, "
               f"{ov['forward_ms']:.2f} ms forward, outside-forward share {100 * ov['share']:.1f}%; "
