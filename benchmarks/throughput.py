@@ -197,11 +197,11 @@ def main() -> None:
               f"{'' if exact[0] == exact[1] else '  <-- MISMATCH'}")
 
     ov = None if args.skip_overhead else decode_overhead(args)
-    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     if ov:
         print(f"decode step at batch 32 ({ov['steps']} pure-decode steps): {ov['total_ms']:.2f} ms total, "
               f"{ov['forward_ms']:.2f} ms forward, outside-forward share {100 * ov['share']:.1f}%; "
               f"target <= {100 * OVERHEAD_TARGET:g}%: {'met' if ov['share'] <= OVERHEAD_TARGET else 'NOT met'}")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
     tok_s = lambda name: round(rows[name][2], 2) if name in rows else None
     print(json.dumps({

@@ -177,18 +177,28 @@ def resolve_model_path(model: str) -> Path:
     raise ModelLoadError(f"model directory not found: {local}")
 
 
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt"]  # never pickles
+
+
 def _from_hf_cache(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
+    """The snapshot of `repo_id`: from the local Hugging Face cache, else downloaded (safetensors only)
+    unless HF_HUB_OFFLINE is set."""
+    from huggingface_hub import constants, snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except (OSError, ValueError) as exc:  # LocalEntryNotFoundError, HFValidationError
-        raise ModelLoadError(
-            f"{repo_id!r} is not a local directory or a preset, and it is not in the Hugging Face cache "
-            "(the runner never downloads: this machine may not reach the hub, or it is offline). Pass a local "
-            f"model directory, one of the presets ({', '.join(preset_names())}), or fetch it first where the "
-            f"hub is reachable: `hf download {repo_id}`"
-        ) from exc
+        return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=_HUB_PATTERNS))
+    except (OSError, ValueError):
+        pass
+    reason = "HF_HUB_OFFLINE is set"
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, etag_timeout=10))
+        except Exception as exc:  # connection, authorisation or missing-repo errors
+            reason = f"the hub could not be reached or refused it ({type(exc).__name__})"
+    raise ModelLoadError(
+        f"{repo_id!r} is not a local directory, a preset or in the Hugging Face cache, and {reason}. Pass a "
+        f"local model directory, one of the presets ({', '.join(preset_names())}), or fetch it first where "
+        f"the hub is reachable: `hf download {repo_id}`")
 
 
 def read_hf_config(path: Path, trust_remote_code: bool = False) -> PretrainedConfig:

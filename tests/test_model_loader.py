@@ -176,9 +176,10 @@ def test_registry_lazy_targets_and_model_type_fallback():
 def test_hub_id_offline_is_refused_with_advice(tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(ModelLoadError, match="not a local directory or a preset.*tiny-llama, small-llama"):
+    with pytest.raises(ModelLoadError, match="not a local directory, a preset or in the Hugging Face cache, and "
+                                             "HF_HUB_OFFLINE is set.*tiny-llama, small-llama"):
         resolve_model_path("some-org/some-model")
     # A snapshot already in the HF cache is used as is.
     snapshot = tmp_path / "models--some-org--some-model" / "snapshots" / ("a" * 40)
