@@ -12,6 +12,7 @@ from itertools import chain
 
 import torch
 
+from runner_core.kernels import cpu_kernels_available
 from runner_core.layers.attention import AttentionMetadata
 from runner_core.sequence import Sequence
 
@@ -48,10 +49,13 @@ def _visible(q_pos: torch.Tensor, key_len: int, sliding_window: int | None) -> t
 
 
 def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block_tables: list[list[int]] | None,
-                   block_size: int, sliding_window: int | None) -> tuple[torch.Tensor, AttentionMetadata]:
+                   block_size: int, sliding_window: int | None,
+                   decode_kernel: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [N] and attention metadata for sequences whose first `num_decodes` have one query token.
 
     With `block_tables=None` there is no pool: keys come from the step's own tokens (stateless forward).
+    With `decode_kernel`, decodes carry block tables and context lengths for the native kernel
+    instead of gather indices.
     """
     start_t, qlen_t = torch.tensor(starts), torch.tensor(q_lens)
     n = int(qlen_t.sum())
@@ -67,11 +71,15 @@ def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block
             + positions % block_size
     d, p = num_decodes, len(starts) - num_decodes
     meta = AttentionMetadata(slot_mapping, d, None, None, p, 0, None, None, None)
-    if d:
+    if d and decode_kernel:
+        meta.decode_block_tables, meta.decode_context_lens = bt[:d], start_t[:d] + 1
+        meta.block_size, meta.sliding_window = block_size, sliding_window
+    elif d:
         ctx = start_t[:d] + 1
         meta.decode_kv_idx = _kv_gather(None if bt is None else bt[:d], None if bt is not None else cu[:d],
                                         int(ctx.max()), block_size, n)
-        meta.decode_mask = _visible(start_t[:d], int(ctx.max()), sliding_window)[:, None, None, :]
+        visible = _visible(start_t[:d], int(ctx.max()), sliding_window)
+        meta.decode_bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[None, :, None, :]
     if p:
         p_start, p_len = start_t[d:], qlen_t[d:]
         max_q = int(p_len.max())
@@ -90,6 +98,7 @@ class ForwardPass:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor | None, block_size: int, device: torch.device):
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
         self.sliding_window = getattr(model, "sliding_window", None)
+        self.decode_kernel = kv_cache is not None and device.type == "cpu" and cpu_kernels_available()
 
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         if self.device.type == "cpu":
@@ -106,7 +115,7 @@ class ForwardPass:
         q_lens = [n for _, n in ordered]
         ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
         positions, meta = build_metadata(starts, q_lens, num_decodes, [s.block_table for s, _ in ordered],
-                                         self.block_size, self.sliding_window)
+                                         self.block_size, self.sliding_window, self.decode_kernel)
         ends = torch.cumsum(torch.tensor(q_lens), 0) - 1
         sampling = [i for i, (s, n) in enumerate(ordered) if s.num_computed_tokens + n == s.num_tokens]
         return ModelInput(

@@ -55,8 +55,11 @@ class MemoryManager:
 
     def allocate_kv_cache(self, num_layers: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """[layers, 2 (K, V), slots, kv_heads, head_dim], slot = block_id * block_size + offset."""
-        self.kv_cache = torch.zeros(num_layers, 2, self.num_blocks * self.block_size, num_kv_heads, head_dim,
+        """[layers, 2 (K, V), kv_heads, slots, head_dim], slot = block_id * block_size + offset.
+
+        Heads outermost, so gathering a batch's slots yields [kv_heads, batch, keys, head_dim],
+        which the attention matmuls consume without another copy."""
+        self.kv_cache = torch.zeros(num_layers, 2, num_kv_heads, self.num_blocks * self.block_size, head_dim,
                                     dtype=dtype, device=device)
         return self.kv_cache
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner_core.kernels import paged_decode_attention
+
 
 @dataclass
 class AttentionMetadata:
@@ -23,56 +25,76 @@ class AttentionMetadata:
     decode sequence i. For the prefill part, queries are scattered into a padded
     [num_prefills, max_query_len] grid by `prefill_q_idx`, and keys gathered through
     `prefill_kv_idx` from the pool (or, with no pool, from the step's own tokens).
-    Masks are True where a query may attend.
+    The prefill mask is True where a query may attend; the decode mask is an additive bias.
     """
 
     slot_mapping: torch.Tensor | None  # [N] pool slot of each token, None when there is no KV pool
     num_decode_tokens: int
     decode_kv_idx: torch.Tensor | None  # [D, L_d]
-    decode_mask: torch.Tensor | None  # [D, 1, 1, L_d]
+    decode_bias: torch.Tensor | None  # [1, D, 1, L_d] additive: 0 where visible, -inf elsewhere
     num_prefills: int
     max_query_len: int
     prefill_q_idx: torch.Tensor | None  # [N - D] position of each prefill token in the padded grid
     prefill_kv_idx: torch.Tensor | None  # [P, L_p]
     prefill_mask: torch.Tensor | None  # [P, 1, max_query_len, L_p]
+    # set instead of decode_kv_idx/decode_bias when the native kernel reads the pool in place
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # [D]
+    block_size: int = 0
+    sliding_window: int | None = None
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.group = num_heads // num_kv_heads
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q: [B, Lq, H, D]; k, v: [B, Lk, KVH, D] -> [B, Lq, H, D]."""
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """One query per sequence. q: [D, H, Dh]; k, v: [KVH, D, L, Dh] (as gathered); bias: [1, D, 1, L].
+
+        Grouped heads fold into the query dimension, so each KV head is read once and no
+        repeat of K/V is needed: two batched matmuls over (KVH, D)."""
+        d = q.shape[0]
+        qg = q.view(d, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)  # [KVH, D, G, Dh]
+        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(self.scale).add_(bias)  # [KVH, D, G, L]
+        out = torch.matmul(scores.softmax(dim=-1), v)  # [KVH, D, G, Dh]
+        return out.transpose(0, 1).reshape(d, self.num_heads, self.head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q: [P, Lq, H, Dh]; k, v: [KVH, P, Lk, Dh]; mask: [P, 1, Lq, Lk] -> [P, Lq, H, Dh]."""
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
             attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
         )
         return out.transpose(1, 2)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [N, H*D], k/v: [N, KVH*D]; kv_cache: [2, num_slots, KVH, D] or None."""
+        """q: [N, H*Dh], k/v: [N, KVH*Dh]; kv_cache: [2, KVH, num_slots, Dh] or None."""
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        v = v.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
         if kv_cache is not None:
-            kv_cache[0].index_copy_(0, meta.slot_mapping, k)
-            kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+            kv_cache[0].index_copy_(1, meta.slot_mapping, k)
+            kv_cache[1].index_copy_(1, meta.slot_mapping, v)
             k_src, v_src = kv_cache[0], kv_cache[1]
         else:
             k_src, v_src = k, v
         d = meta.num_decode_tokens
         out = torch.empty_like(q)
-        if d:
+        if d and meta.decode_block_tables is not None:
+            paged_decode_attention(out[:d], q[:d], k_src, v_src, meta.decode_block_tables, meta.decode_context_lens,
+                                   meta.block_size, self.scale, meta.sliding_window)
+        elif d:
             idx = meta.decode_kv_idx
-            out[:d] = self._attend(q[:d].unsqueeze(1), k_src[idx], v_src[idx], meta.decode_mask).squeeze(1)
+            out[:d] = self._decode(q[:d], k_src[:, idx], v_src[:, idx], meta.decode_bias)
         if meta.num_prefills:
             grid = q.new_zeros(meta.num_prefills * meta.max_query_len, self.num_heads, self.head_dim)
             grid[meta.prefill_q_idx] = q[d:]
             grid = grid.view(meta.num_prefills, meta.max_query_len, self.num_heads, self.head_dim)
             idx = meta.prefill_kv_idx
-            o = self._attend(grid, k_src[idx], v_src[idx], meta.prefill_mask)
+            o = self._prefill(grid, k_src[:, idx], v_src[:, idx], meta.prefill_mask)
             out[d:] = o.reshape(-1, self.num_heads, self.head_dim)[meta.prefill_q_idx]
         return out.view(n, self.num_heads * self.head_dim)

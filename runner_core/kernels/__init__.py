@@ -1,0 +1,76 @@
+"""Native kernels, built on first use with torch's C++ extension tooling and cached.
+
+`paged_decode_attention()` reads keys and values in place from the KV pool through block
+tables (no gathered copy). If the build fails, or RUNNER_CORE_NO_KERNELS=1 is set, callers
+get None and keep the pure-torch path; the reason is logged once. Under CI=true a failed
+build is an error, so a broken toolchain cannot hide behind the fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("runner_core")
+_SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _build_dir() -> Path:
+    from runner_core.models.presets import cache_root
+
+    tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    path = cache_root() / "kernels" / f"paged_attention_cpu-{tag}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _ensure_ninja_on_path() -> None:
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _load() -> bool:
+    if hasattr(torch.ops.runner_core, "paged_decode_attention"):
+        return True
+    from torch.utils import cpp_extension
+
+    _ensure_ninja_on_path()
+    cpp_extension.load(
+        name="runner_core_paged_attention_cpu", sources=[str(_SOURCE)], build_directory=str(_build_dir()),
+        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], is_python_module=False, verbose=False)
+    return True
+
+
+def cpu_kernels_available() -> bool:
+    """Build (once per process; cached on disk across processes) and report whether the CPU kernels load."""
+    with _lock:
+        if "ok" not in _state:
+            if os.environ.get("RUNNER_CORE_NO_KERNELS") == "1":
+                _state["ok"], _state["why"] = False, "RUNNER_CORE_NO_KERNELS=1"
+            else:
+                try:
+                    _state["ok"] = _load()
+                except Exception as e:  # compiler missing, build error
+                    if os.environ.get("CI") == "true":
+                        raise
+                    _state["ok"], _state["why"] = False, f"{type(e).__name__}: {e}"
+            if not _state["ok"]:
+                logger.warning("native CPU attention kernel unavailable (%s); using the torch gather path",
+                               _state["why"])
+        return bool(_state["ok"])
+
+
+def paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, block_size: int,
+                           scale: float, sliding_window: int | None) -> None:
+    torch.ops.runner_core.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens,
+                                                 block_size, scale, sliding_window or 0)
