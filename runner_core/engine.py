@@ -22,7 +22,6 @@ from runner_core.sequence import RequestOutput, Sequence
 from runner_core.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("runner_core")
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass(slots=True)
@@ -72,8 +71,7 @@ class LLMEngine:
         logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at %d tokens: %.1f",
                     num_blocks, bs, num_blocks * bs, kv_cache.numel() * kv_cache.element_size() / 2**20,
                     self.max_model_len, num_blocks * bs / self.max_model_len)
-        max_batched = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        self.scheduler = Scheduler(self.memory, config.max_num_seqs, max_batched)
+        self.scheduler = Scheduler(self.memory, config.max_num_seqs, config.effective_max_num_batched_tokens)
         self.forward_pass = ForwardPass(self.model, kv_cache, bs, self.device)
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}

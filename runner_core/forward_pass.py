@@ -89,8 +89,13 @@ def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block
         meta.prefill_q_idx = row * max_q + positions[d:] - torch.repeat_interleave(p_start, p_len)
         meta.prefill_kv_idx = _kv_gather(None if bt is None else bt[d:], None if bt is not None else cu[d:],
                                          key_len, block_size, n)
-        q_pos = p_start.unsqueeze(1) + torch.arange(max_q)
-        meta.prefill_mask = _visible(q_pos, key_len, sliding_window).unsqueeze(1)
+        if int(p_start.max()) == 0 and (sliding_window is None or sliding_window >= key_len):
+            # fresh prompts, right-padded: plain causal attention is exact for every real query
+            # (padded keys sit after the last real query), and lets SDPA skip the upper triangle
+            meta.prefill_mask = None
+        else:
+            q_pos = p_start.unsqueeze(1) + torch.arange(max_q)
+            meta.prefill_mask = _visible(q_pos, key_len, sliding_window).unsqueeze(1)
     return positions, meta
 
 

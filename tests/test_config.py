@@ -51,7 +51,7 @@ def two_gpus(monkeypatch):
 def test_defaults_match_the_table():
     config = RunnerConfig(model="tiny-llama")
     assert config.to_dict() == DEFAULTS
-    assert config.effective_max_num_batched_tokens == 2048
+    assert config.effective_max_num_batched_tokens == 512  # the CPU default
 
 
 def test_construction_forms_agree():

@@ -36,7 +36,7 @@ class AttentionMetadata:
     max_query_len: int
     prefill_q_idx: torch.Tensor | None  # [N - D] position of each prefill token in the padded grid
     prefill_kv_idx: torch.Tensor | None  # [P, L_p]
-    prefill_mask: torch.Tensor | None  # [P, 1, max_query_len, L_p]
+    prefill_mask: torch.Tensor | None  # [P, 1, max_query_len, L_p]; None: plain causal (fresh prompts)
     # set instead of decode_kv_idx/decode_bias when the native kernel reads the pool in place
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [D]
@@ -62,10 +62,10 @@ class Attention(nn.Module):
         return out.transpose(0, 1).reshape(d, self.num_heads, self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q: [P, Lq, H, Dh]; k, v: [KVH, P, Lk, Dh]; mask: [P, 1, Lq, Lk] -> [P, Lq, H, Dh]."""
+        """q: [P, Lq, H, Dh]; k, v: [KVH, P, Lk, Dh]; mask: [P, 1, Lq, Lk] or None (causal) -> [P, Lq, H, Dh]."""
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
+            attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
         )
         return out.transpose(1, 2)
 
