@@ -3,6 +3,7 @@ block tables always match what each sequence has computed."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -36,25 +37,30 @@ def check_invariants(engine) -> None:
 
 
 request = st.tuples(st.integers(1, 40), st.integers(1, 20), st.integers(0, 3))  # prompt len, max_tokens, arrival step
+abort = st.none() | st.tuples(st.integers(1, 6), st.integers(0, 7))  # (step, which live request)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(request, min_size=1, max_size=8), st.randoms(use_true_random=False))
-def test_random_request_streams_keep_the_pool_consistent(runner, requests, rnd):
+@given(st.lists(request, min_size=1, max_size=8), abort, st.integers(0, 2**16))
+def test_random_request_streams_keep_the_pool_consistent(runner, requests, abort_at, seed):
+    """Everything random is drawn up front, so the example does not depend on engine state."""
     engine = runner.engine
-    pending = sorted(enumerate(requests), key=lambda x: x[1][2])
-    step, finished, aborted = 0, {}, set()
-    ids = {}
+    assert not runner.has_unfinished_requests()
+    rnd = random.Random(seed)
+    prompts = [[rnd.randrange(3, 512) for _ in range(plen)] for plen, _, _ in requests]
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][2])
+    step, finished, aborted, ids = 0, {}, set(), {}
     while pending or runner.has_unfinished_requests():
-        while pending and pending[0][1][2] <= step:
-            i, (plen, max_tokens, _) = pending.pop(0)
-            prompt = [rnd.randrange(3, 512) for _ in range(plen)]
-            ids[runner.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))] = i
+        while pending and requests[pending[0]][2] <= step:
+            i = pending.pop(0)
+            params = SamplingParams(max_tokens=requests[i][1], temperature=0.0, ignore_eos=True)
+            ids[runner.add_request(prompts[i], params)] = i
         for out in runner.step():
             if out.finished:
                 finished[out.request_id] = out
-        if step == 2 and engine.requests and rnd.random() < 0.3:  # cancel one mid-flight
-            rid = rnd.choice(sorted(engine.requests))
+        if abort_at and step == abort_at[0] and engine.requests:  # cancel one mid-flight
+            live = sorted(engine.requests)
+            rid = live[abort_at[1] % len(live)]
             runner.abort_request(rid)
             aborted.add(rid)
         check_invariants(engine)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 
@@ -25,10 +26,19 @@ _state: dict[str, object] = {}
 def _build_dir() -> Path:
     from runner_core.models.presets import cache_root
 
-    tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    # -march=native: the build is only valid for this CPU, so its flags are part of the key
+    cpu = platform.machine() + "".join(line for line in _cpuinfo().splitlines() if line.startswith("flags"))[:4096]
+    tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + cpu.encode()).hexdigest()[:12]
     path = cache_root() / "kernels" / f"paged_attention_cpu-{tag}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return platform.processor()
 
 
 def _ensure_ninja_on_path() -> None:
