@@ -15,7 +15,7 @@ from runner_core.config import RunnerConfig
 from runner_core.errors import ConfigError, InvalidRequestError
 from runner_core.forward_pass import ForwardPass
 from runner_core.layers.sampler import Sampler, SamplingMetadata
-from runner_core.memory_manager import MemoryManager, kv_bytes_per_token, plan_num_blocks
+from runner_core.memory import MemoryManager, kv_bytes_per_token, plan_num_blocks
 from runner_core.sampling import SamplingParams
 from runner_core.scheduler import Scheduler
 from runner_core.sequence import RequestOutput, Sequence
@@ -65,7 +65,7 @@ class LLMEngine:
                 f"the KV pool holds {num_blocks * bs} tokens ({num_blocks} blocks of {bs}), fewer than one "
                 f"max_model_len={self.max_model_len} sequence needs; raise kv_cache_memory to at least "
                 f"{-(-self.max_model_len // bs) * bs * self.bytes_per_token} bytes or lower max_model_len")
-        self.memory = MemoryManager(num_blocks, bs)
+        self.memory = MemoryManager(num_blocks, bs, config.enable_prefix_caching)
         kv_cache = self.memory.allocate_kv_cache(self.hf_config.num_hidden_layers, self.model.num_kv_heads,
                                                  self.model.head_dim, self.dtype, self.device)
         logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at %d tokens: %.1f",
@@ -144,6 +144,25 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- memory ----------------------------------------------------------------------------
+    def defragment(self, shrink_to_blocks: int | None = None) -> dict:
+        """Compact live and cached blocks to the lowest ids (between steps); optionally shrink the
+        pool to `shrink_to_blocks`, releasing the memory beyond. Generations continue unchanged."""
+        before = self.memory.num_blocks
+        moved = self.memory.defragment(self.requests.values())
+        if shrink_to_blocks is not None:
+            occupied = self.memory.num_blocks - self.memory.num_free_blocks + self.memory.pool.num_cached_free
+            floor = max(occupied, self.memory.blocks_for(self.max_model_len))
+            if shrink_to_blocks < floor:
+                raise InvalidRequestError(
+                    f"cannot shrink the KV pool to {shrink_to_blocks} blocks: {occupied} are occupied and one "
+                    f"max_model_len={self.max_model_len} sequence needs {self.memory.blocks_for(self.max_model_len)}; "
+                    f"use at least {floor}")
+            self.forward_pass.kv_cache = self.memory.shrink(shrink_to_blocks)
+        after = self.memory.num_blocks
+        return {"blocks_moved": moved, "blocks_before": before, "blocks_after": after,
+                "bytes_released": (before - after) * self.memory.block_size * self.bytes_per_token}
+
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward + sampling round. Returns outputs of streaming requests that
@@ -172,6 +191,7 @@ class LLMEngine:
             return outputs + [self._fail(s, f"{type(e).__name__}: {e}") for s, _ in sched.scheduled]
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
+            self.memory.cache_blocks(seq)
         if sampled is not None:
             outputs += self._append_tokens(seqs, sampled)
         t4 = time.perf_counter()
@@ -245,4 +265,4 @@ class LLMEngine:
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             token_ids=list(seq.output_token_ids), text=text, delta_token_ids=delta_ids, delta_text=delta_text,
             finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            error=seq.error, logprobs=seq.logprobs, metrics=seq.metrics.as_dict(seq.num_output_tokens))
+            error=seq.error, logprobs=seq.logprobs, metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_cached_tokens))

@@ -237,6 +237,13 @@ class ModelRunner:
             stats["cuda_allocated_bytes"] = cuda.get("allocated_bytes.all.current", 0)
         return stats
 
+    def defragment(self, shrink_to_blocks: int | None = None) -> dict:
+        """Move live KV blocks to the lowest ids and optionally shrink the pool (see MemoryManager)."""
+        return self._engine().defragment(shrink_to_blocks)
+
+    def reset_prefix_cache(self) -> int:
+        return self._engine().memory.reset_prefix_cache()
+
     @property
     def step_metrics(self):
         return self._engine().step_metrics

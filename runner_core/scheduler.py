@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from runner_core.memory_manager import MemoryManager
+from runner_core.memory import MemoryManager
 from runner_core.sequence import Sequence, SequenceStatus
 
 
@@ -81,12 +81,15 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            if self.memory.blocks_for(seq.num_tokens) > self.memory.num_blocks:
+            if self.memory.blocks_for(seq.num_tokens) > self.memory.num_blocks:  # can never fit
                 self.waiting.popleft()
                 out.rejected.append(seq)
                 continue
+            self.memory.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.memory.can_allocate(seq, seq.num_computed_tokens + n):
+                self.memory.free(seq)  # give back the cached prefix it took
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             self.memory.allocate(seq, seq.num_computed_tokens + n)

@@ -36,13 +36,14 @@ class RequestMetrics:
         span = self.finished_time - self.first_token_time
         return (num_tokens - 1) / span if span > 0 else None
 
-    def as_dict(self, num_tokens: int) -> dict:
+    def as_dict(self, num_tokens: int, num_cached_tokens: int = 0) -> dict:
         end = self.finished_time
         return {
             "time_to_first_token_s": self.time_to_first_token,
             "tokens_per_s": self.tokens_per_s(num_tokens),
             "latency_s": None if end is None else end - self.arrival_time,
             "num_preemptions": self.num_preemptions,
+            "num_cached_prompt_tokens": num_cached_tokens,
         }
 
 
@@ -59,6 +60,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of its full blocks
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None

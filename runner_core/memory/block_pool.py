@@ -1,0 +1,107 @@
+"""BlockPool: the bookkeeping of the KV blocks — reference counts, the free queue in eviction
+order, and the prefix-cache map from block hash to block.
+
+A free block may still hold a cached prefix: it stays findable by its hash until it is
+handed out again (least recently used first)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set once the block is full and its tokens are final
+    token_ids: tuple[int, ...] | None = None  # kept to verify a hash hit
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash of a full block: equal hashes mean equal prefixes (verified on hit)."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # free blocks, eviction order first: uncached blocks and the least recently used cached ones
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_cached_free(self) -> int:
+        return sum(1 for i in self.free_queue if self.blocks[i].block_hash is not None)
+
+    def allocate(self) -> KVBlock:
+        """Hand out the first free block, evicting its cached prefix if it holds one."""
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        self._uncache(block)
+        block.ref_count = 1
+        return block
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
+        block_id = self.cached.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block if block.token_ids == token_ids else None  # a hash collision is a miss
+
+    def acquire(self, block: KVBlock) -> None:
+        """Share a cached block with one more sequence."""
+        if block.ref_count == 0:
+            del self.free_queue[block.block_id]
+        block.ref_count += 1
+
+    def release(self, block: KVBlock) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block.block_id] = None
+            if block.block_hash is None:  # nothing worth keeping: reuse it first
+                self.free_queue.move_to_end(block.block_id, last=False)
+
+    def cache(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        if block.block_hash is not None:
+            return
+        if block_hash in self.cached:  # an equal block is cached already; keep that one
+            return
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.cached[block_hash] = block.block_id
+
+    def _uncache(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == block.block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = block.token_ids = None
+
+    def swap_ids(self, pairs: dict[int, int]) -> None:
+        """Exchange block ids pairwise (a defragmentation move: live block `src` becomes `dst`,
+        and the free block `dst` becomes `src`). The caller copies the K/V and rewrites tables."""
+        def rename(i: int) -> int:
+            return pairs.get(i, back.get(i, i))
+
+        back = {dst: src for src, dst in pairs.items()}
+        for src, dst in pairs.items():
+            a, b = self.blocks[src], self.blocks[dst]
+            a.block_id, b.block_id = dst, src
+            self.blocks[dst], self.blocks[src] = a, b
+        self.cached = {h: rename(i) for h, i in self.cached.items()}
+        self.free_queue = OrderedDict((rename(i), None) for i in self.free_queue)
+
+    def truncate(self, num_blocks: int) -> None:
+        """Forget blocks >= num_blocks; they must be free and uncached (defragment first)."""
+        tail = self.blocks[num_blocks:]
+        if any(b.ref_count or b.block_hash is not None for b in tail):
+            raise ValueError("cannot shrink: blocks beyond the new size are in use or cached; defragment first")
+        self.blocks = self.blocks[:num_blocks]
+        self.free_queue = OrderedDict((i, None) for i in self.free_queue if i < num_blocks)

@@ -1,0 +1,84 @@
+"""Profile run: the peak transient memory of one forward pass, measured.
+
+`profile_activation_peak` runs a dummy batch through `ForwardPass.run_stateless` plus the
+LM head on the rows the engine would sample, and returns the peak bytes allocated during it
+beyond what was allocated before. On CUDA the caching allocator's peak statistic is used;
+on the CPU, where torch keeps no allocator statistics, the allocation and free events of
+`torch.profiler.profile(profile_memory=True)` are replayed to find the running peak.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("runner_core")
+
+
+def dummy_batch(num_tokens: int, num_seqs: int) -> list[list[int]]:
+    """`num_seqs` sequences of token id 0 totalling `num_tokens`: `num_seqs - 1` one-token
+    sequences (decodes) and one prefill holding the rest, the busiest step the scheduler forms
+    (every running sequence decoding plus one prefill chunk). `num_seqs` is capped at `num_tokens`."""
+    if num_tokens < 1 or num_seqs < 1:
+        raise ValueError(f"num_tokens and num_seqs must be >= 1, got {num_tokens} and {num_seqs}")
+    num_seqs = min(num_seqs, num_tokens)
+    return [[0] * (num_tokens - num_seqs + 1)] + [[0]] * (num_seqs - 1)
+
+
+def _run(model: torch.nn.Module, seqs: list[list[int]], num_rows: int, device: torch.device) -> None:
+    from runner_core.forward_pass import ForwardPass  # runner_core.memory is imported by forward_pass's users
+
+    hidden = ForwardPass(model, None, block_size=16, device=device).run_stateless(seqs)
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden[:num_rows]).float()
+    del hidden, logits
+
+
+def _cpu_peak(fn) -> int:
+    """Peak of (bytes allocated - bytes freed) on the CPU while `fn()` runs, from profiler events."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            events.append((event.start_time_ns, event.extra_fields.id, event.extra_fields.alloc_size))
+    # frees of blocks allocated before profiling started are not reported, so the running sum
+    # counts only memory allocated during `fn`
+    current = peak = 0
+    for _, _, size in sorted(events):
+        current += size
+        peak = max(peak, current)
+    return peak
+
+
+def profile_activation_peak(model: torch.nn.Module, num_tokens: int, num_seqs: int,
+                            device: torch.device | str) -> int:
+    """Peak bytes allocated by one forward over `num_tokens` tokens in `num_seqs` sequences (see
+    `dummy_batch`) followed by float32 logits for `min(num_seqs, num_tokens)` rows, beyond what
+    was allocated before. The model must already be on `device`."""
+    device = torch.device(device)
+    seqs = dummy_batch(num_tokens, num_seqs)
+    rows = min(num_seqs, num_tokens)
+
+    def fn() -> None:
+        _run(model, seqs, rows, device)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:
+        peak = _cpu_peak(fn)
+    logger.debug("profile run: %d tokens in %d sequences, activation peak %.1f MiB",
+                 num_tokens, len(seqs), peak / 2**20)
+    return max(0, int(peak))
