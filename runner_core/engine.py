@@ -14,6 +14,7 @@ import torch
 from runner_core.config import RunnerConfig
 from runner_core.errors import ConfigError, InvalidRequestError
 from runner_core.forward_pass import ForwardPass
+from runner_core.input_buffers import InputBuffers
 from runner_core.layers.sampler import Sampler, SamplingMetadata
 from runner_core.memory import MemoryManager, kv_bytes_per_token, plan_num_blocks
 from runner_core.sampling import SamplingParams
@@ -72,7 +73,9 @@ class LLMEngine:
                     num_blocks, bs, num_blocks * bs, kv_cache.numel() * kv_cache.element_size() / 2**20,
                     self.max_model_len, num_blocks * bs / self.max_model_len)
         self.scheduler = Scheduler(self.memory, config.max_num_seqs, config.effective_max_num_batched_tokens)
-        self.forward_pass = ForwardPass(self.model, kv_cache, bs, self.device)
+        buffers = InputBuffers(config.effective_max_num_batched_tokens, config.max_num_seqs,
+                               self.memory.blocks_for(self.max_model_len), self.device)
+        self.forward_pass = ForwardPass(self.model, kv_cache, bs, self.device, buffers)
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
         self.step_metrics: deque[StepMetrics] = deque(maxlen=4096)

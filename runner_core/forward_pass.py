@@ -12,6 +12,7 @@ from itertools import chain
 
 import torch
 
+from runner_core.input_buffers import InputBuffers
 from runner_core.kernels import cpu_kernels_available
 from runner_core.layers.attention import AttentionMetadata
 from runner_core.sequence import Sequence
@@ -48,27 +49,24 @@ def _visible(q_pos: torch.Tensor, key_len: int, sliding_window: int | None) -> t
     return mask
 
 
-def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block_tables: list[list[int]] | None,
-                   block_size: int, sliding_window: int | None,
-                   decode_kernel: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
+def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block_size: int,
+                   sliding_window: int | None, decode_kernel: bool = False,
+                   filled: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [N] and attention metadata for sequences whose first `num_decodes` have one query token.
 
-    With `block_tables=None` there is no pool: keys come from the step's own tokens (stateless forward).
-    With `decode_kernel`, decodes carry block tables and context lengths for the native kernel
-    instead of gather indices.
+    `filled` holds the positions, slot mapping and block tables InputBuffers wrote for a step
+    over the KV pool; without it there is no pool and keys come from the step's own tokens
+    (stateless forward). With `decode_kernel`, decodes carry block tables and context lengths
+    for the native kernel instead of gather indices.
     """
     start_t, qlen_t = torch.tensor(starts), torch.tensor(q_lens)
     n = int(qlen_t.sum())
     cu = torch.cumsum(qlen_t, 0) - qlen_t  # flat offset of each sequence
-    positions = torch.arange(n) - torch.repeat_interleave(cu - start_t, qlen_t)
-    bt = None
-    slot_mapping = None
-    if block_tables is not None:
-        width = max(len(b) for b in block_tables)
-        bt = torch.tensor([b + [0] * (width - len(b)) for b in block_tables])
-        tok_bt = torch.repeat_interleave(bt, qlen_t, dim=0)
-        slot_mapping = tok_bt.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1) * block_size \
-            + positions % block_size
+    if filled is not None:
+        positions, slot_mapping, bt = filled["positions"], filled["slot_mapping"], filled["block_tables"]
+    else:
+        positions = torch.arange(n) - torch.repeat_interleave(cu - start_t, qlen_t)
+        slot_mapping = bt = None
     d, p = num_decodes, len(starts) - num_decodes
     meta = AttentionMetadata(slot_mapping, d, None, None, p, 0, None, None, None)
     if d and decode_kernel:
@@ -100,8 +98,10 @@ def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block
 
 
 class ForwardPass:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor | None, block_size: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor | None, block_size: int, device: torch.device,
+                 buffers: InputBuffers | None = None):
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
+        self.buffers = buffers
         self.sliding_window = getattr(model, "sliding_window", None)
         self.decode_kernel = kv_cache is not None and device.type == "cpu" and cpu_kernels_available()
 
@@ -110,7 +110,10 @@ class ForwardPass:
             return meta
         for name, value in vars(meta).items():
             if isinstance(value, torch.Tensor):
-                setattr(meta, name, value.to(self.device, non_blocking=True))
+                if name == "slot_mapping" and self.buffers is not None:
+                    setattr(meta, name, self.buffers.to_device(name, value))
+                else:
+                    setattr(meta, name, value.to(self.device, non_blocking=True))
         return meta
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> ModelInput:
@@ -119,13 +122,15 @@ class ForwardPass:
         starts = [s.num_computed_tokens for s, _ in ordered]
         q_lens = [n for _, n in ordered]
         ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
-        positions, meta = build_metadata(starts, q_lens, num_decodes, [s.block_table for s, _ in ordered],
-                                         self.block_size, self.sliding_window, self.decode_kernel)
+        tables = [s.block_table for s, _ in ordered]
+        filled = self.buffers.fill(ids, starts, q_lens, tables, self.block_size)
+        positions, meta = build_metadata(starts, q_lens, num_decodes, self.block_size,
+                                         self.sliding_window, self.decode_kernel, filled)
         ends = torch.cumsum(torch.tensor(q_lens), 0) - 1
         sampling = [i for i, (s, n) in enumerate(ordered) if s.num_computed_tokens + n == s.num_tokens]
         return ModelInput(
-            input_ids=torch.tensor(ids, device=self.device),
-            positions=positions.to(self.device),
+            input_ids=self.buffers.to_device("input_ids", filled["input_ids"]),
+            positions=self.buffers.to_device("positions", positions),
             meta=self._to_device(meta),
             logits_indices=ends[sampling].to(self.device),
             sampling_seqs=[ordered[i][0] for i in sampling],
@@ -146,8 +151,8 @@ class ForwardPass:
         num_decodes = sum(1 for n in q_lens if n == 1)
         order = sorted(range(len(q_lens)), key=lambda i: q_lens[i] > 1)
         q_sorted = [q_lens[i] for i in order]
-        positions, meta = build_metadata([0] * len(order), q_sorted, num_decodes, None,
-                                         self.block_size, self.sliding_window)
+        positions, meta = build_metadata([0] * len(order), q_sorted, num_decodes, self.block_size,
+                                         self.sliding_window)
         ids = torch.tensor(list(chain.from_iterable(seqs_ids[i] for i in order)), device=self.device)
         hidden = self.model(ids, positions.to(self.device), None, self._to_device(meta))
         # back to the caller's order

@@ -7,6 +7,7 @@ import torch
 
 from runner_core import ModelRunner, SamplingParams
 from runner_core.forward_pass import build_metadata
+from runner_core.input_buffers import InputBuffers
 from runner_core.kernels import cpu_kernels_available
 from runner_core.layers.attention import Attention
 
@@ -37,8 +38,10 @@ def test_decode_kernel_matches_gather_path(window, dtype):
     spare = [b * block_size + o for b in perm[-2:] for o in range(block_size)][: len(ctx)]
     results = []
     for kernel in (False, True):
-        _, meta = build_metadata([n - 1 for n in ctx], [1] * len(ctx), len(ctx), tables, block_size, window,
-                                 decode_kernel=kernel)
+        filled = InputBuffers(16, 8, 16, torch.device("cpu")).fill([0] * len(ctx), [n - 1 for n in ctx],
+                                                                   [1] * len(ctx), tables, block_size)
+        _, meta = build_metadata([n - 1 for n in ctx], [1] * len(ctx), len(ctx), block_size, window,
+                                 decode_kernel=kernel, filled=filled)
         meta.slot_mapping = torch.tensor(spare)
         results.append(attn(q, k_new, v_new, cache.clone(), meta))
     tol = dict(atol=2e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)

@@ -162,3 +162,20 @@ def test_output_metrics(tiny_llama_path):
     out = _runner(tiny_llama_path).generate("metrics", GREEDY)[0]
     assert out.metrics["time_to_first_token_s"] > 0
     assert out.metrics["tokens_per_s"] > 0
+
+
+def test_step_inputs_live_in_reused_buffers(tiny_llama_path):
+    runner = _runner(tiny_llama_path)
+    fp = runner.engine.forward_pass
+    seen = []
+    original = fp.execute
+
+    def spy(inp):
+        seen.append((inp.input_ids.data_ptr(), inp.positions.data_ptr(), inp.meta.slot_mapping.data_ptr()))
+        return original(inp)
+
+    fp.execute = spy
+    runner.generate(["one prompt", "and another one"], SamplingParams(max_tokens=5, temperature=0.0))
+    bufs = fp.buffers.cpu
+    expected = (bufs["input_ids"].data_ptr(), bufs["positions"].data_ptr(), bufs["slot_mapping"].data_ptr())
+    assert len(seen) >= 5 and all(s == expected for s in seen)
