@@ -199,8 +199,8 @@ def print_waste(res: dict) -> None:
     print(f"target: paged waste <= {100 * PAGED_WASTE_TARGET:g}%: {100 * pw:.2f}% -> "
           f"{'met' if pw <= PAGED_WASTE_TARGET else 'NOT met'}; static reservation waste {100 * sw:.1f}% "
           f"({'inside' if lo <= sw <= hi else 'outside'} the paper's {100 * lo:g}-{100 * hi:g}%), first-fit "
-          f"{100 * res['firstfit_reserved_waste_mean']:.1f}% + {100 * res['firstfit_external_fragmentation_mean']:.1f}% "
-          f"external fragmentation")
+          f"{100 * res['firstfit_reserved_waste_mean']:.1f}% + "
+          f"{100 * res['firstfit_external_fragmentation_mean']:.1f}% external fragmentation")
 
 
 # ---- part 2: prefix caching -----------------------------------------------------------------

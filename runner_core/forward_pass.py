@@ -12,6 +12,7 @@ from itertools import chain
 
 import torch
 
+from runner_core.forward_context import set_forward_context
 from runner_core.input_buffers import InputBuffers
 from runner_core.kernels import cpu_kernels_available
 from runner_core.layers.attention import AttentionMetadata
@@ -141,7 +142,8 @@ class ForwardPass:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """Logits [S, vocab] (float32) for the sequences that sample this step."""
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
+        with set_forward_context(inp.meta, self.kv_cache):
+            hidden = self.model(inp.input_ids, inp.positions)
         return self.model.compute_logits(hidden[inp.logits_indices]).float()
 
     @torch.inference_mode()
@@ -154,7 +156,8 @@ class ForwardPass:
         positions, meta = build_metadata([0] * len(order), q_sorted, num_decodes, self.block_size,
                                          self.sliding_window)
         ids = torch.tensor(list(chain.from_iterable(seqs_ids[i] for i in order)), device=self.device)
-        hidden = self.model(ids, positions.to(self.device), None, self._to_device(meta))
+        with set_forward_context(self._to_device(meta), None):
+            hidden = self.model(ids, positions.to(self.device))
         # back to the caller's order
         offsets = torch.cumsum(torch.tensor([0] + q_sorted), 0)
         back = torch.cat([torch.arange(offsets[k], offsets[k + 1]) for k in sorted(range(len(order)), key=lambda k: order[k])])

@@ -198,3 +198,14 @@ def test_snapshot_is_cheap():
         t.snapshot(live, 16, 512)
     per_call = (time.perf_counter() - t0) / 200
     assert per_call < 2e-3, f"snapshot of 64 sequences took {per_call * 1e6:.0f} us"
+
+
+def test_tracker_membership():
+    t = FragmentationTracker(16)
+    t.on_admit("a", 16)
+    t.on_admit("b", 8)
+    assert "a" in t and "b" in t and "c" not in t
+    t.on_release("b")
+    t.on_release("a")
+    t.on_release("never-seen")  # a no-op
+    assert "a" not in t and "b" not in t and t.allocator.reserved == 0

@@ -50,7 +50,7 @@ def _ensure_ninja_on_path() -> None:
 
 
 def _load() -> bool:
-    if hasattr(torch.ops.runner_core, "paged_decode_attention"):
+    if hasattr(torch.ops.runner_kernels, "paged_decode_attention"):
         return True
     from torch.utils import cpp_extension
 
@@ -82,5 +82,5 @@ def cpu_kernels_available() -> bool:
 
 def paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, block_size: int,
                            scale: float, sliding_window: int | None) -> None:
-    torch.ops.runner_core.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens,
+    torch.ops.runner_kernels.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens,
                                                  block_size, scale, sliding_window or 0)

@@ -1,6 +1,6 @@
 // Paged attention for decode on the CPU: one query token per sequence, keys and values
 // read in place from the KV pool through the block table (no gathered copy), softmax in
-// float32. Registered as the torch op runner_core::paged_decode_attention.
+// float32. Registered as the torch op runner_kernels::paged_decode_attention.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -93,9 +93,9 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 
 }  // namespace
 
-TORCH_LIBRARY(runner_core, m) {
+TORCH_LIBRARY(runner_kernels, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, int block_size, float scale, int sliding_window) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(runner_core, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(runner_kernels, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -3,7 +3,8 @@
 The batch is laid out decodes first (one query token per sequence), then prefill
 chunks. K/V of every token are written into the KV pool at `slot_mapping`; queries
 then read their sequence's keys through gather indices derived from block tables
-(built once per step by ForwardPass and shared by all layers).
+(built once per step by ForwardPass and shared by all layers through the forward context).
+Under torch.compile the whole of it is one custom op, opaque to the graph.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner_core.forward_context import get_forward_context
 from runner_core.kernels import paged_decode_attention
 
 
@@ -44,57 +46,79 @@ class AttentionMetadata:
     sliding_window: int | None = None
 
 
+def _decode(q, k, v, bias, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """One query per sequence. q: [D, H, Dh]; k, v: [KVH, D, L, Dh] (as gathered); bias: [1, D, 1, L].
+
+    Grouped heads fold into the query dimension, so each KV head is read once and no repeat
+    of K/V is needed: two batched matmuls over (KVH, D)."""
+    d = q.shape[0]
+    qg = q.view(d, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # [KVH, D, G, Dh]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(bias)  # [KVH, D, G, L]
+    out = torch.matmul(scores.softmax(dim=-1), v)  # [KVH, D, G, Dh]
+    return out.transpose(0, 1).reshape(d, num_heads, head_dim)
+
+
+def _prefill(q, k, v, mask, gqa: bool, scale: float) -> torch.Tensor:
+    """q: [P, Lq, H, Dh]; k, v: [KVH, P, Lk, Dh]; mask: [P, 1, Lq, Lk] or None (causal) -> [P, Lq, H, Dh]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, num_heads: int,
+                    num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """q: [N, H*Dh], k/v: [N, KVH*Dh] -> [N, H*Dh], with the step's metadata and pool from the
+    forward context: writes this layer's K/V into the pool, then attends."""
+    ctx = get_forward_context()
+    meta: AttentionMetadata = ctx.meta
+    n = q.shape[0]
+    q = q.view(n, num_heads, head_dim)
+    k = k.view(n, num_kv_heads, head_dim).transpose(0, 1)
+    v = v.view(n, num_kv_heads, head_dim).transpose(0, 1)
+    if ctx.kv_caches is not None:
+        kv_cache = ctx.kv_caches[layer_idx]  # [2, KVH, slots, Dh]
+        kv_cache[0].index_copy_(1, meta.slot_mapping, k)
+        kv_cache[1].index_copy_(1, meta.slot_mapping, v)
+        k_src, v_src = kv_cache[0], kv_cache[1]
+    else:
+        k_src, v_src = k, v
+    d = meta.num_decode_tokens
+    out = torch.empty_like(q)
+    if d and meta.decode_block_tables is not None:
+        paged_decode_attention(out[:d], q[:d], k_src, v_src, meta.decode_block_tables, meta.decode_context_lens,
+                               meta.block_size, scale, meta.sliding_window)
+    elif d:
+        idx = meta.decode_kv_idx
+        out[:d] = _decode(q[:d], k_src[:, idx], v_src[:, idx], meta.decode_bias, num_heads, num_kv_heads,
+                          head_dim, scale)
+    if meta.num_prefills:
+        grid = q.new_zeros(meta.num_prefills * meta.max_query_len, num_heads, head_dim)
+        grid[meta.prefill_q_idx] = q[d:]
+        grid = grid.view(meta.num_prefills, meta.max_query_len, num_heads, head_dim)
+        idx = meta.prefill_kv_idx
+        o = _prefill(grid, k_src[:, idx], v_src[:, idx], meta.prefill_mask, num_kv_heads != num_heads, scale)
+        out[d:] = o.reshape(-1, num_heads, head_dim)[meta.prefill_q_idx]
+    return out.view(n, num_heads * head_dim)
+
+
+@torch.library.custom_op("runner_core::paged_attention", mutates_args=())
+def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, num_heads: int,
+                       num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """`paged_attention` as one opaque op, so a compiled graph neither traces nor breaks on it."""
+    return paged_attention(q, k, v, layer_idx, num_heads, num_kv_heads, head_dim, scale)
+
+
+@paged_attention_op.register_fake
+def _(q, k, v, layer_idx, num_heads, num_kv_heads, head_dim, scale):
+    return torch.empty_like(q)
+
+
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_idx: int = 0):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
-        self.group = num_heads // num_kv_heads
+        self.layer_idx = layer_idx
 
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """One query per sequence. q: [D, H, Dh]; k, v: [KVH, D, L, Dh] (as gathered); bias: [1, D, 1, L].
-
-        Grouped heads fold into the query dimension, so each KV head is read once and no
-        repeat of K/V is needed: two batched matmuls over (KVH, D)."""
-        d = q.shape[0]
-        qg = q.view(d, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)  # [KVH, D, G, Dh]
-        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(self.scale).add_(bias)  # [KVH, D, G, L]
-        out = torch.matmul(scores.softmax(dim=-1), v)  # [KVH, D, G, Dh]
-        return out.transpose(0, 1).reshape(d, self.num_heads, self.head_dim)
-
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q: [P, Lq, H, Dh]; k, v: [KVH, P, Lk, Dh]; mask: [P, 1, Lq, Lk] or None (causal) -> [P, Lq, H, Dh]."""
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
-        )
-        return out.transpose(1, 2)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [N, H*Dh], k/v: [N, KVH*Dh]; kv_cache: [2, KVH, num_slots, Dh] or None."""
-        n = q.shape[0]
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        v = v.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        if kv_cache is not None:
-            kv_cache[0].index_copy_(1, meta.slot_mapping, k)
-            kv_cache[1].index_copy_(1, meta.slot_mapping, v)
-            k_src, v_src = kv_cache[0], kv_cache[1]
-        else:
-            k_src, v_src = k, v
-        d = meta.num_decode_tokens
-        out = torch.empty_like(q)
-        if d and meta.decode_block_tables is not None:
-            paged_decode_attention(out[:d], q[:d], k_src, v_src, meta.decode_block_tables, meta.decode_context_lens,
-                                   meta.block_size, self.scale, meta.sliding_window)
-        elif d:
-            idx = meta.decode_kv_idx
-            out[:d] = self._decode(q[:d], k_src[:, idx], v_src[:, idx], meta.decode_bias)
-        if meta.num_prefills:
-            grid = q.new_zeros(meta.num_prefills * meta.max_query_len, self.num_heads, self.head_dim)
-            grid[meta.prefill_q_idx] = q[d:]
-            grid = grid.view(meta.num_prefills, meta.max_query_len, self.num_heads, self.head_dim)
-            idx = meta.prefill_kv_idx
-            o = self._prefill(grid, k_src[:, idx], v_src[:, idx], meta.prefill_mask)
-            out[d:] = o.reshape(-1, self.num_heads, self.head_dim)[meta.prefill_q_idx]
-        return out.view(n, self.num_heads * self.head_dim)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        fn = paged_attention_op if torch.compiler.is_compiling() else paged_attention
+        return fn(q, k, v, self.layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)

@@ -202,6 +202,10 @@ class FragmentationTracker:
     def capacity(self) -> int:
         return self.allocator.capacity
 
+    def __contains__(self, request_id: Hashable) -> bool:
+        """Whether `request_id` is tracked: placed, or waiting for room."""
+        return request_id in self.allocator or request_id in self._deferred
+
     def on_admit(self, request_id: Hashable, reserve_tokens: int) -> bool:
         """Place `request_id`'s worst-case reservation; True if it holds one now."""
         alloc = self.allocator

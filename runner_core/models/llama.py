@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from runner_core.layers.activation import SiluAndMul
-from runner_core.layers.attention import Attention, AttentionMetadata
+from runner_core.layers.attention import Attention
 from runner_core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runner_core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
 from runner_core.layers.norm import RMSNorm
@@ -45,7 +45,7 @@ def sliding_window(config) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
@@ -57,14 +57,14 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
         theta, scaling = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, layer_idx)
 
-    def forward(self, positions, hidden_states, kv_cache, meta: AttentionMetadata):
+    def forward(self, positions, hidden_states):
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = q.shape[0]
         q, k = self.rotary_emb(positions, q.view(n, self.num_heads, self.head_dim),
                                k.view(n, self.num_kv_heads, self.head_dim))
-        return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, kv_cache, meta))
+        return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v))
 
 
 class LlamaMLP(nn.Module):
@@ -80,20 +80,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions, hidden_states, residual, kv_cache, meta):
+    def forward(self, positions, hidden_states, residual):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, meta)
+        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -102,14 +102,13 @@ class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches, meta):
+    def forward(self, input_ids, positions):
         hidden_states, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
-            kv_cache = None if kv_caches is None else kv_caches[i]
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, meta)
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -128,10 +127,10 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.sliding_window = sliding_window(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [N, hidden] of a flat batch; kv_caches is [layers, 2, slots, kv_heads, head_dim]."""
-        return self.model(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [N, hidden] of a flat batch (attention metadata and the KV pool come
+        from the forward context)."""
+        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)

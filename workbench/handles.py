@@ -1,0 +1,146 @@
+"""`RequestHandle`: what `Session.submit` returns — stream, result, cancel — and the session's errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from runner_core import RunnerError
+
+
+class SessionError(RunnerError):
+    """A session operation cannot be done in the session's current state (the message says why)."""
+
+
+class SessionBusyError(SessionError):
+    """The operation conflicts with work in progress (a load, a generation); retry when it is done."""
+
+
+class NoModelError(SessionError):
+    """No model is loaded (or the named one is not)."""
+
+
+class GenerationError(RunnerError):
+    """A generation failed inside the engine; the session and other requests are unaffected."""
+
+
+class RequestHandle:
+    """One submitted generation. Filled by the engine thread; read from any thread.
+
+    `stream()` yields text pieces as they are produced (several readers may stream the same
+    handle, and a late reader gets the whole text); `result(timeout)` waits for the final
+    `RequestOutput`; `cancel()` aborts it. A request that failed raises from both.
+    """
+
+    def __init__(self, request_id: str, model: str, prompt: Any, params: Any,
+                 canceller: Callable[["RequestHandle"], None]):
+        self.request_id, self.model, self.prompt, self.params = request_id, model, prompt, params
+        self._canceller = canceller
+        self._cond = threading.Condition()
+        self._pieces: list[str] = []
+        self.token_ids: list[int] = []
+        self.output = None  # the final RequestOutput
+        self.exception: BaseException | None = None
+        self.submitted = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    # ---- written by the engine thread -------------------------------------------------------
+    def _push(self, out) -> None:
+        now = time.perf_counter()
+        with self._cond:
+            if out.delta_token_ids:
+                self.token_ids.extend(out.delta_token_ids)
+                self.first_token_time = self.first_token_time or now
+                self.last_token_time = now
+            if out.delta_text:
+                self._pieces.append(out.delta_text)
+            if out.finished:
+                self.output = out
+                if out.finish_reason == "error":
+                    self.exception = GenerationError(out.error or "the generation failed")
+            self._cond.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self.output is None and self.exception is None:
+                self.exception = exc
+            self._cond.notify_all()
+
+    # ---- read from anywhere -------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.output is not None or self.exception is not None
+
+    @property
+    def text(self) -> str:
+        """The text so far (the final text once done)."""
+        if self.output is not None and self.output.finish_reason != "error":
+            return self.output.text
+        with self._cond:
+            return "".join(self._pieces)
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.output is not None:
+            return self.output.finish_reason
+        return "error" if self.exception is not None else None
+
+    @property
+    def error(self) -> str | None:
+        return None if self.exception is None else str(self.exception)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode rate after the first token, live while it streams."""
+        first, last, n = self.first_token_time, self.last_token_time, len(self.token_ids)
+        if first is None or n < 2 or last <= first:
+            return None
+        return (n - 1) / (last - first)
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        """Yield text pieces until the request finishes; raises its error if it failed.
+        `timeout` bounds the wait for each next piece (TimeoutError)."""
+        i = 0
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: len(self._pieces) > i or self.done, timeout):
+                    raise TimeoutError(f"no new text from {self.request_id} within {timeout} s")
+                pieces, finished = self._pieces[i:], self.done
+            i += len(pieces)
+            yield from pieces
+            if finished and i >= len(self._pieces):
+                break
+        if self.exception is not None:
+            raise self.exception
+
+    def result(self, timeout: float | None = None):
+        """The final RequestOutput (finish_reason "stop", "length" or "abort"); raises the
+        request's error (InvalidRequestError, GenerationError, ...) or TimeoutError."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s "
+                                   f"({len(self.token_ids)} tokens so far); it is still running — "
+                                   "wait again or cancel() it")
+        if self.exception is not None:
+            raise self.exception
+        return self.output
+
+    def cancel(self) -> None:
+        """Abort the request; its result has finish_reason "abort" (no-op once finished)."""
+        if not self.done:
+            self._canceller(self)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.done, timeout)
+
+    def __repr__(self) -> str:
+        state = self.finish_reason or "running"
+        return f"<RequestHandle {self.request_id} on {self.model}: {state}, {len(self.token_ids)} tokens>"

@@ -1,0 +1,135 @@
+"""The session's bounded metrics time series, filled by the engine thread and polled by views.
+
+Steps are folded into rows of at most `interval` seconds each (a fast model may run hundreds
+of steps a second), so a bounded deque holds minutes of history and polling stays cheap.
+Every row is a flat dict of numbers (see `StepAccumulator.flush`); events (loads, unloads,
+compile switches, errors) go to a second, smaller deque.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+# Memory figures copied from `ModelRunner.memory_stats()` into each row when present.
+MEMORY_FIELDS = (
+    "weights_bytes", "kv_pool_bytes", "kv_bytes_per_token", "blocks_total", "blocks_used", "blocks_cached",
+    "blocks_free", "block_size", "kv_utilization", "internal_fragmentation", "static_reservation_waste",
+    "prefix_cache_hit_rate", "activation_peak_bytes", "activations_peak_bytes", "cuda_reserved_bytes",
+    "cuda_allocated_bytes", "max_model_len",
+)
+
+
+class MetricsSeries:
+    """A thread-safe, bounded list of rows with a monotonically increasing cursor.
+
+    `poll(cursor)` returns the rows appended since `cursor` and the new cursor; `version`
+    changes whenever a row or an event is added, so a view can skip redrawing when idle.
+    """
+
+    def __init__(self, maxlen: int = 3000, max_events: int = 500):
+        self._rows: deque[dict] = deque(maxlen=maxlen)
+        self._events: deque[dict] = deque(maxlen=max_events)
+        self._lock = threading.Lock()
+        self._count = 0  # rows ever appended
+        self.version = 0
+        self.t0 = time.time()
+
+    def append(self, row: dict) -> None:
+        with self._lock:
+            self._rows.append(row)
+            self._count += 1
+            self.version += 1
+
+    def add_event(self, kind: str, **fields: Any) -> dict:
+        event = {"t": time.time() - self.t0, "kind": kind, **fields}
+        with self._lock:
+            self._events.append(event)
+            self.version += 1
+        return event
+
+    def poll(self, cursor: int = 0) -> tuple[list[dict], int]:
+        """Rows appended after `cursor` (rows that fell off the bounded history are skipped)."""
+        with self._lock:
+            new = self._count - cursor
+            if new <= 0:
+                return [], self._count
+            rows = list(self._rows)[-min(new, len(self._rows)):]
+            return rows, self._count
+
+    def rows(self, model: str | None = None, last: int | None = None) -> list[dict]:
+        with self._lock:
+            rows = list(self._rows)
+        if model is not None:
+            rows = [r for r in rows if r.get("model") == model]
+        return rows[-last:] if last else rows
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        with self._lock:
+            events = list(self._events)
+        return [e for e in events if kind is None or e["kind"] == kind]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._rows)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rows.clear()
+            self._events.clear()
+            self.version += 1
+
+
+class StepAccumulator:
+    """Sums the engine's StepMetrics of one model between flushes (engine thread only)."""
+
+    def __init__(self, model: str, t0: float):
+        self.model, self.t0 = model, t0
+        self.last_step = 0
+        self.reset(time.perf_counter())
+
+    def reset(self, now: float) -> None:
+        self.start = now
+        self.steps = self.prefill = self.decode = self.sampled = self.preempted = 0
+        self.num_seqs = self.num_running = self.num_waiting = 0
+        self.step_s = self.forward_s = 0.0
+
+    def add(self, m: Any) -> None:
+        """Fold one StepMetrics record in (read by attribute, so new fields cost nothing)."""
+        if m.step <= self.last_step:
+            return
+        self.last_step = m.step
+        self.steps += 1
+        self.prefill += m.num_prefill_tokens
+        self.decode += m.num_decode_tokens
+        self.sampled += m.num_sampled
+        self.preempted += m.num_preempted
+        self.num_seqs = max(self.num_seqs, m.num_seqs)
+        self.num_running, self.num_waiting = m.num_running, m.num_waiting
+        self.step_s += m.total_s
+        self.forward_s += m.forward_s
+
+    def flush(self, now: float, memory: Mapping[str, Any]) -> dict:
+        dt = max(now - self.start, 1e-9)
+        row = {
+            "t": time.time() - self.t0,
+            "model": self.model,
+            "steps": self.steps,
+            "prefill_tokens": self.prefill,
+            "decode_tokens": self.decode,
+            "sampled_tokens": self.sampled,
+            "preempted": self.preempted,
+            "num_seqs": self.num_seqs,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "tokens_per_s": self.sampled / dt if self.steps else 0.0,
+            "prefill_tokens_per_s": self.prefill / dt if self.steps else 0.0,
+            "step_ms": 1e3 * self.step_s / self.steps if self.steps else 0.0,
+            "forward_ms": 1e3 * self.forward_s / self.steps if self.steps else 0.0,
+        }
+        row.update({k: memory[k] for k in MEMORY_FIELDS if k in memory})
+        self.reset(now)
+        return row
