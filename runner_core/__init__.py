@@ -1,7 +1,8 @@
 """runner_core: a paged-KV, continuously batched LLM engine behind the ModelRunner API."""
 
 from runner_core.config import RunnerConfig
-from runner_core.errors import ConfigError, EngineNotReadyError, InvalidRequestError, ModelLoadError, RunnerError
+from runner_core.errors import (CompileError, ConfigError, EngineBusyError, EngineNotReadyError, InvalidRequestError,
+                                 ModelLoadError, RunnerError)
 from runner_core.model_runner import ModelRunner, StreamDelta
 from runner_core.sampling import SamplingParams
 from runner_core.sequence import RequestOutput
@@ -9,6 +10,6 @@ from runner_core.sequence import RequestOutput
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError", "EngineNotReadyError", "InvalidRequestError", "ModelLoadError", "ModelRunner",
+    "CompileError", "ConfigError", "EngineBusyError", "EngineNotReadyError", "InvalidRequestError", "ModelLoadError", "ModelRunner",
     "RequestOutput", "RunnerConfig", "RunnerError", "SamplingParams", "StreamDelta",
 ]

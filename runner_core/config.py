@@ -32,6 +32,7 @@ _DTYPES = {
 }
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _COMMON_BACKENDS = ("inductor", "aot_eager", "eager")
+_COMPILE_SCOPES = ("model", "layer", "mlp", "self_attn")  # whole model, each decoder layer, module kinds
 _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "auto")
 _BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 _CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
@@ -141,6 +142,8 @@ class RunnerConfig:
     compile_backend: str = "inductor"
     compile_mode: str = "max-autotune"
     compile_cache_dir: str = "./compile_cache"
+    compile_scope: str = "model"
+    compile_fallback: bool = True
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     trust_remote_code: bool = False
@@ -188,6 +191,8 @@ class RunnerConfig:
         self.compile_backend = _check_backend(self.compile_backend)
         self.compile_mode = _check_choice("compile_mode", self.compile_mode, _COMPILE_MODES)
         self.compile_cache_dir = _check_str("compile_cache_dir", self.compile_cache_dir)
+        self.compile_scope = _check_choice("compile_scope", self.compile_scope, _COMPILE_SCOPES)
+        self.compile_fallback = _check_bool("compile_fallback", self.compile_fallback)
         self.tensor_parallel_size = _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         self.pipeline_parallel_size = _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         self.trust_remote_code = _check_bool("trust_remote_code", self.trust_remote_code)

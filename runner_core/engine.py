@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from runner_core.config import RunnerConfig
-from runner_core.errors import ConfigError, InvalidRequestError
+from runner_core.compile_optimizer import CompileOptimizer
+from runner_core.errors import CompileError, ConfigError, EngineBusyError, InvalidRequestError
 from runner_core.forward_pass import ForwardPass
 from runner_core.input_buffers import InputBuffers
+from runner_core.layers.attention import bind_kv_cache
 from runner_core.layers.sampler import Sampler, SamplingMetadata
 from runner_core.memory import MemoryManager, kv_bytes_per_token, plan_num_blocks
 from runner_core.sampling import SamplingParams
@@ -23,6 +25,7 @@ from runner_core.sequence import RequestOutput, Sequence
 from runner_core.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("runner_core")
+COMPILE_WARMUP_SIZES = [1, 16]  # 1 is specialised by dynamo; any other size runs the dynamic graph
 
 
 @dataclass(slots=True)
@@ -73,10 +76,14 @@ class LLMEngine:
                     num_blocks, bs, num_blocks * bs, kv_cache.numel() * kv_cache.element_size() / 2**20,
                     self.max_model_len, num_blocks * bs / self.max_model_len)
         self.scheduler = Scheduler(self.memory, config.max_num_seqs, config.effective_max_num_batched_tokens)
+        bind_kv_cache(self.model, kv_cache)
         buffers = InputBuffers(config.effective_max_num_batched_tokens, config.max_num_seqs,
                                self.memory.blocks_for(self.max_model_len), self.device)
         self.forward_pass = ForwardPass(self.model, kv_cache, bs, self.device, buffers)
         self.sampler = Sampler()
+        self.compiler: CompileOptimizer | None = None
+        if config.compile and not config.enforce_eager:
+            self.set_compile_mode(True)
         self.requests: dict[str, Sequence] = {}
         self.step_metrics: deque[StepMetrics] = deque(maxlen=4096)
         self._ids = itertools.count()
@@ -147,6 +154,47 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- compilation -----------------------------------------------------------------------
+    def set_compile_mode(self, enabled: bool, *, backend: str | None = None, mode: str | None = None,
+                         scope: str | None = None) -> dict:
+        """Compile (or un-compile) the loaded model without reloading weights; warms up every
+        compile size now. Refused while requests are in flight. A compile error falls back to
+        eager with a warning unless `compile_fallback=False`."""
+        if self.has_unfinished_requests():
+            raise EngineBusyError("cannot change the compile mode while requests are running; "
+                                  "wait for them to finish or abort them")
+        if backend is not None:
+            backend = RunnerConfig.coerce(self.config, compile_backend=backend).compile_backend
+        if mode is not None:
+            mode = RunnerConfig.coerce(self.config, compile_mode=mode).compile_mode
+        if scope is not None:
+            scope = RunnerConfig.coerce(self.config, compile_scope=scope).compile_scope
+        optimizer = CompileOptimizer.create(self.config, self.hf_config, self.device, self.dtype, enabled=enabled,
+                                            backend=backend, mode=mode, scope=scope)
+        try:
+            optimizer.apply(self.model)
+            optimizer.warm_up(self._warm_up_run, COMPILE_WARMUP_SIZES)
+        except Exception as e:
+            optimizer.reset(self.model)
+            if not self.config.compile_fallback:
+                raise CompileError(f"compiling with {optimizer.settings} failed: {type(e).__name__}: {e}") from e
+            logger.warning("compiling with backend=%s mode=%s failed (%s: %s); running eager instead "
+                           "(compile_fallback=False makes this an error)", optimizer.settings.backend,
+                           optimizer.settings.mode, type(e).__name__, e)
+            optimizer = CompileOptimizer.create(self.config, self.hf_config, self.device, self.dtype, enabled=False)
+            optimizer.settings.reason = f"fell back to eager: {type(e).__name__}: {e}"
+        self.compiler = optimizer
+        return optimizer.stats()
+
+    def _warm_up_run(self, num_tokens: int) -> None:
+        self.forward_pass.run_dummy(num_tokens)
+
+    def compile_stats(self) -> dict:
+        if self.compiler is None:
+            return {"enabled": False, "backend": None, "mode": None, "scope": None, "cache": "off",
+                    "compile_seconds": {}, "recompiles_after_warmup": 0, "graph_breaks": 0}
+        return self.compiler.stats()
+
     # ---- memory ----------------------------------------------------------------------------
     def defragment(self, shrink_to_blocks: int | None = None) -> dict:
         """Compact live and cached blocks to the lowest ids (between steps); optionally shrink the
@@ -162,6 +210,7 @@ class LLMEngine:
                     f"max_model_len={self.max_model_len} sequence needs {self.memory.blocks_for(self.max_model_len)}; "
                     f"use at least {floor}")
             self.forward_pass.kv_cache = self.memory.shrink(shrink_to_blocks)
+            bind_kv_cache(self.model, self.forward_pass.kv_cache)
         after = self.memory.num_blocks
         return {"blocks_moved": moved, "blocks_before": before, "blocks_after": after,
                 "bytes_released": (before - after) * self.memory.block_size * self.bytes_per_token}

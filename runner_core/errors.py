@@ -19,3 +19,11 @@ class InvalidRequestError(RunnerError, ValueError):
 
 class EngineNotReadyError(RunnerError):
     """An operation needs a loaded model (call `load_model()` first)."""
+
+
+class EngineBusyError(RunnerError):
+    """The operation needs an idle engine (no request in flight)."""
+
+
+class CompileError(RunnerError):
+    """torch.compile failed and `compile_fallback` is off."""

@@ -1,5 +1,5 @@
-"""The forward context: per-step attention metadata and the KV pool, set by ForwardPass around a
-model call and read by the attention layers.
+"""The forward context: per-step attention metadata (and whether the KV pool is used), set by
+ForwardPass around a model call and read by the attention layers.
 
 Keeping them out of the model's arguments lets the model's forward be compiled as a graph over
 plain tensors (input ids, positions), with attention an opaque custom op (as vLLM does).
@@ -11,22 +11,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass
 class ForwardContext:
     meta: object  # AttentionMetadata
-    kv_caches: torch.Tensor | None  # [layers, 2, kv_heads, slots, head_dim], None for a stateless forward
+    use_kv_cache: bool  # False for a stateless forward (no pool: attend over the step's own tokens)
 
 
 _CONTEXT: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(meta, kv_caches: torch.Tensor | None) -> Iterator[None]:
+def set_forward_context(meta, use_kv_cache: bool) -> Iterator[None]:
     global _CONTEXT
-    previous, _CONTEXT = _CONTEXT, ForwardContext(meta, kv_caches)
+    previous, _CONTEXT = _CONTEXT, ForwardContext(meta, use_kv_cache)
     try:
         yield
     finally:

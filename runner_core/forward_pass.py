@@ -142,11 +142,23 @@ class ForwardPass:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """Logits [S, vocab] (float32) for the sequences that sample this step."""
-        with set_forward_context(inp.meta, self.kv_cache):
+        with set_forward_context(inp.meta, True):
             hidden = self.model(inp.input_ids, inp.positions)
         return self.model.compute_logits(hidden[inp.logits_indices]).float()
 
     @torch.inference_mode()
+    def run_dummy(self, num_tokens: int) -> torch.Tensor:
+        """One sequence of `num_tokens` dummy tokens through the engine's own input buffers and
+        without the pool (compile warm-up, profiling): the same tensor kinds as a real step."""
+        bufs = self.buffers
+        bufs.np["input_ids"][:num_tokens] = 0
+        bufs.np["positions"][:num_tokens] = range(num_tokens)
+        positions, meta = build_metadata([0], [num_tokens], int(num_tokens == 1), self.block_size, self.sliding_window)
+        ids = bufs.to_device("input_ids", bufs.cpu["input_ids"][:num_tokens])
+        pos = bufs.to_device("positions", bufs.cpu["positions"][:num_tokens])
+        with set_forward_context(self._to_device(meta), False):
+            return self.model(ids, pos)
+
     def run_stateless(self, seqs_ids: list[list[int]]) -> torch.Tensor:
         """Full causal forward of independent sequences without the pool; hidden states [N, H]."""
         q_lens = [len(x) for x in seqs_ids]
@@ -156,7 +168,9 @@ class ForwardPass:
         positions, meta = build_metadata([0] * len(order), q_sorted, num_decodes, self.block_size,
                                          self.sliding_window)
         ids = torch.tensor(list(chain.from_iterable(seqs_ids[i] for i in order)), device=self.device)
-        with set_forward_context(self._to_device(meta), None):
+        # inputs made outside inference mode, like the engine's buffers, so a compiled model
+        # sees the same tensor kind and does not recompile
+        with torch.inference_mode(), set_forward_context(self._to_device(meta), False):
             hidden = self.model(ids, positions.to(self.device))
         # back to the caller's order
         offsets = torch.cumsum(torch.tensor([0] + q_sorted), 0)

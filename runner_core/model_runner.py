@@ -237,6 +237,18 @@ class ModelRunner:
             stats["cuda_allocated_bytes"] = cuda.get("allocated_bytes.all.current", 0)
         return stats
 
+    def compile_model(self) -> dict:
+        """Compile with the configured backend, mode and scope (Appendix A's `compile`)."""
+        return self._engine().set_compile_mode(True)
+
+    def set_compile_mode(self, compile: bool = True, *, backend: str | None = None, mode: str | None = None,
+                         scope: str | None = None) -> dict:
+        """Switch compilation on a loaded runner (no weight reload); returns compile_stats()."""
+        return self._engine().set_compile_mode(compile, backend=backend, mode=mode, scope=scope)
+
+    def compile_stats(self) -> dict:
+        return self._engine().compile_stats()
+
     def defragment(self, shrink_to_blocks: int | None = None) -> dict:
         """Move live KV blocks to the lowest ids and optionally shrink the pool (see MemoryManager)."""
         return self._engine().defragment(shrink_to_blocks)

@@ -44,7 +44,8 @@ def test_decode_kernel_matches_gather_path(window, dtype):
         _, meta = build_metadata([n - 1 for n in ctx], [1] * len(ctx), len(ctx), block_size, window,
                                  decode_kernel=kernel, filled=filled)
         meta.slot_mapping = torch.tensor(spare)
-        with set_forward_context(meta, cache.clone().unsqueeze(0)):
+        attn.kv_cache = cache.clone()
+        with set_forward_context(meta, True):
             results.append(attn(q, k_new, v_new))
     tol = dict(atol=2e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(results[1].float(), results[0].float(), **tol)

@@ -65,18 +65,18 @@ def _prefill(q, k, v, mask, gqa: bool, scale: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, num_heads: int,
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, num_heads: int,
                     num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
-    """q: [N, H*Dh], k/v: [N, KVH*Dh] -> [N, H*Dh], with the step's metadata and pool from the
-    forward context: writes this layer's K/V into the pool, then attends."""
+    """q: [N, H*Dh], k/v: [N, KVH*Dh] -> [N, H*Dh]. kv_cache is this layer's [2, KVH, slots, Dh]
+    view of the pool; the step's metadata comes from the forward context, which also says
+    whether the pool is used (a stateless forward attends over the step's own tokens)."""
     ctx = get_forward_context()
     meta: AttentionMetadata = ctx.meta
     n = q.shape[0]
     q = q.view(n, num_heads, head_dim)
     k = k.view(n, num_kv_heads, head_dim).transpose(0, 1)
     v = v.view(n, num_kv_heads, head_dim).transpose(0, 1)
-    if ctx.kv_caches is not None:
-        kv_cache = ctx.kv_caches[layer_idx]  # [2, KVH, slots, Dh]
+    if ctx.use_kv_cache:
         kv_cache[0].index_copy_(1, meta.slot_mapping, k)
         kv_cache[1].index_copy_(1, meta.slot_mapping, v)
         k_src, v_src = kv_cache[0], kv_cache[1]
@@ -102,23 +102,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
 
 
 @torch.library.custom_op("runner_core::paged_attention", mutates_args=())
-def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, num_heads: int,
+def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, num_heads: int,
                        num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
-    """`paged_attention` as one opaque op, so a compiled graph neither traces nor breaks on it."""
-    return paged_attention(q, k, v, layer_idx, num_heads, num_kv_heads, head_dim, scale)
+    """`paged_attention` as one opaque op, so a compiled graph neither traces nor breaks on it.
+    (Its write into the pool is invisible to the graph on purpose, as in vLLM.)"""
+    return paged_attention(q, k, v, kv_cache, num_heads, num_kv_heads, head_dim, scale)
 
 
 @paged_attention_op.register_fake
-def _(q, k, v, layer_idx, num_heads, num_kv_heads, head_dim, scale):
+def _(q, k, v, kv_cache, num_heads, num_kv_heads, head_dim, scale):
     return torch.empty_like(q)
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_idx: int = 0):
+    """Holds its layer's view of the KV pool as a buffer (bound by `bind_kv_cache`), so every
+    layer runs the same code with its pool slice as an input: regional compilation compiles
+    one layer and reuses it for all."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
-        self.layer_idx = layer_idx
+        self.register_buffer("kv_cache", torch.empty(0), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fn = paged_attention_op if torch.compiler.is_compiling() else paged_attention
-        return fn(q, k, v, self.layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        return fn(q, k, v, self.kv_cache, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+
+
+def bind_kv_cache(model: nn.Module, kv_caches: torch.Tensor) -> None:
+    """Give each attention layer, in order, its [2, KVH, slots, Dh] slice of the pool."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(layers) != kv_caches.shape[0]:
+        raise ValueError(f"the pool has {kv_caches.shape[0]} layers, the model {len(layers)} attention layers")
+    for layer, cache in zip(layers, kv_caches):
+        layer.kv_cache = cache
