@@ -3,6 +3,7 @@
 from runner_core.config import RunnerConfig
 from runner_core.errors import (CompileError, ConfigError, EngineBusyError, EngineNotReadyError, InvalidRequestError,
                                  ModelLoadError, RunnerError)
+from runner_core.memory import MemoryEstimate, estimate_memory
 from runner_core.model_runner import ModelRunner, StreamDelta
 from runner_core.sampling import SamplingParams
 from runner_core.sequence import RequestOutput
@@ -10,6 +11,6 @@ from runner_core.sequence import RequestOutput
 __version__ = "0.1.0"
 
 __all__ = [
-    "CompileError", "ConfigError", "EngineBusyError", "EngineNotReadyError", "InvalidRequestError", "ModelLoadError", "ModelRunner",
+    "CompileError", "MemoryEstimate", "estimate_memory", "ConfigError", "EngineBusyError", "EngineNotReadyError", "InvalidRequestError", "ModelLoadError", "ModelRunner",
     "RequestOutput", "RunnerConfig", "RunnerError", "SamplingParams", "StreamDelta",
 ]

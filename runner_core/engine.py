@@ -18,7 +18,7 @@ from runner_core.forward_pass import ForwardPass
 from runner_core.input_buffers import InputBuffers
 from runner_core.layers.attention import bind_kv_cache
 from runner_core.layers.sampler import Sampler, SamplingMetadata
-from runner_core.memory import MemoryManager, kv_bytes_per_token, plan_num_blocks
+from runner_core.memory import FragmentationTracker, MemoryManager, plan_kv_pool
 from runner_core.sampling import SamplingParams
 from runner_core.scheduler import Scheduler
 from runner_core.sequence import RequestOutput, Sequence
@@ -48,6 +48,13 @@ class StepMetrics:
     total_s: float
     blocks_used: int
     blocks_free: int
+    blocks_cached: int
+    kv_utilization: float
+    internal_fragmentation: float
+    static_reservation_waste: float  # what a max_model_len reservation per request would waste
+    firstfit_reserved_waste: float  # a contiguous worst-case reservation per request ...
+    firstfit_external_fragmentation: float  # ... and the holes between those reservations
+    prefix_cache_hit_rate: float
 
 
 class LLMEngine:
@@ -58,23 +65,19 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         self.max_model_len = self._resolve_max_model_len()
         bs = config.block_size
-        self.bytes_per_token = kv_bytes_per_token(self.hf_config.num_hidden_layers, self.model.num_kv_heads,
-                                                  self.model.head_dim, self.dtype)
-        num_blocks = plan_num_blocks(
-            bytes_per_token=self.bytes_per_token, block_size=bs, max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs, kv_cache_memory=config.kv_cache_memory, device=self.device,
-            gpu_memory_utilization=config.gpu_memory_utilization)
+        self.pool_plan = plan_kv_pool(config, self.model, self.hf_config, self.max_model_len)
+        self.bytes_per_token, num_blocks = self.pool_plan.bytes_per_token, self.pool_plan.num_blocks
         if num_blocks * bs < self.max_model_len:
             raise ConfigError(
                 f"the KV pool holds {num_blocks * bs} tokens ({num_blocks} blocks of {bs}), fewer than one "
                 f"max_model_len={self.max_model_len} sequence needs; raise kv_cache_memory to at least "
                 f"{-(-self.max_model_len // bs) * bs * self.bytes_per_token} bytes or lower max_model_len")
         self.memory = MemoryManager(num_blocks, bs, config.enable_prefix_caching)
+        self.fragmentation = FragmentationTracker(num_blocks * bs)
+        self.last_fragmentation: dict = {}
         kv_cache = self.memory.allocate_kv_cache(self.hf_config.num_hidden_layers, self.model.num_kv_heads,
                                                  self.model.head_dim, self.dtype, self.device)
-        logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at %d tokens: %.1f",
-                    num_blocks, bs, num_blocks * bs, kv_cache.numel() * kv_cache.element_size() / 2**20,
-                    self.max_model_len, num_blocks * bs / self.max_model_len)
+        logger.info(self.pool_plan.describe())
         self.scheduler = Scheduler(self.memory, config.max_num_seqs, config.effective_max_num_batched_tokens)
         bind_kv_cache(self.model, kv_cache)
         buffers = InputBuffers(config.effective_max_num_batched_tokens, config.max_num_seqs,
@@ -147,7 +150,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
-        self.scheduler.remove(seq)
+        self._release(seq)
         seq.finish("abort")
         return self._output(seq, [], "")
 
@@ -211,6 +214,8 @@ class LLMEngine:
                     f"use at least {floor}")
             self.forward_pass.kv_cache = self.memory.shrink(shrink_to_blocks)
             bind_kv_cache(self.model, self.forward_pass.kv_cache)
+            # the comparison allocators model the new capacity; live requests re-reserve next step
+            self.fragmentation = FragmentationTracker(self.memory.num_blocks * self.memory.block_size)
         after = self.memory.num_blocks
         return {"blocks_moved": moved, "blocks_before": before, "blocks_after": after,
                 "bytes_released": (before - after) * self.memory.block_size * self.bytes_per_token}
@@ -221,6 +226,9 @@ class LLMEngine:
         advanced and of every request that finished."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        for seq, _ in sched.scheduled:  # idempotent: the contiguous comparison reserves once per request
+            self.fragmentation.on_admit(seq.request_id,
+                                        min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len))
         outputs = [self._fail(s, f"request needs {self.memory.blocks_for(s.num_tokens)} KV blocks but the "
                                  f"pool has {self.memory.num_blocks}; raise kv_cache_memory")
                    for s in sched.rejected]
@@ -248,12 +256,25 @@ class LLMEngine:
             outputs += self._append_tokens(seqs, sampled)
         t4 = time.perf_counter()
         self._num_steps += 1
+        mem = self.memory_figures()
         self.step_metrics.append(StepMetrics(
             self._num_steps, t4, len(sched.scheduled), inp.num_prefill_tokens, inp.num_decode_tokens,
             len(seqs), len(sched.preempted), len(self.scheduler.waiting), len(self.scheduler.running),
             t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0,
-            self.memory.num_blocks - self.memory.num_free_blocks, self.memory.num_free_blocks))
+            mem["blocks_used"], mem["blocks_free"], mem["blocks_cached"], mem["kv_utilization"],
+            mem["internal_fragmentation"], mem["static_reservation_waste"], mem["firstfit_reserved_waste"],
+            mem["firstfit_external_fragmentation"], mem["prefix_cache_hit_rate"]))
         return outputs
+
+    def memory_figures(self) -> dict:
+        """The pool's block counts and utilization (physical blocks) with, for the same live
+        requests, what a static reservation and a first-fit contiguous allocator would waste."""
+        running = self.scheduler.running
+        self.last_fragmentation = self.fragmentation.snapshot(
+            [(s.request_id, s.num_computed_tokens, len(s.block_table)) for s in running],
+            self.memory.block_size, self.max_model_len)
+        figures = {k: v for k, v in self.last_fragmentation.items() if k.startswith(("static_", "firstfit_"))}
+        return {**self.memory.stats(running), **figures}
 
     def _append_tokens(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
         outputs = []
@@ -278,8 +299,7 @@ class LLMEngine:
                                                      skip_special_tokens=seq.params.skip_special_tokens)
                 delta = seq.text[prev_len:]
             if seq.is_finished:
-                self.scheduler.remove(seq)
-                self.requests.pop(seq.request_id, None)
+                self._release(seq)
                 outputs.append(self._output(seq, [tok], delta))
             elif seq.detokenizer is not None:
                 outputs.append(self._output(seq, [tok], delta))
@@ -303,9 +323,13 @@ class LLMEngine:
         if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish("length")
 
-    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+    def _release(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
+        self.fragmentation.on_release(seq.request_id)
         self.requests.pop(seq.request_id, None)
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        self._release(seq)
         seq.finish("error", error=message)
         return self._output(seq, [], "")
 

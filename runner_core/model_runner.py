@@ -12,6 +12,7 @@ import torch
 from runner_core.config import RunnerConfig
 from runner_core.engine import LLMEngine
 from runner_core.errors import ConfigError, EngineNotReadyError, InvalidRequestError
+from runner_core.memory import check_config_fits
 from runner_core.model_loader import ModelLoader
 from runner_core.sampling import SamplingParams
 from runner_core.sequence import RequestOutput
@@ -45,6 +46,7 @@ class ModelRunner:
         if self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1:
             raise ConfigError("tensor_parallel_size and pipeline_parallel_size > 1 need the ParallelManager, "
                               "which this version does not have yet; use 1")
+        self.memory_estimate = check_config_fits(self.config)  # refuse before reading any weight
         self.loaded = ModelLoader(self.config).load()
         self.engine = LLMEngine(self.config, self.loaded)
         return self
@@ -228,8 +230,9 @@ class ModelRunner:
             "weights_bytes": weights,
             "kv_pool_bytes": kv.numel() * kv.element_size(),
             "kv_bytes_per_token": engine.bytes_per_token,
+            "activation_peak_bytes": engine.pool_plan.activation_peak_bytes,
             "max_model_len": engine.max_model_len,
-            **engine.memory.stats(engine.scheduler.running, engine.max_model_len),
+            **engine.memory_figures(),
         }
         if engine.device.type == "cuda":
             cuda = torch.cuda.memory_stats(engine.device)

@@ -82,3 +82,12 @@ def test_generate_before_load_says_what_to_do():
     with pytest.raises(EngineNotReadyError) as e:
         ModelRunner(model="tiny-llama").generate("hi")
     assert "load_model()" in str(e.value)
+
+
+def test_configuration_that_cannot_fit_is_refused_before_loading(tiny_llama_path):
+    runner = ModelRunner(model=str(tiny_llama_path), kv_cache_memory=64 << 40)  # a 64 TiB pool
+    with pytest.raises(ConfigError) as e:
+        runner.load_model()
+    message = str(e.value)
+    assert "need" in message and "available" in message and "kv_cache_memory" in message
+    assert runner.engine is None

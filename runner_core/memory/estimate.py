@@ -113,7 +113,8 @@ def read_safetensors_shapes(path: Path) -> list[tuple[str, tuple[int, ...]]] | N
                     raise ValueError(f"header length {size} is implausible")
                 header = json.loads(f.read(size))
         except (OSError, ValueError, struct.error) as exc:
-            raise ModelLoadError(f"safetensors file {file} has a corrupt header ({exc}); download or save it again") from exc
+            raise ModelLoadError(
+                f"safetensors file {file} has a corrupt header ({exc}); download or save it again") from exc
         out += [(name, tuple(meta["shape"])) for name, meta in header.items() if name != "__metadata__"]
     return out
 
@@ -178,7 +179,8 @@ def estimate_activation_peak(shape: ModelShape, *, num_tokens: int, num_seqs: in
     The forward's peak is the largest of its phases, each counted with what is alive then:
     the hidden state and residual of the layer's caller and of the layer itself (4 x [T, H]),
     plus, in the MLP, gate_up [T, 2I], silu(gate) and the product ([T, I] each); in attention,
-    qkv, the rotated q and k, the padded query grid, gathered keys and values and two outputs;
+    qkv, the rotated q and k, the padded query grid, gathered keys and values, two outputs and
+    the fused SDPA kernel's scratch;
     in RMSNorm, float32 temporaries. The logits phase holds the final hidden states and the
     [rows, vocab] logits (and their float32 copy below 32 bits; the gathered shards with tp).
     Index tensors (ids, positions, gather indices) add 32 bytes per token.
@@ -202,7 +204,8 @@ def estimate_activation_peak(shape: ModelShape, *, num_tokens: int, num_seqs: in
     base = 4 * t * h * b
     mlp = base + 4 * t * inter * b
     keys = t if context_len is None else max(t, context_len)
-    attn = base + t * b * (q + 2 * kv) + t * b * (q + kv) + 3 * t * q * b + 2 * keys * kv * b
+    # qkv, rotated q and k, output/grid/SDPA output (3q), SDPA's softmax scratch (~q/2, measured), keys and values
+    attn = base + t * b * (q + 2 * kv) + t * b * (q + kv) + t * b * (3 * q + q // 2) + 2 * keys * kv * b
     if context_len is not None and context_len > t:
         attn += t * keys  # boolean mask of a chunk that continues a cached prefix
     norm = base + t * h * (8 + (4 if b != 4 else 0))
@@ -299,7 +302,8 @@ class _Inputs:
 def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", tensor_parallel_size: int = 1,
                     pipeline_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 256,
                     max_num_batched_tokens: int | None = None, block_size: int = 16,
-                    kv_cache_memory: int | None = None, device: str | torch.device = "cpu") -> MemoryEstimate:
+                    kv_cache_memory: int | None = None, device: str | torch.device = "cpu",
+                    trust_remote_code: bool = False) -> MemoryEstimate:
     """Predict the memory a configuration needs per device, before loading anything.
 
     `model` is resolved like the loader does (a directory, a preset built on first use, a hub id
@@ -311,7 +315,7 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
     from runner_core.model_loader import read_hf_config, resolve_model_path
 
     path = resolve_model_path(str(model))
-    shape = ModelShape.from_hf_config(read_hf_config(path))
+    shape = ModelShape.from_hf_config(read_hf_config(path, trust_remote_code))
     tensors = read_safetensors_shapes(path)
     if tensors is None:
         tensors = shape.checkpoint_tensors()
@@ -437,10 +441,29 @@ def check_fits(estimate: MemoryEstimate, available_bytes: int, *, gpu_memory_uti
     where = (f"available: {_fmt(available_bytes)} (gpu_memory_utilization={gpu_memory_utilization:g} of the device)"
              if estimate.device.startswith("cuda") else f"available: {_fmt(available_bytes)} of RAM")
     msg = (f"{estimate.model or 'the model'} does not fit: it needs {_fmt(need)} per device (weights "
-           f"{_fmt(estimate.weights_bytes)} in {estimate.dtype}, activation peak {_fmt(estimate.activation_peak_bytes)}, "
+           f"{_fmt(estimate.weights_bytes)} in {estimate.dtype}, "
+           f"activation peak {_fmt(estimate.activation_peak_bytes)}, "
            f"rotary tables {_fmt(estimate.buffers_bytes)}, {pool}) but {where}.")
     tips = fit_suggestions(estimate, available_bytes)
     msg += (" Would fit with: " + "; ".join(tips) + "." if tips else
             " No single change of dtype, tensor_parallel_size, max_model_len or kv_cache_memory makes it fit; "
             "combine them or use a device with more memory.")
     raise ConfigError(msg)
+
+
+def check_config_fits(config, available_bytes: int | None = None) -> MemoryEstimate:
+    """Estimate `config` (a RunnerConfig) and refuse it with ConfigError if it cannot fit on its
+    device (`available_bytes` defaults to `sizing.usable_memory_bytes`). Returns the estimate."""
+    from runner_core.memory.sizing import usable_memory_bytes
+
+    device = config.torch_device
+    estimate = estimate_memory(
+        config.model, dtype=config.torch_dtype, tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size, max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.effective_max_num_batched_tokens,
+        block_size=config.block_size, kv_cache_memory=config.kv_cache_memory, device=str(device),
+        trust_remote_code=config.trust_remote_code)
+    if available_bytes is None:
+        available_bytes = usable_memory_bytes(device, config.gpu_memory_utilization)
+    check_fits(estimate, available_bytes, gpu_memory_utilization=config.gpu_memory_utilization)
+    return estimate

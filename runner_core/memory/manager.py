@@ -162,16 +162,13 @@ class MemoryManager:
         return self.kv_cache
 
     # ---- figures ----------------------------------------------------------------------------
-    def stats(self, live: Iterable[Sequence], max_model_len: int) -> dict:
-        """Block counts, KV utilization, internal fragmentation and prefix-cache figures.
-        Every block of a live sequence is full except its last (shared blocks are full), so
-        the figures cost O(live sequences)."""
-        live = [s for s in live if s.block_table]
+    def stats(self, live: Iterable[Sequence]) -> dict:
+        """Physical block counts, KV utilization, internal fragmentation and prefix-cache figures.
+        Every block of a live sequence is full except its last (shared blocks are full), so the
+        figures cost O(live sequences)."""
         used = self.num_blocks - self.pool.num_free
         allocated = used * self.block_size
-        empty = sum(len(s.block_table) * self.block_size - s.num_computed_tokens for s in live)
-        tokens = sum(s.num_computed_tokens for s in live)
-        static_slots = len(live) * max_model_len
+        empty = sum(len(s.block_table) * self.block_size - s.num_computed_tokens for s in live if s.block_table)
         return {
             "blocks_total": self.num_blocks,
             "blocks_used": used,
@@ -180,6 +177,5 @@ class MemoryManager:
             "block_size": self.block_size,
             "kv_utilization": (allocated - empty) / allocated if allocated else 0.0,
             "internal_fragmentation": empty / allocated if allocated else 0.0,
-            "static_reservation_waste": 1 - tokens / static_slots if static_slots else 0.0,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
         }

@@ -13,6 +13,8 @@ import logging
 
 import torch
 
+from runner_core.forward_pass import ForwardPass
+
 logger = logging.getLogger("runner_core")
 
 
@@ -27,8 +29,6 @@ def dummy_batch(num_tokens: int, num_seqs: int) -> list[list[int]]:
 
 
 def _run(model: torch.nn.Module, seqs: list[list[int]], num_rows: int, device: torch.device) -> None:
-    from runner_core.forward_pass import ForwardPass  # runner_core.memory is imported by forward_pass's users
-
     hidden = ForwardPass(model, None, block_size=16, device=device).run_stateless(seqs)
     with torch.inference_mode():
         logits = model.compute_logits(hidden[:num_rows]).float()

@@ -1,37 +1,189 @@
-"""Sizing the KV pool: bytes per token, memory available, blocks to allocate."""
+"""Sizing the KV pool: bytes per token, the memory a device offers, and the pool plan.
+
+The pool gets, on CUDA, `total x gpu_memory_utilization - weights - activation peak - memory
+held outside torch (device used - torch reserved)`, the activation peak being the larger of
+a profile run and the formula of `estimate.estimate_activation_peak` (which also covers the
+paged attention's reads of long contexts that the profile run cannot see). On the CPU it
+gets `CPU_KV_FRACTION` of the available RAM, at most `CPU_KV_CAP_BYTES` (as vLLM's CPU
+backend), and never more than `max_num_seqs` sequences of `max_model_len` tokens can use.
+`kv_cache_memory` (bytes) overrides both.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
+logger = logging.getLogger("runner_core")
+
 CPU_KV_FRACTION = 0.2  # share of available RAM the CPU pool may take when kv_cache_memory is unset
 CPU_KV_CAP_BYTES = 4 << 30  # and never more than this by default (as vLLM's CPU backend)
+_MiB = 2**20
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of one token in every layer: layers x 2 x kv_heads x head_dim x dtype bytes."""
     return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free
+def _cpu_available_bytes() -> int:
+    """MemAvailable (free plus reclaimable page cache), else free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def plan_num_blocks(*, bytes_per_token: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                    kv_cache_memory: int | None, device: torch.device, gpu_memory_utilization: float) -> int:
-    """Blocks for the pool: `kv_cache_memory` if given; else what memory allows, capped by what
-    `max_num_seqs` sequences of `max_model_len` tokens could ever use."""
+def available_memory_bytes(device: torch.device | str) -> int:
+    """Memory free right now: on CUDA the device's free bytes, on the CPU the available RAM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    return _cpu_available_bytes()
+
+
+def usable_memory_bytes(device: torch.device | str, gpu_memory_utilization: float = 0.9) -> int:
+    """What a model may use on `device`: CUDA total x gpu_memory_utilization; CPU available RAM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        _free, total = torch.cuda.mem_get_info(device)
+        return int(total * gpu_memory_utilization)
+    return _cpu_available_bytes()
+
+
+def non_torch_memory_bytes(device: torch.device | str) -> int:
+    """CUDA memory in use but not reserved by this process's torch allocator (CUDA context,
+    libraries' workspaces, other processes); 0 on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
+
+
+@dataclass(slots=True)
+class PoolPlan:
+    """How big the KV pool is and why."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    max_model_len: int
+    activation_peak_bytes: int
+    source: str  # "kv_cache_memory", "gpu_memory_utilization" or "cpu_ram"
+    budget_bytes: int  # memory the source allowed before rounding down to blocks
+    wanted_tokens: int  # max_num_seqs x max_model_len
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+    @property
+    def max_concurrency(self) -> float:
+        """Sequences of max_model_len tokens the pool holds at once."""
+        return self.num_tokens / self.max_model_len
+
+    def describe(self) -> str:
+        return (f"KV pool: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
+                f"({self.num_bytes / _MiB:.1f} MiB, sized by {self.source}); maximum concurrency at "
+                f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x")
+
+    def as_dict(self) -> dict:
+        return {"num_blocks": self.num_blocks, "block_size": self.block_size, "num_tokens": self.num_tokens,
+                "num_bytes": self.num_bytes, "bytes_per_token": self.bytes_per_token,
+                "max_model_len": self.max_model_len, "max_concurrency": self.max_concurrency,
+                "activation_peak_bytes": self.activation_peak_bytes, "source": self.source,
+                "budget_bytes": self.budget_bytes}
+
+
+def plan_pool(*, bytes_per_token: int, block_size: int, max_model_len: int, max_num_seqs: int,
+              kv_cache_memory: int | None, device: torch.device | str, gpu_memory_utilization: float = 0.9,
+              weights_bytes: int = 0, activation_peak_bytes: int = 0, total_bytes: int | None = None,
+              non_torch_bytes: int | None = None, available_bytes: int | None = None) -> PoolPlan:
+    """The pool for these settings (see the module docstring). `total_bytes`, `non_torch_bytes`
+    (CUDA) and `available_bytes` (CPU RAM) default to what the device reports now. The plan may
+    hold fewer tokens than one max_model_len sequence; the caller refuses that."""
+    device = torch.device(device)
     block_bytes = bytes_per_token * block_size
     wanted = -(-max_model_len * max_num_seqs // block_size)
     if kv_cache_memory is not None:
-        return max(1, kv_cache_memory // block_bytes)
-    if device.type == "cuda":
-        _free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * gpu_memory_utilization) - torch.cuda.memory_reserved(device)
+        source, budget = "kv_cache_memory", kv_cache_memory
+        num_blocks = max(1, budget // block_bytes)
+    elif device.type == "cuda":
+        if total_bytes is None:
+            total_bytes = torch.cuda.mem_get_info(device)[1]
+        if non_torch_bytes is None:
+            non_torch_bytes = non_torch_memory_bytes(device)
+        source = "gpu_memory_utilization"
+        budget = int(total_bytes * gpu_memory_utilization) - weights_bytes - activation_peak_bytes - non_torch_bytes
+        num_blocks = max(0, budget // block_bytes)
     else:
-        budget = min(int(available_memory_bytes(device) * CPU_KV_FRACTION), CPU_KV_CAP_BYTES)
-    return max(1, min(wanted, budget // block_bytes))
+        if available_bytes is None:
+            available_bytes = _cpu_available_bytes()
+        source = "cpu_ram"
+        budget = min(int(available_bytes * CPU_KV_FRACTION), CPU_KV_CAP_BYTES)
+        num_blocks = max(1, min(wanted, budget // block_bytes))
+    return PoolPlan(num_blocks, block_size, bytes_per_token, max_model_len, activation_peak_bytes, source,
+                    budget, max_model_len * max_num_seqs)
+
+
+def plan_num_blocks(*, bytes_per_token: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                    kv_cache_memory: int | None, device: torch.device, gpu_memory_utilization: float,
+                    weights_bytes: int = 0, activation_peak_bytes: int = 0) -> int:
+    """Blocks for the pool (`plan_pool(...).num_blocks`, kept for existing callers)."""
+    return plan_pool(bytes_per_token=bytes_per_token, block_size=block_size, max_model_len=max_model_len,
+                     max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory, device=device,
+                     gpu_memory_utilization=gpu_memory_utilization, weights_bytes=weights_bytes,
+                     activation_peak_bytes=activation_peak_bytes).num_blocks
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's unique parameters and buffers (weights and rotary tables)."""
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def plan_kv_pool(config, model: torch.nn.Module, hf_config, max_model_len: int, *,
+                 profile: bool | None = None) -> PoolPlan:
+    """The pool plan of a loaded model under `config` (a RunnerConfig), for LLMEngine.
+
+    The activation peak is the formula's figure, raised to a measured profile run when
+    `profile` is true (default: on CUDA when kv_cache_memory is unset, where it decides the
+    pool size). Call it after the weights are on the device and before the pool exists.
+    """
+    from runner_core.memory.estimate import ModelShape, estimate_activation_peak
+
+    device, dtype = config.torch_device, config.torch_dtype
+    bytes_per_token = kv_bytes_per_token(hf_config.num_hidden_layers, model.num_kv_heads, model.head_dim, dtype)
+    tokens, seqs = config.effective_max_num_batched_tokens, config.max_num_seqs
+    activation = estimate_activation_peak(
+        ModelShape.from_hf_config(hf_config), num_tokens=tokens, num_seqs=seqs, dtype=dtype,
+        tensor_parallel_size=config.tensor_parallel_size, context_len=max_model_len,
+        decode_gather=device.type == "cuda")
+    if profile is None:
+        profile = device.type == "cuda" and config.kv_cache_memory is None
+    if profile:
+        from runner_core.memory.profile import profile_activation_peak
+
+        measured = profile_activation_peak(model, tokens, seqs, device)
+        logger.info("profile run: %d tokens, %d sequences: activation peak %.1f MiB measured, %.1f MiB estimated",
+                    tokens, seqs, measured / _MiB, activation / _MiB)
+        activation = max(activation, measured)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the profile's cached blocks back before measuring what is left
+    return plan_pool(bytes_per_token=bytes_per_token, block_size=config.block_size, max_model_len=max_model_len,
+                     max_num_seqs=seqs, kv_cache_memory=config.kv_cache_memory, device=device,
+                     gpu_memory_utilization=config.gpu_memory_utilization, weights_bytes=model_bytes(model),
+                     activation_peak_bytes=activation)
