@@ -168,10 +168,10 @@ class ForwardPass:
         positions, meta = build_metadata([0] * len(order), q_sorted, num_decodes, self.block_size,
                                          self.sliding_window)
         ids = torch.tensor(list(chain.from_iterable(seqs_ids[i] for i in order)), device=self.device)
-        # inputs made outside inference mode, like the engine's buffers, so a compiled model
-        # sees the same tensor kind and does not recompile
+        # made outside inference mode and passed as views, like the engine's buffer slices, so a
+        # compiled model sees the same kind of tensor (its guards check both) and does not recompile
         with torch.inference_mode(), set_forward_context(self._to_device(meta), False):
-            hidden = self.model(ids, positions.to(self.device))
+            hidden = self.model(ids[:], positions.to(self.device)[:])
         # back to the caller's order
         offsets = torch.cumsum(torch.tensor([0] + q_sorted), 0)
         back = torch.cat([torch.arange(offsets[k], offsets[k + 1]) for k in sorted(range(len(order)), key=lambda k: order[k])])

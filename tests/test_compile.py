@@ -1,0 +1,153 @@
+"""torch.compile: parity with eager, no recompiles under continuous batching, the persistent
+cache (hit in a second process, key factors, corrupt entries), refusals and the eager fallback.
+
+One cold compile per test run: every compiled runner here uses the same configuration and
+the run's shared cache directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from runner_core import CompileError, ConfigError, EngineBusyError, ModelRunner, SamplingParams
+from runner_core import compile_optimizer as co
+from tests.conftest import REPO
+
+CACHE_DIR = REPO / "test-output" / "compile-cache"
+COMPILED = {"dtype": "float32", "kv_cache_memory": 1 << 22, "compile": True, "compile_backend": "inductor",
+            "compile_mode": "default", "compile_scope": "layer", "compile_cache_dir": str(CACHE_DIR)}
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 7, 33, 64, 2)]
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_llama_path):
+    return ModelRunner({"model": str(tiny_llama_path), **COMPILED}).load_model()
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_llama_path):
+    return ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 22}).load_model()
+
+
+def test_compiled_greedy_equals_eager(compiled, eager):
+    stats = compiled.compile_stats()
+    assert stats["enabled"] and stats["backend"] == "inductor" and stats["scope"] == "layer"
+    assert stats["graph_breaks"] == 0
+    assert [o.token_ids for o in compiled.generate(_prompts(), GREEDY)] == \
+        [o.token_ids for o in eager.generate(_prompts(), GREEDY)]
+    ids = torch.tensor([_prompts()[3][:20]])
+    torch.testing.assert_close(compiled.forward(ids)["logits"], eager.forward(ids)["logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_no_recompiles_under_continuous_batching(compiled):
+    before = compiled.compile_stats()["recompiles_after_warmup"]
+    prompts = _prompts()
+    compiled.add_request(prompts[3], GREEDY)
+    for _ in range(3):
+        compiled.step()
+    for p in prompts:  # joins mid-flight: steps mix decodes with prefills of many sizes
+        compiled.add_request(p, SamplingParams(max_tokens=9, temperature=0.8, seed=1))
+    while compiled.has_unfinished_requests():
+        compiled.step()
+    assert compiled.compile_stats()["recompiles_after_warmup"] == before == 0
+
+
+def test_second_process_hits_the_cache(compiled, tiny_llama_path):
+    assert compiled.compile_stats()["cache"] in ("miss", "hit", "rebuilt")
+    script = textwrap.dedent(f"""
+        import json
+        from runner_core import ModelRunner
+        r = ModelRunner({{"model": {str(tiny_llama_path)!r}, **{COMPILED!r}}}).load_model()
+        s = r.compile_stats()
+        print(json.dumps({{"cache": s["cache"], "key": s["cache_key"]}}))
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {"cache": "hit", "key": compiled.compile_stats()["cache_key"]}
+
+
+def test_switching_mode_on_a_loaded_runner(compiled, eager):
+    compiled.set_compile_mode(False)
+    assert not compiled.compile_stats()["enabled"]
+    assert [o.token_ids for o in compiled.generate(_prompts()[:2], GREEDY)] == \
+        [o.token_ids for o in eager.generate(_prompts()[:2], GREEDY)]
+    stats = compiled.set_compile_mode(True, backend="inductor", mode="default", scope="layer")
+    assert stats["enabled"] and stats["cache"] == "hit"
+
+
+def test_mode_switch_refused_while_busy(compiled):
+    rid = compiled.add_request("busy", GREEDY)
+    with pytest.raises(EngineBusyError, match="while requests are running"):
+        compiled.set_compile_mode(False)
+    compiled.abort_request(rid)
+
+
+def test_bad_backend_and_mode_are_refused(eager):
+    with pytest.raises(ConfigError, match="compile_backend.*'nope'.*inductor"):
+        eager.set_compile_mode(True, backend="nope")
+    with pytest.raises(ConfigError, match="compile_mode.*'fast'.*max-autotune"):
+        eager.set_compile_mode(True, mode="fast")
+
+
+def test_key_changes_with_dtype_mode_and_sources(eager):
+    hf = eager.engine.hf_config
+    base = co.CompileSettings(True, "inductor", "default", "model")
+    cpu = torch.device("cpu")
+    k = co.cache_key(co.cache_key_factors(hf, torch.float32, cpu, base))
+    assert k == co.cache_key(co.cache_key_factors(hf, torch.float32, cpu, base))
+    assert k != co.cache_key(co.cache_key_factors(hf, torch.bfloat16, cpu, base))
+    assert k != co.cache_key(co.cache_key_factors(hf, torch.float32, cpu,
+                                                  co.CompileSettings(True, "inductor", "max-autotune", "model")))
+    assert k != co.cache_key(co.cache_key_factors(hf, torch.float32, cpu,
+                                                  co.CompileSettings(True, "inductor", "default", "layer")))
+    assert set(co.cache_key_factors(hf, torch.float32, cpu, base)) >= {
+        "model_config", "dtype", "device", "capability", "backend", "mode", "scope", "torch", "runner_core", "sources"}
+
+
+def test_corrupt_cache_entry_is_discarded(tmp_path, eager, caplog):
+    opt = co.CompileOptimizer(co.CompileSettings(True, "inductor", "default", "model"), tmp_path, {}, "k1")
+    opt.folder.mkdir(parents=True)
+    (opt.folder / co.ARTIFACTS).write_bytes(b"half-written garbage")
+    (opt.folder / co.META).write_text(json.dumps({"sha256": "0" * 64}))
+    opt.load_cache()
+    assert opt.cache == "rebuilt" and not opt.folder.exists()
+    assert "is corrupt" in caplog.text
+    opt.folder.mkdir(parents=True)
+    (opt.folder / co.ARTIFACTS).write_bytes(b"x")  # no meta.json: also corrupt
+    opt.load_cache()
+    assert opt.cache == "rebuilt"
+
+
+def test_compile_error_falls_back_to_eager_or_raises(eager, monkeypatch, caplog):
+    def broken(self, run, sizes):
+        raise RuntimeError("simulated inductor failure")
+
+    monkeypatch.setattr(co.CompileOptimizer, "warm_up", broken)
+    stats = eager.set_compile_mode(True, backend="eager")
+    assert not stats["enabled"] and "fell back to eager" in stats["reason"]
+    assert "running eager instead" in caplog.text
+    assert eager.generate("still fine", GREEDY)[0].finish_reason == "length"
+    eager.engine.config = eager.engine.config.replace(compile_fallback=False)
+    with pytest.raises(CompileError, match="simulated inductor failure"):
+        eager.set_compile_mode(True, backend="eager")
+    eager.engine.config = eager.engine.config.replace(compile_fallback=True)
+
+
+def test_auto_mode_picks_from_the_device(monkeypatch):
+    cpu = torch.device("cpu")
+    s = co.CompileSettings.resolve(True, "inductor", "auto", "model", cpu)
+    assert (s.backend, s.enabled) == ("inductor", True) and "C++ compiler" in s.reason
+    monkeypatch.setattr(co, "has_cxx_compiler", lambda: False)
+    s = co.CompileSettings.resolve(True, "inductor", "auto", "model", cpu)
+    assert not s.enabled and "no C++ compiler" in s.reason
