@@ -6,8 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL ?= tiny-llama
 PROMPT ?= Once upon a time
+PORT ?= 5006
 
-.PHONY: setup run test bench clean
+.PHONY: setup run generate lab browser test bench clean
 
 setup: $(STAMP)
 
@@ -18,10 +19,31 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[ui,test]" "$(TORCH_SPEC)"
 	touch $(STAMP)
 
+# The Panel dashboard with $(MODEL) loaded, on http://127.0.0.1:$(PORT)/ (loopback only).
 run: setup
+	$(PY) -m workbench serve --model $(MODEL) --port $(PORT)
+
+# The command-line generation that `make run` used to do.
+generate: setup
 	$(PY) -m runner_core generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 48
 
-test: setup
+lab: setup
+	$(PY) -m jupyter lab notebooks/
+
+# Debian's Chromium for the browser test (Playwright drives /usr/bin/chromium; it downloads no browser).
+# Installed with apt when missing and we are root; under CI=true a missing browser fails the run.
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's chromium for the browser test"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+			|| { echo "error: apt-get install chromium failed"; [ "$$CI" != true ] || exit 1; }; \
+	else \
+		echo "warning: /usr/bin/chromium is missing and cannot be installed here; the browser test will skip"; \
+		[ "$$CI" != true ] || exit 1; \
+	fi
+
+test: setup browser
 	$(PY) -m pytest -q -x
 
 bench: setup

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 
@@ -18,20 +19,21 @@ class ForwardContext:
     use_kv_cache: bool  # False for a stateless forward (no pool: attend over the step's own tokens)
 
 
-_CONTEXT: ForwardContext | None = None
+# per thread (and task): runners stepping on different threads never see each other's step
+_CONTEXT: ContextVar[ForwardContext | None] = ContextVar("runner_core_forward_context", default=None)
 
 
 @contextmanager
 def set_forward_context(meta, use_kv_cache: bool) -> Iterator[None]:
-    global _CONTEXT
-    previous, _CONTEXT = _CONTEXT, ForwardContext(meta, use_kv_cache)
+    token = _CONTEXT.set(ForwardContext(meta, use_kv_cache))
     try:
         yield
     finally:
-        _CONTEXT = previous
+        _CONTEXT.reset(token)
 
 
 def get_forward_context() -> ForwardContext:
-    if _CONTEXT is None:
+    ctx = _CONTEXT.get()
+    if ctx is None:
         raise RuntimeError("attention ran outside a forward context; call the model through ForwardPass")
-    return _CONTEXT
+    return ctx

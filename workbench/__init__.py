@@ -1,1 +1,11 @@
-"""workbench: the notebook session and dashboards around runner_core (see DESIGN.md)."""
+"""workbench: the notebook session and dashboards around runner_core (see DESIGN.md).
+
+`Session.current()` is the kernel's long-lived session; `session.dashboard()` (Panel) and
+`session.widgets()` (ipywidgets) are views over it; `workbench.charts` draws its metrics.
+"""
+
+from workbench.handles import GenerationError, NoModelError, RequestHandle, SessionBusyError, SessionError
+from workbench.session import ModelEntry, Session
+
+__all__ = ["GenerationError", "ModelEntry", "NoModelError", "RequestHandle", "Session", "SessionBusyError",
+           "SessionError"]

@@ -94,24 +94,48 @@ def waste(rows: Rows) -> go.Figure:
     return fig
 
 
-def throughput(rows: Rows) -> go.Figure:
-    """Batch composition per sample (prefill vs decode tokens per step, stacked bars) and
-    generated tokens/s (line, right axis)."""
-    fig = go.Figure(layout=_layout("Throughput and batch composition", "tokens per step", barmode="stack",
-                                   yaxis2=dict(title="tokens/s", overlaying="y", side="right", rangemode="tozero",
-                                               showgrid=False)))
+def throughput(rows: Rows, window: float = 1.0) -> go.Figure:
+    """Batch composition (prefill vs decode tokens per step, stacked) and generated tokens/s
+    (right axis) averaged over the busy time of the last `window` seconds."""
+    fig = go.Figure(layout=_layout("Throughput and batch composition", "tokens per step",
+                                   yaxis2=dict(title="generated tokens/s", overlaying="y", side="right",
+                                               rangemode="tozero", showgrid=False)))
     rows = [r for r in rows if r.get("steps")]
     if not rows:
         return _empty(fig, "no steps yet: generate something")
-    t = _col(rows, "t")
-    steps = [r["steps"] for r in rows]
-    fig.add_trace(go.Bar(x=t, y=[r["prefill_tokens"] / s for r, s in zip(rows, steps)], name="prefill tokens/step",
-                         marker_color=PALETTE[0]))
-    fig.add_trace(go.Bar(x=t, y=[r["decode_tokens"] / s for r, s in zip(rows, steps)], name="decode tokens/step",
-                         marker_color=PALETTE[1]))
-    fig.add_trace(go.Scatter(x=t, y=_col(rows, "tokens_per_s"), name="generated tokens/s", yaxis="y2",
-                             mode="lines+markers", marker=dict(size=4), line=dict(color=PALETTE[3])))
+    rates = rolling_rate(rows, "sampled_tokens", window)
+    t, prefill, decode, rate = [], [], [], []
+    for i, (r, rt) in enumerate(zip(rows, rates)):
+        if i and r["t"] - rows[i - 1]["t"] > 5 * max(r.get("dt", 0.1), 0.1):  # idle gap: drop to zero
+            t += [rows[i - 1]["t"] + 0.01, r["t"] - r.get("dt", 0.1)]
+            prefill += [0, 0]
+            decode += [0, 0]
+            rate += [0, 0]
+        t.append(r["t"])
+        prefill.append(r["prefill_tokens"] / r["steps"])
+        decode.append(r["decode_tokens"] / r["steps"])
+        rate.append(rt)
+    fig.add_trace(go.Scatter(x=t, y=prefill, name="prefill tokens/step", stackgroup="batch", mode="lines",
+                             line=dict(width=0.5, color=PALETTE[0])))
+    fig.add_trace(go.Scatter(x=t, y=decode, name="decode tokens/step", stackgroup="batch", mode="lines",
+                             line=dict(width=0.5, color=PALETTE[1])))
+    fig.add_trace(go.Scatter(x=t, y=rate, name="generated tokens/s", yaxis="y2", mode="lines",
+                             line=dict(color=PALETTE[3])))
     return fig
+
+
+def rolling_rate(rows: Rows, key: str, window: float = 1.0) -> list[float]:
+    """`key` per busy second over the rows of the last `window` seconds (rows carry `dt`)."""
+    out, lo, total, busy = [], 0, 0.0, 0.0
+    for hi, row in enumerate(rows):
+        total += row.get(key, 0)
+        busy += row.get("dt", 0.0)
+        while lo < hi and row["t"] - rows[lo]["t"] >= window:
+            total -= rows[lo].get(key, 0)
+            busy -= rows[lo].get("dt", 0.0)
+            lo += 1
+        out.append(total / busy if busy > 1e-9 else 0.0)
+    return out
 
 
 def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_blocks: int = 4096) -> go.Figure:
@@ -153,7 +177,9 @@ def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_bloc
                              showscale=False, xgap=1, ygap=1))
     used = sum(len(b) for b in owners.values())
     note = f" (first {shown} of {total})" if shown < total else ""
-    fig.update_layout(title=dict(text=f"KV block map: {len(owners)} requests hold {used} of {total} blocks{note}"))
+    n = len(owners)
+    who = f"{n} request{'s' * (n != 1)} hold{'s' * (n == 1)}"
+    fig.update_layout(title=dict(text=f"KV block map: {who} {used} of {total} blocks{note}"))
     return fig
 
 
@@ -163,7 +189,9 @@ def compile_timings(events: Sequence[Mapping[str, Any]], stats: Mapping[str, Any
     fig = go.Figure(layout=_layout("Compile timings", "seconds"))
     fig.update_layout(xaxis=dict(title=""))
     events = [e for e in events if e.get("kind") == "compile"]
-    per_size = _per_size_seconds(stats or (events[-1].get("stats") if events else None) or {})
+    if stats is None:  # the latest compile that reported statistics
+        stats = next((e["stats"] for e in reversed(events) if e.get("stats")), {})
+    per_size = _per_size_seconds(stats)
     if not events and not per_size:
         return _empty(fig, "no compile events yet: toggle compile mode")
     if events:

@@ -110,7 +110,7 @@ class RequestHandle:
         i = 0
         while True:
             with self._cond:
-                if not self._cond.wait_for(lambda: len(self._pieces) > i or self.done, timeout):
+                if not self._cond.wait_for(lambda i=i: len(self._pieces) > i or self.done, timeout):
                     raise TimeoutError(f"no new text from {self.request_id} within {timeout} s")
                 pieces, finished = self._pieces[i:], self.done
             i += len(pieces)

@@ -117,6 +117,7 @@ class StepAccumulator:
         row = {
             "t": time.time() - self.t0,
             "model": self.model,
+            "dt": dt,  # wall seconds this row covers
             "steps": self.steps,
             "prefill_tokens": self.prefill,
             "decode_tokens": self.decode,

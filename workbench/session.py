@@ -23,12 +23,12 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from runner_core import ModelRunner, RunnerConfig, RunnerError, SamplingParams
+from runner_core import ModelRunner, RunnerConfig, SamplingParams
 from runner_core.sequence import RequestOutput
 
 from workbench.handles import GenerationError, NoModelError, RequestHandle, SessionBusyError, SessionError
@@ -79,6 +79,9 @@ class ModelEntry:
 
 _CURRENT: "Session | None" = None
 _CURRENT_LOCK = threading.Lock()
+# Held around every call into a runner. runner_core keeps some per-step state in module globals
+# (the forward context), so two sessions' engine threads must not step at the same moment.
+_RUNNER_LOCK = threading.RLock()
 
 
 class Session:
@@ -141,7 +144,7 @@ class Session:
     @property
     def busy(self) -> bool:
         return bool(self._inflight) or self._loading is not None or any(
-            e.status == "compiling" for e in self._models.values())
+            e.status == "compiling" for e in self.models.values())
 
     @property
     def status(self) -> str:
@@ -150,13 +153,14 @@ class Session:
             return "closed"
         if self._loading:
             return f"loading {self._loading}…"
-        compiling = [e.name for e in self._models.values() if e.status == "compiling"]
+        models = self.models
+        compiling = [e.name for e in models.values() if e.status == "compiling"]
         if compiling:
             return f"compiling {compiling[0]}…"
         n = len(self._inflight)
         if n:
             return f"generating: {n} request{'s' * (n != 1)} in flight"
-        if not self._models:
+        if not models:
             return "no model loaded"
         return f"idle — active model: {self._active}"
 
@@ -185,7 +189,8 @@ class Session:
             try:
                 self._drain(block=not self._has_work())
                 for entry in list(self._models.values()):
-                    self._advance(entry)
+                    with _RUNNER_LOCK:
+                        self._advance(entry)
             except Exception:  # never let the engine thread die
                 logger.exception("workbench engine loop error")
                 time.sleep(0.05)
@@ -197,7 +202,8 @@ class Session:
             return
         while True:
             fn, fut = item
-            _run_into(fut, fn)
+            with _RUNNER_LOCK:
+                _run_into(fut, fn)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -225,6 +231,8 @@ class Session:
                 self._add(entry, handle)
         if not runner.has_unfinished_requests():
             return
+        if entry.acc.steps == 0:  # a row covers busy time only, not the idle time before it
+            entry.acc.start = time.perf_counter()
         try:
             outputs = runner.step()
         except Exception as exc:  # the model's requests fail; the session goes on
@@ -333,7 +341,8 @@ class Session:
             raise
         entry.load_seconds = time.perf_counter() - t0
         cfg = entry.runner.config
-        entry.compile = {"enabled": cfg.compile, "backend": cfg.compile_backend, "mode": cfg.compile_mode}
+        entry.compile = {"enabled": cfg.compile, "backend": cfg.compile_backend, "mode": cfg.compile_mode,
+                         "scope": getattr(cfg, "compile_scope", None)}
         entry.acc = StepAccumulator(entry.name, self.metrics.t0)
         entry.status = "ready"
         with self._lock:
@@ -404,16 +413,19 @@ class Session:
 
     # ---- compile mode ------------------------------------------------------------------------
     def set_compile_mode(self, compile: bool = True, backend: str | None = None, mode: str | None = None, *,
-                         model: str | None = None, when_idle: bool = False, wait: bool = True):
-        """Switch torch.compile on or off (backend, mode) on a loaded model, through the
-        runner's compile cache, without reloading weights. While generations run on it, the
-        switch is refused with SessionBusyError, or with when_idle=True queued until they
-        finish (new requests wait for it). Returns runner.compile_stats() (or a Future)."""
+                         scope: str | None = None, model: str | None = None, when_idle: bool = False,
+                         wait: bool = True):
+        """Switch torch.compile on or off (backend, mode, scope: model, layer, mlp, self_attn) on
+        a loaded model, through the runner's compile cache, without reloading weights.
+
+        While generations run on the model the switch is refused with SessionBusyError, or, with
+        when_idle=True, queued until they finish (new requests wait for it). Returns
+        runner.compile_stats() (or a Future of it with wait=False)."""
         entry = self._entry(model)
         if not hasattr(entry.runner, "set_compile_mode"):
             raise SessionError("this runner_core has no ModelRunner.set_compile_mode yet; reload the model "
                                "with compile=True instead")
-        kwargs = {"compile": bool(compile), "backend": backend, "mode": mode}
+        kwargs = {"compile": bool(compile), "backend": backend, "mode": mode, "scope": scope}
         busy = len(self.inflight(entry.name))
         if entry.status == "compiling" or entry.pending_compile:
             raise SessionBusyError(f"a compile mode switch of {entry.name!r} is already in progress; wait for it")
@@ -426,21 +438,26 @@ class Session:
 
         def queue_it():
             if entry.runner is None:
-                raise SessionError(f"model {entry.name!r} was unloaded")
-            if entry.runner.has_unfinished_requests() or entry.backlog:
+                fut.set_exception(SessionError(f"model {entry.name!r} was unloaded"))
+            elif entry.runner.has_unfinished_requests() or entry.backlog:
                 entry.pending_compile = (kwargs, fut)
+                entry.status = "ready"
                 self.metrics.add_event("compile_queued", model=entry.name, **kwargs)
             else:
                 _run_into(fut, lambda: self._apply_compile(entry, **kwargs))
 
-        self._call(queue_it).result()
+        if not busy:
+            entry.status = "compiling"  # visible at once, and submissions wait for the switch
+        self._call(queue_it)
         return fut.result() if wait else fut
 
-    def _apply_compile(self, entry: ModelEntry, compile: bool, backend: str | None, mode: str | None) -> dict:
+    def _apply_compile(self, entry: ModelEntry, compile: bool, backend: str | None, mode: str | None,
+                       scope: str | None = None) -> dict:
         entry.status = "compiling"
         t0 = time.perf_counter()
         try:
-            entry.runner.set_compile_mode(compile, backend=backend, mode=mode)
+            extra = {"scope": scope} if scope is not None else {}
+            entry.runner.set_compile_mode(compile, backend=backend, mode=mode, **extra)
         except Exception as exc:
             self.last_error = f"compile mode switch failed: {exc}"
             self.metrics.add_event("compile", model=entry.name, enabled=compile, backend=backend, mode=mode,
@@ -451,10 +468,13 @@ class Session:
         seconds = time.perf_counter() - t0
         stats = dict(entry.runner.compile_stats()) if hasattr(entry.runner, "compile_stats") else {}
         cfg = entry.runner.config
-        entry.compile = {"enabled": compile, "backend": stats.get("backend", backend or cfg.compile_backend),
-                         "mode": stats.get("mode", mode or cfg.compile_mode)}
+        entry.compile = {"enabled": stats.get("enabled", compile),
+                         "backend": stats.get("backend") or backend or cfg.compile_backend,
+                         "mode": stats.get("mode") or mode or cfg.compile_mode,
+                         "scope": stats.get("scope") or scope or getattr(cfg, "compile_scope", None)}
         self.metrics.add_event("compile", model=entry.name, enabled=compile, backend=entry.compile["backend"],
-                               mode=entry.compile["mode"], seconds=seconds, ok=True, stats=stats)
+                               mode=entry.compile["mode"], scope=entry.compile["scope"], seconds=seconds, ok=True,
+                               stats=stats)
         return stats
 
     def compile_stats(self, model: str | None = None) -> dict:
@@ -506,6 +526,8 @@ class Session:
                 return self._dispatch(handle.model, _aborted(handle))
             out = entry.runner.abort_request(handle.request_id) if entry and entry.runner else None
             self._dispatch(handle.model, out or _aborted(handle))
+            if out is not None and entry.status == "ready":
+                self._record(entry)  # its blocks are free now: show it
 
         if not self._closed:
             self._call(abort)
@@ -519,7 +541,7 @@ class Session:
             raise SessionError(f"workload size must be an int in [1, 1024], got {n!r}")
         rng = random.Random(seed)
         handles = []
-        for i in range(n):
+        for _ in range(n):
             words = [rng.choice(_WORDS) for _ in range(rng.randint(*prompt_words))]
             handles.append(self.submit(" ".join(words), model=model, max_tokens=rng.randint(*max_tokens),
                                        temperature=temperature, seed=rng.randrange(2**31)))
@@ -559,11 +581,12 @@ class Session:
                 return True
 
     # ---- views ------------------------------------------------------------------------------------
-    def dashboard(self, **kwargs):
-        """The Panel dashboard of this session, displayable inline in JupyterLab."""
+    def dashboard(self, inline_resources: bool = True, **kwargs):
+        """The Panel dashboard of this session, displayable inline in JupyterLab (its JavaScript
+        embedded, so it works offline; inline_resources=False loads it from a CDN)."""
         from workbench.panel_app import Dashboard
 
-        return Dashboard(self, **kwargs).inline()
+        return Dashboard(self, **kwargs).inline(inline_resources)
 
     def widgets(self, **kwargs):
         """Compact ipywidgets controls and live plotly charts for a notebook cell."""
@@ -584,6 +607,13 @@ class Session:
                 logger.exception("unloading %s at close failed", name)
         self._closed = True
         self._thread.join(timeout=5)
+        while True:  # commands that arrived too late: answer them rather than leave callers waiting
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if not fut.done():
+                fut.set_exception(SessionError("the session was closed"))
 
     def __repr__(self) -> str:
         return f"<workbench.Session: {self.status}; models: {', '.join(self._models) or 'none'}>"

@@ -1,0 +1,153 @@
+"""The Panel dashboard in a real browser: `python -m workbench serve` on a free port, driven by
+Debian's Chromium through Playwright. Loads tiny-llama by clicking, streams a generation,
+watches a chart gain points, and sees bad input reported in the page."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "test-output" / "workbench"
+CHROMIUM = "/usr/bin/chromium"
+# Headless, and no calls home: on a closed network Chromium's background connections fail loudly.
+CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-default-apps", "--disable-extensions"]
+SLOW = 90_000  # ms: loading and generating on a busy 2-core CPU
+
+
+def _require_browser():
+    if not Path(CHROMIUM).exists():
+        message = f"{CHROMIUM} is missing: `apt-get install -y chromium` (make test does it as root)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return pytest.importorskip("playwright.sync_api")
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_llama_path):
+    """The dashboard served by the CLI, as a user starts it; the URL it prints."""
+    proc = subprocess.Popen([sys.executable, "-m", "workbench", "serve", "--port", "0"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    lines: list[str] = []
+    found = threading.Event()
+    url: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"Workbench dashboard: (http://\S+)", line)
+            if m and not url:
+                url.append(m.group(1))
+                found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        if not found.wait(90):
+            pytest.fail("the server printed no URL:\n" + "".join(lines))
+        assert url[0].startswith("http://127.0.0.1:"), "binds loopback by default"
+        yield url[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def page(server_url):
+    sync_api = _require_browser()
+    OUT.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1350})
+        page.goto(server_url)
+        yield page
+        browser.close()
+
+
+def _points(page, chart: str) -> int:
+    return page.locator(f".wb-chart-{chart} .js-plotly-plot").evaluate(
+        "el => (el.data && el.data[0] && el.data[0].x) ? el.data[0].x.length : 0")
+
+
+def test_dashboard_end_to_end(page):
+    from playwright.sync_api import expect
+
+    error, info = page.locator(".wb-error"), page.locator(".wb-info")
+    status, answer, stats = page.locator(".wb-status"), page.locator(".wb-answer pre"), page.locator(".wb-answer-stats")
+    generate = page.get_by_role("button", name="Generate")
+    expect(page.get_by_role("button", name="Load model")).to_be_visible(timeout=SLOW)
+    expect(status).to_contain_text("no model loaded")
+
+    # bad input 1: generating with no model loaded
+    generate.click()
+    expect(error).to_contain_text("no model is loaded")
+
+    # load tiny-llama by clicking (room for a long generation); a second click while it loads is refused
+    page.locator(".wb-max-len input").fill("2048")
+    page.locator(".wb-max-len input").press("Enter")
+    page.get_by_role("button", name="Load model").click()
+    page.get_by_role("button", name="Load model").click()
+    expect(error).to_contain_text("still loading")
+    expect(info).to_contain_text("Load tiny-llama: done", timeout=SLOW)
+    expect(status).to_contain_text("active model: tiny-llama")
+    expect(page.locator(".wb-models")).to_contain_text("weights")
+    expect(page.locator(".wb-chart-memory .js-plotly-plot")).to_be_visible()
+
+    # bad input 2: zero max tokens
+    max_tokens = page.locator(".wb-max-tokens input")
+    max_tokens.fill("0")
+    max_tokens.press("Enter")
+    generate.click()
+    expect(error).to_contain_text("max_tokens got 0")
+    expect(status).to_contain_text("idle")  # nothing hung
+
+    # a streamed generation: text shows up while it is still running; then cancel it
+    max_tokens.fill("2000")  # ~3 s or more: time to see it stream, and to cancel it
+    max_tokens.press("Enter")
+    page.locator(".wb-ignore-eos input").check()
+    temperature = page.locator(".wb-temperature input")
+    temperature.fill("0")
+    temperature.press("Enter")
+    generate.click()
+    expect(stats).to_contain_text("tokens/s", timeout=SLOW)
+    expect(stats).not_to_contain_text("finished")
+    expect(answer).not_to_have_text("")
+    expect(error).to_be_hidden()
+    # bad input 3: switching compile mode during a generation is refused, with the reason
+    page.get_by_role("button", name="Apply compile mode").click()
+    expect(error).to_contain_text("while 1 generation is running")
+    page.get_by_role("button", name="Cancel").click()
+    expect(stats).to_contain_text("finished: abort", timeout=SLOW)
+
+    # a chart gains points; the block map shows requests holding blocks while a workload runs
+    expect(page.locator(".wb-chart-block-map")).to_contain_text("0 requests hold 0 of")  # the cancel freed them
+    before = _points(page, "throughput")
+    page.locator(".wb-workload-n input").fill("24")
+    page.locator(".wb-workload-n input").press("Enter")
+    page.get_by_role("button", name="Run workload").click()
+    plot = page.locator(".wb-chart-throughput .js-plotly-plot").element_handle()
+    page.wait_for_function("([el, n]) => el.data && el.data[0] && el.data[0].x.length > n", arg=[plot, before],
+                           timeout=SLOW)
+    page.screenshot(path=str(OUT / "dashboard-running.png"), full_page=True)
+    expect(page.locator(".wb-workload-status")).to_contain_text("24/24 requests done", timeout=SLOW)
+    assert _points(page, "throughput") > before
+
+    # bad input 4: a model directory that does not exist; the loaded model stays usable
+    page.locator(".wb-model-path input").fill("/nonexistent/model/dir")
+    page.locator(".wb-model-path input").press("Enter")
+    page.get_by_role("button", name="Load model").click()
+    expect(error).to_contain_text("model directory not found", timeout=SLOW)
+    expect(status).to_contain_text("active model: tiny-llama")
+    page.screenshot(path=str(OUT / "dashboard.png"), full_page=True)
+    assert (OUT / "dashboard.png").stat().st_size > 10_000

@@ -1,0 +1,69 @@
+"""session.widgets(): drive the ipywidgets controls with .value and .click() and check the session."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+import pytest
+
+from workbench import Session
+from workbench.widgets import WorkbenchWidgets
+
+
+@pytest.fixture(scope="module")
+def ui(tiny_llama_path):
+    s = Session()
+    w = WorkbenchWidgets(s, auto_refresh=False)
+    yield w
+    w.close()
+    s.close()
+
+
+def test_widgets_drive_the_session(ui):
+    s = ui.session
+    assert isinstance(s.widgets(auto_refresh=False), WorkbenchWidgets)  # what the notebook calls
+    assert all(isinstance(f, go.FigureWidget) for f in ui.figures.values())
+
+    ui.generate_button.click()  # nothing loaded yet: a message, not an exception
+    assert "no model is loaded" in ui.error.value
+
+    ui.model.value = "tiny-llama"
+    ui.load_button.click()
+    ui.load_button.click()  # pressing load twice
+    assert "still loading" in ui.error.value
+    ui.wait(120)
+    assert list(s.models) == ["tiny-llama"] and s.active == "tiny-llama"
+    assert ui.active.options == ("tiny-llama",) and ui.active.value == "tiny-llama"
+    assert "idle" in ui.status.value
+
+    ui.max_tokens.value = 0
+    ui.generate_button.click()
+    assert "max_tokens got 0" in ui.error.value and not s.inflight()
+
+    ui.prompt.value = "Once upon a time"
+    ui.max_tokens.value = 16
+    ui.temperature.value = 0.0
+    ui.generate_button.click()
+    assert ui.error.value == ""
+    ui.wait(60)
+    expected = s.generate("Once upon a time", max_tokens=16, temperature=0.0, timeout=60)
+    assert ui.output.value == expected.text and "finished" in ui.stats.value
+
+    points_before = len(ui.figures["throughput"].data[0].x or ())
+    ui.workload_n.value = 6
+    ui.workload_button.click()
+    assert len(ui.workload) == 6
+    ui.wait(120)
+    assert all(h.done for h in ui.workload)
+    throughput = ui.figures["throughput"]
+    assert len(throughput.data) == 3 and len(throughput.data[0].x) > points_before
+    assert len(ui.figures["memory"].data) >= 4 and ui.figures["block_map"].data[0].type == "heatmap"
+
+    ui.model_path.value = "/nonexistent/model/dir"
+    ui.load_button.click()
+    ui.wait(30)
+    assert "model directory not found" in ui.error.value and list(s.models) == ["tiny-llama"]
+    ui.model_path.value = ""
+
+    ui.unload_button.click()
+    ui.wait(30)
+    assert s.models == {} and ui.active.options == () and "no model loaded" in ui.status.value

@@ -1,0 +1,59 @@
+"""Command line: `python -m workbench serve [--port N] [--model NAME] [--address HOST]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from runner_core import RunnerError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m workbench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    srv = sub.add_parser("serve", help="serve the Panel dashboard")
+    srv.add_argument("--port", type=int, default=5006, help="port (0 picks a free one); default 5006")
+    srv.add_argument("--address", default="127.0.0.1",
+                     help="interface to bind; default 127.0.0.1 (loopback only). 0.0.0.0 exposes it to the network")
+    srv.add_argument("--model", default=None, help="load this preset or local directory before serving")
+    srv.add_argument("--dtype", default=None, help="dtype for --model (default float32)")
+    srv.add_argument("--device", default=None, help="device for --model (default: cuda when present, else cpu)")
+    srv.add_argument("--show", action="store_true", help="open a browser tab")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("bokeh").setLevel(logging.WARNING)
+    from workbench.panel_app import DEFAULT_LOAD, _default_device, load_config, serve
+    from workbench.session import Session
+
+    session = Session.current()
+    if args.model:
+        config = load_config(args.dtype or DEFAULT_LOAD["dtype"], args.device or _default_device(),
+                             DEFAULT_LOAD["kv_cache_memory_mib"], DEFAULT_LOAD["max_model_len"])
+        try:
+            entry = session.load_model(args.model, **config)
+        except RunnerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"loaded {entry.name} in {entry.load_seconds:.1f} s", flush=True)
+    server = serve(session, port=args.port, address=args.address, show=args.show)
+    print(f"Workbench dashboard: {server.url}", flush=True)
+    if args.address not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: bound to {args.address}: anyone who can reach this machine can use the dashboard",
+              flush=True)
+    server.start()
+    try:
+        server.io_loop.start()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""The Panel dashboard: a thin view over a `Session` (load/unload, compile mode, generation,
+a workload button, live charts). `python -m workbench serve` serves it; `session.dashboard()`
+shows it inline in JupyterLab. Every action calls a Session method; nothing here touches a runner.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import socket
+from concurrent.futures import Future
+from pathlib import Path
+
+import panel as pn
+
+from runner_core.models import preset_names
+from workbench import charts
+from workbench.session import Session
+
+logger = logging.getLogger("workbench")
+
+# What the dashboard (and `serve --model`) loads with unless told otherwise: a small KV pool
+# keeps the block map readable and the load fast on a laptop CPU.
+DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 1024}
+COMPILE_BACKENDS = ["inductor", "aot_eager", "eager"]
+COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "auto"]
+COMPILE_SCOPES = ["model", "layer", "mlp", "self_attn"]  # whole model, each decoder layer, module kinds
+REFRESH_MS = 500
+CHART_HISTORY = 600  # rows (at 0.1 s each while work runs)
+CHART_NAMES = ("throughput", "memory", "blocks", "waste", "block_map", "compile")
+
+
+def load_config(dtype: str, device: str, kv_cache_memory_mib: int | None, max_model_len: int | None) -> dict:
+    """RunnerConfig fields from the dashboard's load controls (0 or None means automatic)."""
+    config = {"dtype": dtype, "device": device}
+    if kv_cache_memory_mib:
+        config["kv_cache_memory"] = int(kv_cache_memory_mib) << 20
+    if max_model_len:
+        config["max_model_len"] = int(max_model_len)
+    return config
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Dashboard:
+    """One dashboard per browser session (or notebook cell) over a shared Session."""
+
+    def __init__(self, session: Session | None = None, refresh_ms: int = REFRESH_MS):
+        self.session = session or Session.current()
+        self.refresh_ms = refresh_ms
+        self.handle = None
+        self.workload: list = []
+        self.jobs: list[tuple[str, Future]] = []
+        self._chart_version = -1
+        self._chart_model = None
+        self._syncing = False
+        self._error_shown_for = None
+        self._build()
+        self.refresh()
+
+    # ---- layout ------------------------------------------------------------------------------
+    def _build(self) -> None:
+        w = pn.widgets
+        presets = preset_names()
+        self.model_select = w.Select(name="Model preset", options=presets, value=presets[0], css_classes=["wb-model"])
+        self.model_path = w.TextInput(name="…or a local Hugging Face directory", placeholder="/path/to/model",
+                                      css_classes=["wb-model-path"])
+        self.dtype = w.Select(name="dtype", options=["float32", "bfloat16", "float16", "auto"],
+                              value=DEFAULT_LOAD["dtype"], width=120)
+        device_options = ["cpu"] + (["cuda"] if _default_device() == "cuda" else [])
+        self.device = w.Select(name="device", options=device_options, value=_default_device(), width=120)
+        self.kv_mib = w.IntInput(name="KV cache MiB (0 = auto)", value=DEFAULT_LOAD["kv_cache_memory_mib"], start=0,
+                                 width=120)
+        self.max_len = w.IntInput(name="max_model_len (0 = model's)", value=DEFAULT_LOAD["max_model_len"], start=0,
+                                  width=120, css_classes=["wb-max-len"])
+        self.load_button = w.Button(name="Load model", button_type="primary", css_classes=["wb-load"])
+        self.unload_button = w.Button(name="Unload", button_type="default", css_classes=["wb-unload"])
+        self.active_select = w.Select(name="Active model", options=[], css_classes=["wb-active"])
+        self.compile_on = w.Checkbox(name="torch.compile", value=False, css_classes=["wb-compile"])
+        self.compile_backend = w.Select(name="backend", options=COMPILE_BACKENDS, value="inductor", width=120)
+        self.compile_mode = w.Select(name="mode", options=COMPILE_MODES, value="default", width=120)
+        self.compile_scope = w.Select(name="scope", options=COMPILE_SCOPES, value="model", width=120)
+        self.compile_button = w.Button(name="Apply compile mode", css_classes=["wb-apply-compile"])
+        self.spinner = pn.indicators.LoadingSpinner(value=False, size=22, name="")
+        self.status = pn.pane.Markdown("", css_classes=["wb-status"], margin=(0, 10))
+        self.models_md = pn.pane.Markdown("", css_classes=["wb-models"])
+
+        self.prompt = w.TextAreaInput(name="Prompt", value="Once upon a time", placeholder="Type a prompt…",
+                                      rows=3, css_classes=["wb-prompt"], sizing_mode="stretch_width")
+        self.max_tokens = w.IntInput(name="max tokens", value=64, width=100, css_classes=["wb-max-tokens"])
+        self.temperature = w.FloatInput(name="temperature", value=0.8, step=0.1, width=100,
+                                        css_classes=["wb-temperature"])
+        self.top_p = w.FloatInput(name="top p", value=1.0, step=0.05, width=100)
+        self.top_k = w.IntInput(name="top k (0 = off)", value=0, width=100)
+        self.ignore_eos = w.Checkbox(name="ignore EOS", value=False, css_classes=["wb-ignore-eos"], margin=(28, 10))
+        self.generate_button = w.Button(name="Generate", button_type="primary", css_classes=["wb-generate"])
+        self.cancel_button = w.Button(name="Cancel", css_classes=["wb-cancel"])
+        self.answer = pn.pane.HTML(_pre(""), css_classes=["wb-answer"], sizing_mode="stretch_width",
+                                   styles={"min-height": "4em"})
+        self.answer_stats = pn.pane.Markdown("", css_classes=["wb-answer-stats"])
+        self.workload_n = w.IntInput(name="requests", value=16, start=1, end=1024, width=100,
+                                     css_classes=["wb-workload-n"])
+        self.workload_button = w.Button(name="Run workload", css_classes=["wb-workload"])
+        self.workload_md = pn.pane.Markdown("", css_classes=["wb-workload-status"])
+        self.error = pn.pane.Alert("", alert_type="danger", visible=False, css_classes=["wb-error"],
+                                   sizing_mode="stretch_width")
+        self.info = pn.pane.Alert("", alert_type="info", visible=False, css_classes=["wb-info"],
+                                  sizing_mode="stretch_width")
+        self.charts = {name: pn.pane.Plotly(fig, height=charts.HEIGHT + 10, sizing_mode="stretch_width",
+                                            css_classes=[f"wb-chart-{name.replace('_', '-')}"],
+                                            config={"displaylogo": False, "responsive": True})
+                       for name, fig in charts.all_figures([]).items()}
+
+        self.load_button.on_click(lambda e: self.on_load())
+        self.unload_button.on_click(lambda e: self.on_unload())
+        self.compile_button.on_click(lambda e: self.on_compile())
+        self.generate_button.on_click(lambda e: self.on_generate())
+        self.cancel_button.on_click(lambda e: self.on_cancel())
+        self.workload_button.on_click(lambda e: self.on_workload())
+        self.active_select.param.watch(self._on_active, "value")
+
+        sidebar = pn.Column(
+            "### Model", self.model_select, self.model_path, pn.Row(self.dtype, self.device),
+            pn.Row(self.kv_mib, self.max_len), pn.Row(self.load_button, self.unload_button), self.active_select,
+            self.models_md, pn.layout.Divider(), "### Compile", self.compile_on,
+            pn.Row(self.compile_backend, self.compile_mode), self.compile_scope, self.compile_button,
+            width=290, styles={"background": "#f6f8fa", "border-radius": "6px"}, margin=(0, 10, 0, 0))
+        generation = pn.Column(
+            self.prompt, pn.Row(self.max_tokens, self.temperature, self.top_p, self.top_k, self.ignore_eos),
+            pn.Row(self.generate_button, self.cancel_button), self.answer, self.answer_stats,
+            pn.Row(pn.pane.Markdown("**Workload** — fire N random requests to watch continuous batching:"),
+                   self.workload_n, self.workload_button),
+            self.workload_md, sizing_mode="stretch_width")
+        grid = pn.GridBox(*(self.charts[n] for n in CHART_NAMES), ncols=2, sizing_mode="stretch_width")
+        header = pn.Row(pn.pane.Markdown("## runner-workbench", margin=(0, 10)), self.spinner, self.status,
+                        sizing_mode="stretch_width")
+        main = pn.Column(self.error, self.info, generation, grid, sizing_mode="stretch_width")
+        self.layout = pn.Column(header, pn.Row(sidebar, main, sizing_mode="stretch_width"),
+                                sizing_mode="stretch_width", css_classes=["wb-dashboard"])
+
+    # ---- messages -------------------------------------------------------------------------------
+    def show_error(self, message: str) -> None:
+        logger.warning("dashboard: %s", message)
+        self.error.object = html.escape(message)
+        self.error.visible = True
+
+    def show_info(self, message: str) -> None:
+        self.info.object = html.escape(message)
+        self.info.visible = True
+
+    def clear_messages(self) -> None:
+        self.error.visible = False
+        self.info.visible = False
+
+    def _guard(self, action: str, fn):
+        """Run a Session call; a raised error becomes the page's message."""
+        self.clear_messages()
+        try:
+            return fn()
+        except Exception as exc:  # shown, not swallowed: the session stays usable
+            self.show_error(f"{action}: {exc}")
+            return None
+
+    # ---- actions -----------------------------------------------------------------------------------
+    def on_load(self) -> None:
+        path = self.model_path.value.strip()
+        model = str(Path(path).expanduser().resolve()) if path else self.model_select.value
+        config = load_config(self.dtype.value, self.device.value, self.kv_mib.value, self.max_len.value)
+        already = model in self.session.models
+        fut = self._guard("Load", lambda: self.session.load_model(model, wait=False, **config))
+        if fut is not None and already:
+            self.show_info(f"{model} is already loaded; it is the active model now")
+        elif fut is not None:
+            self.jobs.append((f"Load {model}", fut))
+            self.show_info(f"Loading {model}…")
+
+    def on_unload(self) -> None:
+        fut = self._guard("Unload", lambda: self.session.unload(wait=False))
+        if fut is not None:
+            self.jobs.append(("Unload", fut))
+
+    def on_compile(self) -> None:
+        fut = self._guard("Compile mode", lambda: self.session.set_compile_mode(
+            self.compile_on.value, backend=self.compile_backend.value, mode=self.compile_mode.value,
+            scope=self.compile_scope.value, wait=False))
+        if fut is not None:
+            label = "compile " + ("on" if self.compile_on.value else "off")
+            self.jobs.append((label, fut))
+            self.show_info(f"Switching {label} ({self.compile_backend.value}, {self.compile_mode.value}, "
+                           f"scope {self.compile_scope.value})…")
+
+    def on_generate(self) -> None:
+        top_k = self.top_k.value or 0
+        handle = self._guard("Generate", lambda: self.session.submit(
+            self.prompt.value, max_tokens=self.max_tokens.value, temperature=self.temperature.value,
+            top_p=self.top_p.value, top_k=top_k, ignore_eos=self.ignore_eos.value))
+        if handle is not None:
+            self.handle = handle
+            self._error_shown_for = None
+            self.answer.object = _pre("")
+            self.answer_stats.object = "_generating…_"
+
+    def on_cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+        for h in self.workload:
+            h.cancel()
+
+    def on_workload(self) -> None:
+        handles = self._guard("Workload", lambda: self.session.run_workload(int(self.workload_n.value)))
+        if handles:
+            self.workload = handles
+
+    def _on_active(self, event) -> None:
+        if self._syncing or not event.new:
+            return
+        self._guard("Switch model", lambda: self.session.use(event.new))
+
+    # ---- the periodic refresh ---------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Copy session state into the widgets; redraw charts when the metrics changed."""
+        try:
+            with pn.io.hold():  # one batched update per refresh
+                self._refresh()
+        except Exception as exc:  # a view bug must not kill the periodic callback
+            logger.exception("dashboard refresh failed")
+            self.show_error(f"dashboard refresh failed: {exc}")
+
+    def _refresh(self) -> None:
+        s = self.session
+        self.status.object = f"**{html.escape(s.status)}**"
+        self.spinner.value = s.busy
+        for label, fut in list(self.jobs):
+            if fut.done():
+                self.jobs.remove((label, fut))
+                exc = fut.exception()
+                if exc is not None:
+                    self.info.visible = False
+                    self.show_error(f"{label}: {exc}")
+                else:
+                    self.show_info(f"{label}: done" + _describe(fut.result()))
+        models = s.models
+        self._sync_models(models)
+        h = self.handle
+        if h is not None:
+            self.answer.object = _pre(h.text)
+            rate = h.tokens_per_s
+            parts = [f"{h.num_tokens} tokens"] + ([f"{rate:.1f} tokens/s"] if rate else [])
+            if h.done:
+                parts.append(f"finished: {h.finish_reason}")
+                if h.exception is not None and self._error_shown_for is not h:
+                    self._error_shown_for = h
+                    self.show_error(f"Generate: {h.exception}")
+            self.answer_stats.object = " · ".join(parts)
+        if self.workload:
+            done = sum(x.done for x in self.workload)
+            tokens = sum(x.num_tokens for x in self.workload)
+            self.workload_md.object = f"workload: {done}/{len(self.workload)} requests done, {tokens} tokens"
+        version = s.metrics.version
+        if version != self._chart_version or s.active != self._chart_model:
+            self._chart_version, self._chart_model = version, s.active
+            rows = s.metrics.rows(model=s.active, last=CHART_HISTORY) if s.active else []
+            figures = charts.all_figures(rows, s.metrics.events(), s.block_map())
+            for name, fig in figures.items():
+                self.charts[name].object = fig
+
+    def _sync_models(self, models: dict) -> None:
+        names = list(models)
+        self._syncing = True
+        try:
+            if self.active_select.options != names:
+                self.active_select.options = names
+            if self.session.active != self.active_select.value:
+                self.active_select.value = self.session.active
+        finally:
+            self._syncing = False
+        lines = [f"- **{e.name}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB, "
+                 f"KV {e.kv_pool_bytes / 2**20:.1f} MiB, "
+                 f"{'compiled ' + str(e.compile.get('backend')) if e.compile.get('enabled') else 'eager'}"
+                 for e in models.values()]
+        text = "\n".join(lines) or "_no model loaded_"
+        if self.models_md.object != text:
+            self.models_md.object = text
+
+    # ---- display -----------------------------------------------------------------------------------
+    def start(self) -> "Dashboard":
+        """Attach the periodic refresh to the current document (a browser session or notebook)."""
+        pn.state.add_periodic_callback(self.refresh, period=self.refresh_ms)
+        return self
+
+    def inline(self, inline_resources: bool = True):
+        """The layout, refreshing itself, for display in a notebook cell. Panel's JavaScript is
+        embedded in the output (works offline; a few MB in a saved notebook); with
+        inline_resources=False it is loaded from a CDN instead."""
+        pn.extension("plotly", inline=inline_resources)
+        self.start()
+        return self.layout
+
+    def servable(self):
+        return self.start().layout
+
+
+def _pre(text: str) -> str:
+    return (f'<pre style="white-space: pre-wrap; word-break: break-word; margin: 0; padding: 8px; '
+            f'background: #fbfbfd; border: 1px solid #e3e6ea; border-radius: 4px; min-height: 2.5em">'
+            f"{html.escape(text)}</pre>")
+
+
+def _describe(result) -> str:
+    if isinstance(result, dict) and "freed_bytes" in result:
+        return f" ({result['name']} unloaded, {result['freed_bytes'] / 2**20:.1f} MiB freed)"
+    if isinstance(result, dict) and "enabled" in result:
+        if not result["enabled"]:
+            return f" (eager{': ' + str(result['reason']) if result.get('reason') else ''})"
+        return (f" ({result.get('backend')}/{result.get('mode')}, scope {result.get('scope')}, "
+                f"cache {result.get('cache')})")
+    if hasattr(result, "load_seconds") and result.load_seconds is not None:
+        return f" ({result.name} in {result.load_seconds:.1f} s)"
+    return ""
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def serve(session: Session | None = None, *, port: int = 0, address: str = "127.0.0.1", show: bool = False,
+          threaded: bool = False, **kwargs):
+    """Serve the dashboard (one Dashboard per browser tab, one shared Session). Binds loopback
+    unless `address` says otherwise. Returns the server (a stoppable thread with threaded=True)."""
+    session = session or Session.current()
+    port = port or free_port(address)
+    local = address in ("127.0.0.1", "localhost", "::1")
+    origins = [f"127.0.0.1:{port}", f"localhost:{port}"] if local else "*"
+    pn.extension("plotly")
+
+    def app():
+        return Dashboard(session).servable()
+
+    server = pn.serve(app, port=port, address=address, websocket_origin=origins, show=show, threaded=threaded,
+                      title="runner-workbench", verbose=False, start=threaded, **kwargs)
+    server.url = f"http://{'127.0.0.1' if address in ('127.0.0.1', 'localhost') else address}:{port}/"
+    return server
+

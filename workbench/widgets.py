@@ -1,0 +1,244 @@
+"""ipywidgets controls with live plotly FigureWidgets (through anywidget) for a notebook cell:
+a thin view over a `Session`, like the Panel dashboard but compact.
+
+    w = session.widgets()      # display it: the last expression of a cell
+    w.prompt.value = "Hello"; w.generate_button.click(); w.wait(); w.output.value
+
+Refreshing runs as a task on the kernel's event loop (between cell executions), or on a
+daemon thread outside a kernel; `refresh()` can also be called directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import threading
+import weakref
+from concurrent.futures import Future
+from pathlib import Path
+
+import ipywidgets as W
+import plotly.graph_objects as go
+
+from runner_core.models import preset_names
+from workbench import charts
+from workbench.panel_app import COMPILE_BACKENDS, COMPILE_MODES, DEFAULT_LOAD, _default_device, load_config
+from workbench.session import Session
+
+FIGURES = ("throughput", "memory", "blocks", "block_map")
+CHART_HISTORY = 600
+FIGURE_WIDTH = 470  # two side by side in a notebook cell
+
+
+class WorkbenchWidgets(W.VBox):
+    """Load/unload, compile mode, prompt and sampling, workload, status and live charts."""
+
+    def __init__(self, session: Session | None = None, *, auto_refresh: bool = True, interval: float = 0.5,
+                 figures: tuple[str, ...] = FIGURES):
+        self.session = session or Session.current()
+        self.interval = interval
+        self.handle = None
+        self.workload: list = []
+        self.jobs: list[tuple[str, Future]] = []
+        self._chart_version = -1
+        self._syncing = False
+        self._closed = False
+        self._error_shown_for = None
+        layout = W.Layout(width="auto")
+        presets = preset_names()
+        self.model = W.Dropdown(options=presets, value=presets[0], description="Model")
+        self.model_path = W.Text(placeholder="/path/to/hf/model (optional)", description="or path")
+        self.load_button = W.Button(description="Load", button_style="primary", icon="download")
+        self.unload_button = W.Button(description="Unload", icon="eject")
+        self.active = W.Dropdown(options=[], description="Active")
+        self.compile = W.Checkbox(value=False, description="torch.compile", indent=False)
+        self.compile_backend = W.Dropdown(options=COMPILE_BACKENDS, value="inductor", description="backend")
+        self.compile_mode = W.Dropdown(options=COMPILE_MODES, value="default", description="mode")
+        self.compile_button = W.Button(description="Apply compile mode")
+        self.prompt = W.Textarea(value="Once upon a time", placeholder="Prompt", layout=W.Layout(width="98%"))
+        self.max_tokens = W.IntText(value=48, description="max tokens")
+        self.temperature = W.FloatText(value=0.8, description="temperature", step=0.1)
+        self.generate_button = W.Button(description="Generate", button_style="success", icon="play")
+        self.cancel_button = W.Button(description="Cancel", icon="stop")
+        self.output = W.Textarea(value="", disabled=True, layout=W.Layout(width="98%", height="6em"))
+        self.stats = W.HTML("")
+        self.workload_n = W.BoundedIntText(value=16, min=1, max=1024, description="requests")
+        self.workload_button = W.Button(description="Run workload", icon="bolt")
+        self.status = W.HTML("")
+        self.error = W.HTML("")
+        empty = charts.all_figures([])
+        self.figures = {name: go.FigureWidget(empty[name].update_layout(width=FIGURE_WIDTH)) for name in figures}
+
+        self.load_button.on_click(lambda _: self.on_load())
+        self.unload_button.on_click(lambda _: self.on_unload())
+        self.compile_button.on_click(lambda _: self.on_compile())
+        self.generate_button.on_click(lambda _: self.on_generate())
+        self.cancel_button.on_click(lambda _: self.on_cancel())
+        self.workload_button.on_click(lambda _: self.on_workload())
+        self.active.observe(self._on_active, names="value")
+
+        controls = W.VBox([
+            W.HBox([self.model, self.model_path]),
+            W.HBox([self.load_button, self.unload_button, self.active]),
+            W.HBox([self.compile, self.compile_backend, self.compile_mode, self.compile_button]),
+        ])
+        generation = W.VBox([self.prompt, W.HBox([self.max_tokens, self.temperature]),
+                             W.HBox([self.generate_button, self.cancel_button]), self.output, self.stats,
+                             W.HBox([self.workload_n, self.workload_button])])
+        figs = list(self.figures.values())
+        grid = W.VBox([W.HBox(figs[i:i + 2]) for i in range(0, len(figs), 2)])
+        super().__init__([self.status, self.error, controls, generation, grid], layout=layout)
+        self.refresh()
+        if auto_refresh:
+            self._start_auto_refresh()
+
+    # ---- messages -----------------------------------------------------------------------------
+    def show_error(self, message: str) -> None:
+        self.error.value = f'<div style="color:#b00020"><b>Error:</b> {html.escape(message)}</div>'
+
+    def _guard(self, action: str, fn):
+        self.error.value = ""
+        try:
+            return fn()
+        except Exception as exc:
+            self.show_error(f"{action}: {exc}")
+            return None
+
+    # ---- actions ----------------------------------------------------------------------------------
+    def on_load(self) -> None:
+        path = self.model_path.value.strip()
+        model = str(Path(path).expanduser().resolve()) if path else self.model.value
+        config = load_config(DEFAULT_LOAD["dtype"], _default_device(), DEFAULT_LOAD["kv_cache_memory_mib"],
+                             DEFAULT_LOAD["max_model_len"])
+        fut = self._guard("Load", lambda: self.session.load_model(model, wait=False, **config))
+        if fut is not None:
+            self.jobs.append((f"Load {model}", fut))
+
+    def on_unload(self) -> None:
+        fut = self._guard("Unload", lambda: self.session.unload(wait=False))
+        if fut is not None:
+            self.jobs.append(("Unload", fut))
+
+    def on_compile(self) -> None:
+        fut = self._guard("Compile mode", lambda: self.session.set_compile_mode(
+            self.compile.value, backend=self.compile_backend.value, mode=self.compile_mode.value, wait=False))
+        if fut is not None:
+            self.jobs.append(("Compile mode", fut))
+
+    def on_generate(self) -> None:
+        handle = self._guard("Generate", lambda: self.session.submit(
+            self.prompt.value, max_tokens=self.max_tokens.value, temperature=self.temperature.value))
+        if handle is not None:
+            self.handle = handle
+            self.output.value = ""
+
+    def on_cancel(self) -> None:
+        for h in [self.handle, *self.workload]:
+            if h is not None:
+                h.cancel()
+
+    def on_workload(self) -> None:
+        handles = self._guard("Workload", lambda: self.session.run_workload(int(self.workload_n.value)))
+        if handles:
+            self.workload = handles
+
+    def _on_active(self, change) -> None:
+        if not self._syncing and change["new"]:
+            self._guard("Switch model", lambda: self.session.use(change["new"]))
+
+    # ---- refresh --------------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Copy the session's state into the widgets and charts."""
+        s = self.session
+        self.status.value = f"<b>{html.escape(s.status)}</b>"
+        for label, fut in list(self.jobs):
+            if fut.done():
+                self.jobs.remove((label, fut))
+                if fut.exception() is not None:
+                    self.show_error(f"{label}: {fut.exception()}")
+        self._syncing = True
+        try:
+            names = list(s.models)
+            if list(self.active.options) != names:
+                self.active.options = names
+            if s.active != self.active.value:
+                self.active.value = s.active
+        finally:
+            self._syncing = False
+        h = self.handle
+        if h is not None:
+            self.output.value = h.text
+            rate = h.tokens_per_s
+            self.stats.value = (f"{h.num_tokens} tokens" + (f" · {rate:.1f} tokens/s" if rate else "")
+                                + (f" · finished: {h.finish_reason}" if h.done else ""))
+            if h.exception is not None and self._error_shown_for is not h:
+                self._error_shown_for = h
+                self.show_error(f"Generate: {h.exception}")
+        if s.metrics.version != self._chart_version:
+            self._chart_version = s.metrics.version
+            rows = s.metrics.rows(model=s.active, last=CHART_HISTORY) if s.active else []
+            new = charts.all_figures(rows, s.metrics.events(), s.block_map())
+            for name, widget in self.figures.items():
+                _update_figure(widget, new[name])
+
+    def wait(self, timeout: float = 120.0) -> "WorkbenchWidgets":
+        """Wait for pending loads/unloads/compiles and running requests, then refresh."""
+        for _, fut in list(self.jobs):
+            try:
+                fut.result(timeout)
+            except Exception:
+                pass  # shown by refresh()
+        self.session.wait_idle(timeout)
+        self.refresh()
+        return self
+
+    def _start_auto_refresh(self) -> None:
+        ref = weakref.ref(self)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:  # a kernel: refresh between cell executions, on the kernel's loop
+            async def tick():
+                while (w := ref()) is not None and not w._closed:
+                    w._safe_refresh()
+                    interval = w.interval
+                    del w
+                    await asyncio.sleep(interval)
+
+            self._task = loop.create_task(tick())
+        else:
+            def run():
+                while (w := ref()) is not None and not w._closed:
+                    w._safe_refresh()
+                    interval = w.interval
+                    del w
+                    threading.Event().wait(interval)
+
+            threading.Thread(target=run, name="workbench-widgets", daemon=True).start()
+
+    def _safe_refresh(self) -> None:
+        try:
+            self.refresh()
+        except Exception as exc:  # keep refreshing
+            self.show_error(f"refresh failed: {exc}")
+
+    def close(self) -> None:
+        self._closed = True
+        super().close()
+
+
+def _update_figure(widget: go.FigureWidget, fig: go.Figure) -> None:
+    """Make `widget` show `fig`, updating traces in place when their number and types match."""
+    same = len(widget.data) == len(fig.data) and all(a.type == b.type for a, b in zip(widget.data, fig.data))
+    if not same:
+        widget.data = []
+        widget.add_traces(list(fig.data))
+    with widget.batch_update():
+        if same:
+            for old, new in zip(widget.data, fig.data):
+                props = new.to_plotly_json()
+                props.pop("type", None)
+                old.update(props, overwrite=True)
+        widget.layout.annotations = fig.layout.annotations
+        widget.layout.title = fig.layout.title
