@@ -2,9 +2,10 @@
 
 from runner_core.config import RunnerConfig
 from runner_core.errors import (CompileError, ConfigError, EngineBusyError, EngineNotReadyError, InvalidRequestError,
-                                 ModelLoadError, RunnerError)
+                                 ModelLoadError, RunnerError, WorkerError)
 from runner_core.memory import MemoryEstimate, estimate_memory
 from runner_core.model_runner import ModelRunner, StreamDelta
+from runner_core.parallel_plan import ParallelSuggestion, suggest_parallel_config
 from runner_core.sampling import SamplingParams
 from runner_core.sequence import RequestOutput
 
@@ -12,5 +13,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompileError", "MemoryEstimate", "estimate_memory", "ConfigError", "EngineBusyError", "EngineNotReadyError", "InvalidRequestError", "ModelLoadError", "ModelRunner",
-    "RequestOutput", "RunnerConfig", "RunnerError", "SamplingParams", "StreamDelta",
+    "ParallelSuggestion", "RequestOutput", "RunnerConfig", "RunnerError", "SamplingParams", "StreamDelta",
+    "WorkerError", "suggest_parallel_config",
 ]

@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="ranks splitting each layer (spawned here, or the ranks of torchrun)")
+    gen.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     return parser
@@ -33,8 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        runner = ModelRunner(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
-        runner.load_model()
+        runner = ModelRunner(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                             tensor_parallel_size=args.tensor_parallel_size,
+                             pipeline_parallel_size=args.pipeline_parallel_size)
+        runner.load_model()  # under torchrun, ranks > 0 serve rank 0 in here and exit with it
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
         if args.stream:
@@ -52,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunnerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if "runner" in locals():
+            runner.shutdown()
     return 0
 
 

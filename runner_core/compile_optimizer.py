@@ -1,14 +1,59 @@
-"""CompileOptimizer: torch.compile of the model's flat-batch forward, with a persistent cache.
+"""CompileOptimizer: the model's flat-batch forward compiled by inductor, with a persistent cache
+whose warm start skips tracing.
 
-What is compiled is `model(input_ids [N], positions [N]) -> hidden [N, H]`; attention is an
-opaque custom op, so graphs neither break nor recompile per sequence, and N is a dynamic
-dimension (1 is specialised, as dynamo does), so a continuous-batching workload needs two
-graphs after warm-up. Scopes: the whole model, each decoder layer (regional: one compile
-reused by every layer), or named module kinds ("mlp", "self_attn").
+What is compiled is `model(input_ids [N], positions [N]) -> hidden [N, H]` (scope "model"), each
+decoder layer (scope "layer": one compiled program reused by every layer), or named module kinds
+("mlp", "self_attn"). Attention is an opaque custom op (`runner_core::paged_attention`), so graphs
+neither break nor recompile per sequence, and the token count N is a dynamic dimension.
 
-The cache is torch's own: after warm-up the inductor/AOTAutograd artifacts are saved with
-`torch.compiler.save_cache_artifacts` into `compile_cache_dir/<key>/`, where the key hashes
-everything that changes the generated code; a later process loads them before compiling.
+Two routes, chosen per optimizer (`compile_stats()["warm_start"]` says which and why):
+
+* **aoti** (CPU + inductor, single rank; the default there). The first warm-up call exports the
+  target module with `torch.export` (weights, rotary tables and the KV-pool slice are *inputs*,
+  so one program serves every layer and a re-bound or shrunk pool needs nothing; N is one dynamic
+  dimension >= 1, the KV-pool slot count is dynamic too) and compiles it with AOTInductor into
+  `compile_cache_dir/<key>/aoti.pt2`. Every later start loads that package with
+  `torch._C._aoti.AOTIModelPackageLoader`: a zip extract and a dlopen, no dynamo, no inductor,
+  not even their imports, and no dependence on `TORCHINDUCTOR_CACHE_DIR`. The custom op runs
+  through AOTInductor's proxy executor, i.e. the dispatcher calls our Python kernel, which reads
+  the forward context as in eager. There are no dynamo guards at run time, so each call checks
+  what the package assumes (tensor args, dtype, device, trailing dims, contiguity, one shared N);
+  anything else runs eager and counts in `recompiles_after_warmup`.
+* **jit** (fallback; other backends, CUDA, parallel ranks, `RUNNER_CORE_WARM_START=jit`, or an
+  AOTInductor failure, which is remembered in the key's folder). `nn.Module.compile(dynamic=True,
+  fullgraph=True)`: dynamo specialises N=1, so a continuous-batching workload needs two graphs
+  after warm-up. The inductor/AOTAutograd artifacts are saved with
+  `torch.compiler.save_cache_artifacts` into `<key>/artifacts.bin` and hot-loaded by a later
+  process before compiling; dynamo still traces at every start.
+
+Why aoti (small-llama, fp32, 2 shared CPU cores, noisy; seconds from "compile requested" to
+"warm-up done", fresh process; cold = empty compile cache and empty inductor cache):
+
+    scope   route                                cold s   warm s   warm s, empty inductor dir
+    layer   jit: mega-cache (the old route)       32.3     5.4      15.7
+    layer   torch._dynamo aot_compile (precompile) 25.5    4.1      14.0
+    layer   AOTInductor, N=1 + dynamic packages   49.4     3.3       7.7
+    layer   AOTInductor, one dynamic package      17.7     ~0.1 (loader only, imports skipped)
+    model   jit: mega-cache                       34.3    10.1
+    model   torch._dynamo aot_compile             32.8     2.6
+    model   AOTInductor, N=1 + dynamic packages   48.0     2.7
+
+About 2.5 s of every warm figure above that imports inductor is `import torch._dynamo` (~1.4 s)
+and inductor's vector-ISA probe (~1 s, a compile plus a child process); the direct loader needs
+neither. `aot_compile` (dynamo precompile) keeps guards but its artifacts still need the
+inductor kernel cache (an empty TORCHINDUCTOR_CACHE_DIR recompiles every kernel), it must be
+loaded under the inference mode it was traced in (dispatch-key guards), it needs
+`specialize_float` and a Python guard check per call; `TORCH_CACHING_PRECOMPILE=1` (dynamo's
+own cache in the mega-cache) failed on load ("Name '__builtins_dict___2' already exists").
+Steady-state forward (min of 30 calls, layer scope, ms at N=1 / 32 / 256): eager 10.3/19.3/104,
+jit 10.2/19.8/-, aot_compile 9.7/18.8/81.7, AOTInductor 9.1/17.4/81.7; an N=1-specialised
+package is no faster than the dynamic one at N=1 (9.06 vs 9.12 ms), so one dynamic package.
+`benchmarks/compile.py` measures the kept routes.
+
+The key hashes everything that changes the generated code (model config, the model's parameter
+layout and pipeline stage, dtype, device and CPU flags, compile options, torch and project
+versions, traced sources). Files are written to a temporary name and renamed; reads verify a
+sha256 from the folder's metadata; a corrupt entry is discarded with a warning and rebuilt.
 """
 
 from __future__ import annotations
@@ -18,7 +63,9 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,9 +78,15 @@ logger = logging.getLogger("runner_core")
 
 SCOPES = ("model", "layer", "mlp", "self_attn")
 TRACED_SOURCES = ("models/llama.py", "layers/linear.py", "layers/embedding.py", "layers/norm.py",
-                  "layers/rotary.py", "layers/activation.py", "layers/attention.py", "forward_context.py")
-ARTIFACTS = "artifacts.bin"
+                  "layers/rotary.py", "layers/activation.py", "layers/attention.py", "forward_context.py",
+                  "compile_optimizer.py")  # the last: its export wrapper is traced into AOTInductor packages
+ARTIFACTS = "artifacts.bin"  # jit route: torch.compiler.save_cache_artifacts
 META = "meta.json"
+AOTI_PACKAGE = "aoti.pt2"  # aoti route: the AOTInductor package
+AOTI_META = "aoti.json"
+AOTI_FAILED = "aoti.failed"  # AOTInductor failed for this key: later starts go straight to jit
+WARM_START_ENV = "RUNNER_CORE_WARM_START"  # "jit" forces the torch.compile route
+ROUTES = ("aoti", "jit")
 
 
 def has_cxx_compiler() -> bool:
@@ -70,6 +123,13 @@ class CompileSettings:
             opts["mode"] = self.mode
         return opts
 
+    @property
+    def inductor_configs(self) -> dict:
+        """The mode as inductor settings for AOTInductor (CUDA-graph ones dropped: CPU only)."""
+        import torch._inductor
+
+        return {k: v for k, v in torch._inductor.list_mode_options(self.mode).items() if "cudagraph" not in k}
+
 
 def source_digest() -> str:
     root = Path(__file__).parent
@@ -79,15 +139,40 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def cache_key_factors(hf_config, dtype: torch.dtype, device: torch.device, settings: CompileSettings) -> dict:
+def cpu_fingerprint() -> str:
+    """Machine and CPU feature flags: generated C++ is built for the host's vector ISA."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        flags = "".join(line for line in info.splitlines() if line.startswith(("flags", "Features")))
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:16]
+
+
+def model_layout(model: nn.Module) -> str:
+    """Parameter and buffer names, shapes and dtypes (tensor-parallel shards and pipeline stages
+    differ), and the pipeline stage's position; the KV-pool size is left out (it is dynamic)."""
+    h = hashlib.sha256()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        shape = "pool" if name.endswith("kv_cache") else tuple(t.shape)
+        h.update(f"{name}:{shape}:{t.dtype};".encode())
+    stage = getattr(getattr(model, "model", None), "stage", None)
+    if stage is not None:
+        h.update(f"stage:{stage.is_first}:{stage.is_last}".encode())
+    return h.hexdigest()[:16]
+
+
+def cache_key_factors(hf_config, dtype: torch.dtype, device: torch.device, settings: CompileSettings,
+                      model: nn.Module | None = None) -> dict:
     from runner_core import __version__
 
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return {
+    factors = {
         "model_config": hashlib.sha256(hf_config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
         "dtype": str(dtype),
         "device": device.type,
         "capability": capability,
+        "cpu": cpu_fingerprint() if device.type == "cpu" else None,
         "backend": settings.backend,
         "mode": settings.mode,
         "scope": settings.scope,
@@ -95,6 +180,9 @@ def cache_key_factors(hf_config, dtype: torch.dtype, device: torch.device, setti
         "runner_core": __version__,
         "sources": source_digest()[:16],
     }
+    if model is not None:
+        factors["layout"] = model_layout(model)
+    return factors
 
 
 def cache_key(factors: dict) -> str:
@@ -112,12 +200,205 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def _dynamo_counters() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far in this process; (0, 0) if dynamo never loaded."""
+    if "torch._dynamo" not in sys.modules:
+        return 0, 0
     from torch._dynamo.utils import counters
 
     return sum(counters["stats"].get(k, 0) for k in ("unique_graphs",)), sum(counters["graph_break"].values())
 
 
+def _vec_isa_list() -> list[str] | None:
+    """The vector ISAs inductor found working in this process (probed by its first compile)."""
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    except Exception:
+        return None
+
+
+def _prime_vec_isa(recorded: list[str] | None) -> bool:
+    """Skip inductor's vector-ISA probe (~1 s: a C++ build and a child process per start) when
+    the CPU claims exactly the ISAs the probe accepted when this key was compiled (the key holds
+    the CPU flags). `cpp.vec_isa_ok` is patched only while the list is computed, so compile
+    settings, and with them inductor's cache keys, are unchanged."""
+    if not recorded:
+        return False
+    try:
+        import torch._inductor.config as inductor_config
+        from torch._inductor import cpu_vec_isa
+
+        if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+            return False  # already probed in this process
+        with inductor_config.patch({"cpp.vec_isa_ok": True}):
+            claimed = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+        if claimed != recorded:
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()
+            return False
+        return True
+    except Exception:  # internals moved: probing as usual is always correct
+        return False
+
+
+def cuda_graphs_status(device_type: str, mode: str, enabled: bool) -> str:
+    if device_type != "cuda":
+        return f"skipped: {device_type.upper()} device (CUDA graphs capture CUDA kernel launches; no CUDA device here)"
+    if not enabled:
+        return "off: compilation is off"
+    if "cudagraphs" in mode or mode in ("reduce-overhead", "max-autotune"):
+        return f"by torch.compile mode={mode!r} (inductor CUDA graph trees); no runner-level capture sizes"
+    return f"off: compile_mode={mode!r} does not use CUDA graphs"
+
+
+# ---- the AOTInductor route ------------------------------------------------------------------
+class _Functional(nn.Module):
+    """`module` with its parameters and buffers as inputs: forward(tensors, args)."""
+
+    def __init__(self, module: nn.Module, names: list[str]):
+        super().__init__()
+        self.__dict__["_target"] = module  # not a submodule: its tensors must not become constants
+        self.names = names
+
+    def forward(self, tensors: list, args: list):
+        return torch.func.functional_call(self._target, dict(zip(self.names, tensors)), tuple(args))
+
+
+def _tensor_names(module: nn.Module) -> list[str]:
+    return [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+
+
+def _tensor_refs(module: nn.Module, names: list[str]) -> list[tuple[dict, str]]:
+    """(dict, key) of each named parameter or buffer: read at every call, so re-bound tensors
+    (a shrunk KV pool) are picked up; a dict lookup is cheaper than Module.__getattr__."""
+    refs = []
+    for name in names:
+        prefix, _, attr = name.rpartition(".")
+        sub = module.get_submodule(prefix)
+        store = sub._parameters if attr in sub._parameters else sub._buffers
+        if store.get(attr) is None:
+            raise ValueError(f"{type(module).__name__} has no tensor {name!r} that the package expects")
+        refs.append((store, attr))
+    return refs
+
+
+class _AOTIProgram:
+    """One AOTInductor package serving every target module of the scope (all one class)."""
+
+    def __init__(self, optimizer: "CompileOptimizer"):
+        self.opt = optimizer
+        self.loader = None
+        self.names: list[str] = []
+        self.signature: list[tuple[torch.dtype, torch.device, tuple[int, ...]]] = []
+        self.out_kind = "tensor"
+        self.misses = 0
+
+    # -- loading and building
+    def load(self, path: Path, meta: dict) -> None:
+        from torch.utils._pytree import treespec_loads
+
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        out_spec = treespec_loads(loader.get_call_spec()[1])
+        if out_spec.is_leaf():
+            out_kind = "tensor"
+        elif out_spec.type is tuple and all(c.is_leaf() for c in out_spec.children()):
+            out_kind = "tuple"
+        else:
+            raise ValueError(f"unsupported output structure {out_spec}")
+        self.names = meta["names"]
+        self.signature = [(getattr(torch, d.split(".")[-1]), torch.device(dev), tuple(rest))
+                          for d, dev, rest in meta["signature"]]
+        self.out_kind, self.loader = out_kind, loader
+
+    def build(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Export `module` on these (warm-up) args, compile, save and load the package."""
+        import torch._inductor
+
+        if kwargs or not args or not all(isinstance(a, torch.Tensor) and a.dim() >= 1 for a in args):
+            raise ValueError("AOTInductor packaging needs positional tensor arguments only")
+        n = args[0].shape[0]
+        if any(a.shape[0] != n for a in args):
+            raise ValueError("the arguments do not share one token dimension")
+        # an example with N >= 2, so N is not specialised to 1 (one program serves every N)
+        example = [a if n >= 2 else torch.cat([a, a]) for a in args]
+        names = _tensor_names(module)
+        tensors = [t for _, t in list(module.named_parameters()) + list(module.named_buffers())]
+        tokens = torch.export.Dim("tokens", min=1)
+        tensor_dims = [{2: torch.export.Dim.DYNAMIC} if name.endswith("kv_cache") and t.dim() == 4 else None
+                       for name, t in zip(names, tensors)]
+        installed, module._compiled_call_impl = module._compiled_call_impl, None  # trace the eager forward
+        try:
+            ep = torch.export.export(_Functional(module, names), (tensors, example),
+                                     dynamic_shapes=(tensor_dims, [{0: tokens}] * len(example)), strict=False)
+        finally:
+            module._compiled_call_impl = installed
+        has_attention = any(type(m).__name__ == "Attention" for m in module.modules())
+        op = torch.ops.runner_core.paged_attention.default
+        if has_attention and not any(node.target is op for node in ep.graph.nodes):
+            raise RuntimeError("attention was traced through instead of kept as the runner_core::paged_attention op")
+        folder = self.opt.folder
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{os.getpid()}.{AOTI_PACKAGE}"  # the packager wants a name ending in .pt2
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
+                                                 inductor_configs=self.opt.settings.inductor_configs)
+        data = tmp.read_bytes()
+        meta = {"sha256": hashlib.sha256(data).hexdigest(), "names": names, "module": type(module).__name__,
+                "signature": [(str(a.dtype), str(a.device), list(a.shape[1:])) for a in args],
+                "vec_isa": _vec_isa_list(), "factors": self.opt.factors, "created": time.time()}
+        with _locked(self.opt.cache_dir / f"{self.opt.key}.lock"):
+            os.replace(tmp, folder / AOTI_PACKAGE)
+            _write_atomic(folder / AOTI_META, json.dumps(meta, indent=1).encode())
+        self.load(folder / AOTI_PACKAGE, meta)
+
+    # -- running
+    def matches(self, args: tuple) -> bool:
+        sig = self.signature
+        if len(args) != len(sig):
+            return False
+        n = args[0].shape[0] if isinstance(args[0], torch.Tensor) and args[0].dim() else 0
+        for a, (dtype, device, rest) in zip(args, sig):
+            if not (isinstance(a, torch.Tensor) and a.dtype == dtype and a.device == device and a.dim() == len(rest) + 1
+                    and a.shape[0] == n and tuple(a.shape[1:]) == rest and a.is_contiguous()):
+                return False
+        return n >= 1
+
+    def miss(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.misses == 0:
+            logger.warning("compiled %s got inputs its AOTInductor package was not built for; running it eager",
+                           type(module).__name__)
+        self.misses += 1
+        return module._call_impl(*args, **kwargs)
+
+
+class _AOTICall:
+    """Installed as a target's `_compiled_call_impl`: runs the package with the target's own
+    tensors (the first call builds the package when the cache missed)."""
+
+    __slots__ = ("module", "program", "refs")
+
+    def __init__(self, module: nn.Module, program: _AOTIProgram):
+        self.module, self.program, self.refs = module, program, None
+
+    def __call__(self, *args, **kwargs):
+        p = self.program
+        if p.loader is None:
+            p.build(self.module, args, kwargs)
+        if self.refs is None:
+            self.refs = _tensor_refs(self.module, p.names)
+        if kwargs or not p.matches(args):
+            return p.miss(self.module, args, kwargs)
+        out = p.loader.boxed_run([*[store[k] for store, k in self.refs], *args])
+        return out[0] if p.out_kind == "tensor" else tuple(out)
+
+
+# ---- the optimizer --------------------------------------------------------------------------
 @dataclass
 class CompileOptimizer:
     settings: CompileSettings
@@ -126,8 +407,14 @@ class CompileOptimizer:
     key: str = ""
     cache: str = "off"  # hit, miss, rebuilt (a corrupt entry was discarded) or off
     compile_seconds: dict[int, float] = field(default_factory=dict)
+    route: str = "jit"  # "aoti" or "jit" (see the module docstring), decided by apply()
+    route_reason: str = ""
+    world_size: int = 1
+    load_seconds: float = 0.0
     _compiled: list[nn.Module] = field(default_factory=list)
     _graphs_after_warmup: int | None = None
+    _program: _AOTIProgram | None = None
+    _model: nn.Module | None = None
 
     @classmethod
     def create(cls, config, hf_config, device: torch.device, dtype: torch.dtype, *, enabled: bool | None = None,
@@ -136,15 +423,18 @@ class CompileOptimizer:
                                            backend or config.compile_backend, mode or config.compile_mode,
                                            scope or config.compile_scope, device)
         factors = cache_key_factors(hf_config, dtype, device, settings)
-        return cls(settings, Path(config.compile_cache_dir).expanduser(), factors, cache_key(factors))
+        world = getattr(config, "tensor_parallel_size", 1) * getattr(config, "pipeline_parallel_size", 1)
+        return cls(settings, Path(config.compile_cache_dir).expanduser(), factors, cache_key(factors),
+                   world_size=world)
 
     @property
     def folder(self) -> Path:
         return self.cache_dir / self.key
 
-    # ---- the persistent cache ---------------------------------------------------------------
+    # ---- the persistent cache (jit route) ---------------------------------------------------
     def load_cache(self) -> None:
         """Load saved artifacts for this key into torch's caches, if present and intact."""
+        t = time.perf_counter()
         with _locked(self.cache_dir / f"{self.key}.lock"):
             blob, meta = self.folder / ARTIFACTS, self.folder / META
             if not blob.exists():
@@ -152,15 +442,17 @@ class CompileOptimizer:
             else:
                 try:
                     data = blob.read_bytes()
-                    expected = json.loads(meta.read_text())["sha256"]
-                    if hashlib.sha256(data).hexdigest() != expected:
+                    info = json.loads(meta.read_text())
+                    if hashlib.sha256(data).hexdigest() != info["sha256"]:
                         raise ValueError("checksum mismatch (a truncated or overwritten file)")
                     torch.compiler.load_cache_artifacts(data)
+                    _prime_vec_isa(info.get("vec_isa"))
                     self.cache = "hit"
                 except Exception as e:
                     logger.warning("compile cache %s is corrupt (%s); discarding it and compiling afresh", self.folder, e)
                     shutil.rmtree(self.folder, ignore_errors=True)
                     self.cache = "rebuilt"
+        self.load_seconds = time.perf_counter() - t
         logger.info("compile cache %s: %s (key %s from %s)", self.cache, self.folder, self.key, self.factors)
 
     def save_cache(self) -> None:
@@ -171,32 +463,89 @@ class CompileOptimizer:
         data, _info = saved
         with _locked(self.cache_dir / f"{self.key}.lock"):
             self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = self.folder / f".{ARTIFACTS}.{os.getpid()}"
-            tmp.write_bytes(data)
-            os.replace(tmp, self.folder / ARTIFACTS)
-            meta = {"sha256": hashlib.sha256(data).hexdigest(), "factors": self.factors, "created": time.time()}
-            tmp_meta = self.folder / f".{META}.{os.getpid()}"
-            tmp_meta.write_text(json.dumps(meta, indent=1))
-            os.replace(tmp_meta, self.folder / META)
+            _write_atomic(self.folder / ARTIFACTS, data)
+            meta = {"sha256": hashlib.sha256(data).hexdigest(), "factors": self.factors, "created": time.time(),
+                    "vec_isa": _vec_isa_list()}
+            _write_atomic(self.folder / META, json.dumps(meta, indent=1).encode())
+
+    # ---- the package (aoti route) -----------------------------------------------------------
+    def load_package(self) -> None:
+        """Load this key's AOTInductor package, if present and intact (else cache = miss/rebuilt)."""
+        t = time.perf_counter()
+        self._program = _AOTIProgram(self)
+        with _locked(self.cache_dir / f"{self.key}.lock"):
+            pkg, meta = self.folder / AOTI_PACKAGE, self.folder / AOTI_META
+            if not pkg.exists():
+                self.cache = "miss"
+            else:
+                try:
+                    info = json.loads(meta.read_text())
+                    if hashlib.sha256(pkg.read_bytes()).hexdigest() != info["sha256"]:
+                        raise ValueError("checksum mismatch (a truncated or overwritten file)")
+                    self._program.load(pkg, info)
+                    self.cache = "hit"
+                except Exception as e:
+                    logger.warning("compile package %s is corrupt (%s); discarding it and compiling afresh", pkg, e)
+                    for name in (AOTI_PACKAGE, AOTI_META):
+                        (self.folder / name).unlink(missing_ok=True)
+                    self._program = _AOTIProgram(self)
+                    self.cache = "rebuilt"
+        self.load_seconds = time.perf_counter() - t
+        logger.info("compile package %s: %s (key %s from %s)", self.cache, self.folder, self.key, self.factors)
 
     # ---- compiling --------------------------------------------------------------------------
+    def _targets(self, model: nn.Module) -> list[nn.Module]:
+        if self.settings.scope == "model":
+            return [model]
+        if self.settings.scope == "layer":
+            return list(model.model.layers)
+        return [getattr(layer, self.settings.scope) for layer in model.model.layers]
+
+    def _choose_route(self, targets: list[nn.Module]) -> tuple[str, str]:
+        s, device = self.settings, self.factors.get("device", "cpu")
+        forced = os.environ.get(WARM_START_ENV, "").strip().lower()
+        if forced and forced not in ROUTES:
+            logger.warning("%s=%r is not one of %s; ignoring it", WARM_START_ENV, forced, ", ".join(ROUTES))
+        if forced == "jit":
+            return "jit", f"{WARM_START_ENV}=jit"
+        if s.backend != "inductor":
+            return "jit", f"backend {s.backend!r}: AOTInductor packages are inductor's"
+        if device != "cpu":
+            return "jit", f"{device}: torch.compile keeps CUDA graphs (reduce-overhead), AOTInductor has none"
+        if self.world_size > 1:
+            return "jit", "parallel ranks: collectives and rank-local groups need dynamo's guards"
+        if len({type(t) for t in targets}) != 1:
+            return "jit", "the scope's modules are of different classes"
+        failed = self.folder / AOTI_FAILED
+        if failed.exists():
+            return "jit", f"AOTInductor failed for this key before ({failed.read_text().strip()[:200]})"
+        return "aoti", "CPU + inductor: an AOTInductor package; a warm start loads it without tracing"
+
     def apply(self, model: nn.Module) -> nn.Module:
-        """Compile `model` in place per the scope (nn.Module.compile), after loading the cache."""
+        """Compile `model` in place per the scope, after loading the cache (the aoti route builds
+        its package at the first warm-up call when the cache misses)."""
         self.reset(model)
         if not self.settings.enabled:
             return model
-        self.load_cache()
-        opts = self.settings.options
-        if self.settings.scope == "model":
-            targets = [model]
-        elif self.settings.scope == "layer":
-            targets = list(model.model.layers)
+        self._model = model
+        self.factors = {**self.factors, "layout": model_layout(model)}
+        self.key = cache_key(self.factors)
+        targets = self._targets(model)
+        self.route, self.route_reason = self._choose_route(targets)
+        if self.route == "aoti":
+            self.load_package()
+            for module in targets:
+                module._compiled_call_impl = _AOTICall(module, self._program)
+            self._compiled = targets
         else:
-            targets = [getattr(layer, self.settings.scope) for layer in model.model.layers]
-        for module in targets:
-            module.compile(**opts)
-        self._compiled = targets
+            self._apply_jit(targets)
         return model
+
+    def _apply_jit(self, targets: list[nn.Module]) -> None:
+        self.load_cache()
+        for module in targets:
+            module.compile(**self.settings.options)
+        self._compiled = targets
 
     def reset(self, model: nn.Module) -> None:
         """Undo an earlier `apply` (back to eager)."""
@@ -206,32 +555,61 @@ class CompileOptimizer:
         self._compiled = []
 
     def warm_up(self, run, sizes: list[int]) -> None:
-        """Run `run(num_tokens)` for every size so compiles happen now, then save the cache."""
+        """Run `run(num_tokens)` for every size so compiles happen now, then save the cache. An
+        AOTInductor failure is remembered for the key and the jit route takes over."""
         if not self._compiled:
             return
+        try:
+            self._run_sizes(run, sizes)
+        except Exception as e:
+            if self.route != "aoti":
+                raise
+            logger.warning("AOTInductor packaging failed (%s: %s); using torch.compile with the compile cache "
+                           "instead", type(e).__name__, e)
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                _write_atomic(self.folder / AOTI_FAILED, f"{type(e).__name__}: {e}".encode())
+            except OSError:
+                pass
+            self.reset(self._model)
+            self.route, self.route_reason = "jit", f"AOTInductor failed: {type(e).__name__}: {e}"
+            self.compile_seconds.clear()
+            self._apply_jit(self._targets(self._model))
+            self._run_sizes(run, sizes)
+        self._graphs_after_warmup = _dynamo_counters()[0]
+        if self.route == "jit" and self.cache != "hit":
+            self.save_cache()
+
+    def _run_sizes(self, run, sizes: list[int]) -> None:
         from tqdm.auto import tqdm
 
-        for n in tqdm(sizes, desc=f"compiling ({self.settings.backend}, {self.settings.scope})", leave=False,
-                      disable=None):
+        for n in tqdm(sizes, desc=f"compiling ({self.settings.backend}, {self.settings.scope}, {self.route})",
+                      leave=False, disable=None):
             t = time.perf_counter()
             run(n)
             self.compile_seconds[n] = time.perf_counter() - t
-        self._graphs_after_warmup = _dynamo_counters()[0]
-        if self.cache != "hit":
-            self.save_cache()
 
     def stats(self) -> dict:
         graphs, breaks = _dynamo_counters()
+        if self.route == "aoti" and self._program is not None:
+            recompiles = self._program.misses  # dynamo is not involved: its counters are other code's
+        else:  # dynamo's counters are per process: graphs any compiled code made since the warm-up
+            recompiles = (graphs - self._graphs_after_warmup) if self._graphs_after_warmup is not None else 0
         return {
             "enabled": self.settings.enabled,
             "backend": self.settings.backend,
             "mode": self.settings.mode,
             "scope": self.settings.scope,
             "reason": self.settings.reason,
+            "warm_start": self.route if self.settings.enabled else None,
+            "warm_start_reason": self.route_reason,
             "cache_key": self.key,
             "cache_factors": self.factors,
             "cache": self.cache,
+            "cache_load_seconds": self.load_seconds,
             "compile_seconds": dict(self.compile_seconds),
-            "recompiles_after_warmup": (graphs - self._graphs_after_warmup) if self._graphs_after_warmup is not None else 0,
+            "recompiles_after_warmup": recompiles,
             "graph_breaks": breaks,
+            "cuda_graphs": cuda_graphs_status(self.factors.get("device", "cpu"), self.settings.mode,
+                                              self.settings.enabled),
         }

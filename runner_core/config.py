@@ -130,6 +130,23 @@ def _check_memory_fraction(value: Any) -> float:
     return float(value)
 
 
+def _check_stage_layers(value: Any, pp: int) -> Optional[list]:
+    if value is None:
+        return None
+    ok = (isinstance(value, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                                   for n in value))
+    if not ok or len(value) != pp:
+        raise _bad("pipeline_stage_layers", value, f"None (an even split) or a list of {pp} ints >= 1, the "
+                                                   "decoder layers of each pipeline stage, first to last")
+    return list(value)
+
+
+def _check_timeout(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise _bad("parallel_timeout_s", value, "a number of seconds > 0")
+    return float(value)
+
+
 @dataclass(init=False)
 class RunnerConfig:
     """Validated runner settings; build with kwargs, a dict, `from_dict` or `coerce`."""
@@ -146,6 +163,8 @@ class RunnerConfig:
     compile_fallback: bool = True
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pipeline_stage_layers: Optional[list] = None  # decoder layers per stage, first to last; None: even
+    parallel_timeout_s: float = 120.0  # a worker silent this long in a step is declared hung
     trust_remote_code: bool = False
     gpu_memory_utilization: float = 0.9
     max_model_len: Optional[int] = None
@@ -195,6 +214,8 @@ class RunnerConfig:
         self.compile_fallback = _check_bool("compile_fallback", self.compile_fallback)
         self.tensor_parallel_size = _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         self.pipeline_parallel_size = _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        self.pipeline_stage_layers = _check_stage_layers(self.pipeline_stage_layers, self.pipeline_parallel_size)
+        self.parallel_timeout_s = _check_timeout(self.parallel_timeout_s)
         self.trust_remote_code = _check_bool("trust_remote_code", self.trust_remote_code)
         self.gpu_memory_utilization = _check_memory_fraction(self.gpu_memory_utilization)
         self.max_model_len = _check_int("max_model_len", self.max_model_len, 1, optional=True)
@@ -233,6 +254,11 @@ class RunnerConfig:
     @property
     def torch_device(self) -> torch.device:
         return self._torch_device
+
+    @property
+    def world_size(self) -> int:
+        """Processes a parallel runner uses: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

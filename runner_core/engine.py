@@ -3,6 +3,7 @@ appends tokens, applies stop conditions and emits outputs. One bad request never
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from runner_core.config import RunnerConfig
-from runner_core.compile_optimizer import CompileOptimizer
-from runner_core.errors import CompileError, ConfigError, EngineBusyError, InvalidRequestError
+from runner_core.compile_optimizer import CompileOptimizer, cuda_graphs_status
+from runner_core.errors import CompileError, ConfigError, EngineBusyError, InvalidRequestError, WorkerError
 from runner_core.forward_pass import ForwardPass
 from runner_core.input_buffers import InputBuffers
 from runner_core.layers.attention import bind_kv_cache
@@ -58,14 +59,24 @@ class StepMetrics:
 
 
 class LLMEngine:
-    def __init__(self, config: RunnerConfig, loaded):
+    def __init__(self, config: RunnerConfig, loaded, parallel=None):
+        """`parallel`: the ParallelManager of a tensor/pipeline parallel runner (every rank builds
+        this engine in step; rank 0 schedules and samples), or None in one process."""
         self.config = config
+        self.parallel = parallel
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.vocab_size = self.hf_config.vocab_size
         self.max_model_len = self._resolve_max_model_len()
         bs = config.block_size
-        self.pool_plan = plan_kv_pool(config, self.model, self.hf_config, self.max_model_len)
+        num_layers = getattr(self.model, "num_layers", self.hf_config.num_hidden_layers)
+        plan_config = self.hf_config
+        if num_layers != self.hf_config.num_hidden_layers:  # a pipeline stage: its pool holds its layers
+            plan_config = copy.copy(self.hf_config)
+            plan_config.num_hidden_layers = num_layers
+        self.pool_plan = plan_kv_pool(config, self.model, plan_config, self.max_model_len)
+        if parallel is not None:  # one block count on every rank: rank 0's block tables are valid everywhere
+            self.pool_plan = parallel.agree_pool_plan(self.pool_plan)
         self.bytes_per_token, num_blocks = self.pool_plan.bytes_per_token, self.pool_plan.num_blocks
         if num_blocks * bs < self.max_model_len:
             raise ConfigError(
@@ -75,14 +86,17 @@ class LLMEngine:
         self.memory = MemoryManager(num_blocks, bs, config.enable_prefix_caching)
         self.fragmentation = FragmentationTracker(num_blocks * bs)
         self.last_fragmentation: dict = {}
-        kv_cache = self.memory.allocate_kv_cache(self.hf_config.num_hidden_layers, self.model.num_kv_heads,
+        kv_cache = self.memory.allocate_kv_cache(num_layers, self.model.num_kv_heads,
                                                  self.model.head_dim, self.dtype, self.device)
         logger.info(self.pool_plan.describe())
         self.scheduler = Scheduler(self.memory, config.max_num_seqs, config.effective_max_num_batched_tokens)
         bind_kv_cache(self.model, kv_cache)
         buffers = InputBuffers(config.effective_max_num_batched_tokens, config.max_num_seqs,
                                self.memory.blocks_for(self.max_model_len), self.device)
-        self.forward_pass = ForwardPass(self.model, kv_cache, bs, self.device, buffers)
+        if parallel is None:
+            self.forward_pass = ForwardPass(self.model, kv_cache, bs, self.device, buffers)
+        else:
+            self.forward_pass = parallel.make_forward_pass(self.model, kv_cache, bs, self.device, buffers)
         self.sampler = Sampler()
         self.compiler: CompileOptimizer | None = None
         if config.compile and not config.enforce_eager:
@@ -195,7 +209,8 @@ class LLMEngine:
     def compile_stats(self) -> dict:
         if self.compiler is None:
             return {"enabled": False, "backend": None, "mode": None, "scope": None, "cache": "off",
-                    "compile_seconds": {}, "recompiles_after_warmup": 0, "graph_breaks": 0}
+                    "compile_seconds": {}, "recompiles_after_warmup": 0, "graph_breaks": 0, "warm_start": None,
+                    "cuda_graphs": cuda_graphs_status(self.device.type, "", False)}
         return self.compiler.stats()
 
     # ---- memory ----------------------------------------------------------------------------
@@ -246,6 +261,8 @@ class LLMEngine:
                 meta = SamplingMetadata.build([s.params for s in seqs], [s.generator for s in seqs],
                                               self.vocab_size, self.device)
                 sampled = self.sampler(logits, meta)
+        except WorkerError:  # a parallel runner lost a worker: the runner is over, tell the caller
+            raise
         except Exception as e:  # the batch is lost, not the engine
             logger.exception("step failed; failing the %d scheduled requests", len(sched.scheduled))
             return outputs + [self._fail(s, f"{type(e).__name__}: {e}") for s, _ in sched.scheduled]

@@ -27,3 +27,8 @@ class EngineBusyError(RunnerError):
 
 class CompileError(RunnerError):
     """torch.compile failed and `compile_fallback` is off."""
+
+
+class WorkerError(RunnerError):
+    """A parallel runner lost a worker (it died, hung or failed); every worker was shut down.
+    Create a new ModelRunner to continue."""

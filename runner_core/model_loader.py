@@ -2,7 +2,10 @@
 streams safetensors weights into it (never pickle), then loads the tokenizer.
 
 Mapping HF names onto fused parameters (qkv, gate_up) and tensor-parallel slicing
-are done by the model's `load_weights` and its parameters' weight loaders.
+are done by the model's `load_weights` and its parameters' weight loaders. With tensor or
+pipeline parallelism the tensors are handed out unread (`LazyWeight`): a weight loader's
+`narrow` reads only this rank's rows or columns from the file, and tensors of other
+pipeline stages are never read.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class LoadedModel:
     model_path: Path
     load_seconds: float
     weight_bytes: int
+    bytes_read: int = 0  # checkpoint bytes read from the safetensors files
 
 
 class ModelLoader:
@@ -54,7 +58,7 @@ class ModelLoader:
         path = resolve_model_path(cfg.model)
         hf_config = read_hf_config(path, cfg.trust_remote_code)
         model = self._build(hf_config)
-        self._load_weights(model, path)
+        bytes_read = self._load_weights(model, path)
         tokenizer_path = resolve_model_path(cfg.tokenizer) if cfg.tokenizer else path
         if cfg.tokenizer and not has_tokenizer_files(tokenizer_path):
             raise ModelLoadError(
@@ -63,7 +67,7 @@ class ModelLoader:
             )
         tokenizer = load_tokenizer(tokenizer_path, hf_config, cfg.trust_remote_code)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        return LoadedModel(model, tokenizer, hf_config, path, time.perf_counter() - start, weight_bytes)
+        return LoadedModel(model, tokenizer, hf_config, path, time.perf_counter() - start, weight_bytes, bytes_read)
 
     def _build(self, hf_config) -> nn.Module:
         cls = MODEL_REGISTRY.resolve(hf_config)
@@ -80,8 +84,10 @@ class ModelLoader:
             torch.set_default_dtype(previous)
         return model.eval()
 
-    def _load_weights(self, model: nn.Module, path: Path) -> None:
-        weights = SafetensorsWeights(path)
+    def _load_weights(self, model: nn.Module, path: Path) -> int:
+        cfg = self.config
+        world = cfg.tensor_parallel_size * getattr(cfg, "pipeline_parallel_size", 1)
+        weights = SafetensorsWeights(path, lazy=world > 1)
         try:
             with torch.no_grad():
                 loaded = model.load_weights(iter(weights))
@@ -100,17 +106,22 @@ class ModelLoader:
                 f"{len(missing)} parameters of the model were not in the checkpoint {path}: "
                 f"{', '.join(missing[:5])}{more}"
             )
+        return weights.bytes_read
 
 
 class SafetensorsWeights:
     """(hf_name, tensor) pairs from a directory's safetensors files, one tensor at a time.
 
-    `current` is (file, name, shape) of the last tensor handed out, for error messages.
+    With `lazy`, the tensors are `LazyWeight`s read on use (only the slice a weight loader
+    narrows to). `current` is (file, name, shape) of the last tensor handed out, for error
+    messages; `bytes_read` counts what was read.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, lazy: bool = False) -> None:
         self.files = safetensors_files(path)
+        self.lazy = lazy
         self.current: tuple[Path, str, tuple[int, ...]] | None = None
+        self.bytes_read = 0
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for file in tqdm(self.files, desc="Loading safetensors shards", unit="shard", disable=len(self.files) < 2):
@@ -118,10 +129,77 @@ class SafetensorsWeights:
                 handle = safe_open(file, framework="pt", device="cpu")
             with handle:
                 for name in handle.keys():
-                    with _guard(file):
-                        tensor = handle.get_tensor(name)
+                    if self.lazy:
+                        with _guard(file):
+                            part = handle.get_slice(name)
+                        tensor = LazyWeight(part, file, self)
+                    else:
+                        with _guard(file):
+                            tensor = handle.get_tensor(name)
+                        self.bytes_read += tensor.numel() * tensor.element_size()
                     self.current = (file, name, tuple(tensor.shape))
                     yield name, tensor
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class LazyWeight:
+    """A checkpoint tensor not read yet. `narrow(dim, start, length)` (what the tensor-parallel
+    weight loaders call) selects a slice without reading; `to(dtype)` records the target dtype;
+    any torch operation on it (e.g. `param.copy_(w)`) reads the selected slice then, through
+    the `__torch_function__` protocol. So each rank reads only its shard from the file."""
+
+    __slots__ = ("_part", "_file", "_owner", "_index", "shape", "_dtype")
+
+    def __init__(self, part, file: Path, owner: SafetensorsWeights, index: tuple[slice, ...] | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self._part, self._file, self._owner = part, file, owner
+        full = part.get_shape()
+        self._index = index if index is not None else tuple(slice(0, n) for n in full)
+        self.shape = torch.Size(s.stop - s.start for s in self._index)
+        self._dtype = dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype or _SAFETENSORS_DTYPES.get(self._part.get_dtype(), torch.float32)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def narrow(self, dim: int, start: int, length: int) -> "LazyWeight":
+        dim = dim % self.dim()
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise ValueError(f"narrow({dim}, {start}, {length}) is outside a tensor of shape {tuple(self.shape)}")
+        base = self._index[dim].start
+        index = self._index[:dim] + (slice(base + start, base + start + length),) + self._index[dim + 1:]
+        return LazyWeight(self._part, self._file, self._owner, index, self._dtype)
+
+    def to(self, dtype: torch.dtype) -> "LazyWeight":
+        return LazyWeight(self._part, self._file, self._owner, self._index, dtype)
+
+    def materialize(self) -> torch.Tensor:
+        with _guard(self._file):
+            tensor = self._part[self._index] if self._index else self._part[:]
+        self._owner.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor if self._dtype is None else tensor.to(self._dtype)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def real(x):
+            return x.materialize() if isinstance(x, LazyWeight) else x
+        return func(*map(real, args), **{k: real(v) for k, v in (kwargs or {}).items()})
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import torch
 
 from runner_core.config import RunnerConfig
 from runner_core.engine import LLMEngine
-from runner_core.errors import ConfigError, EngineNotReadyError, InvalidRequestError
+from runner_core.errors import EngineNotReadyError, InvalidRequestError
 from runner_core.memory import check_config_fits
 from runner_core.model_loader import ModelLoader
 from runner_core.sampling import SamplingParams
@@ -40,18 +40,62 @@ class ModelRunner:
         self.config = RunnerConfig.coerce(config, **overrides)
         self.engine: LLMEngine | None = None
         self.loaded = None
+        self.parallel = None  # the ParallelManager when tensor_parallel_size x pipeline_parallel_size > 1
 
     # ---- lifecycle ------------------------------------------------------------------------
     def load_model(self) -> "ModelRunner":
-        if self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1:
-            raise ConfigError("tensor_parallel_size and pipeline_parallel_size > 1 need the ParallelManager, "
-                              "which this version does not have yet; use 1")
+        if self.config.world_size > 1:
+            return self._load_parallel()
         self.memory_estimate = check_config_fits(self.config)  # refuse before reading any weight
         self.loaded = ModelLoader(self.config).load()
         self.engine = LLMEngine(self.config, self.loaded)
         return self
 
+    def _load_parallel(self) -> "ModelRunner":
+        """Start the ranks (spawned here, or this process's rank under torchrun) and build every
+        rank's shard in step. Under torchrun, ranks > 0 serve rank 0 inside this call and exit
+        the process when rank 0 shuts down."""
+        from runner_core.model_loader import read_hf_config, resolve_model_path
+        from runner_core.parallel_manager import ParallelManager
+        from runner_core.parallel_plan import validate_parallel_config
+        from runner_core.worker import report_error, serve
+
+        self.shutdown()
+        config = self.config
+        if config.pipeline_parallel_size > 1 and config.compile and config.compile_scope == "model":
+            logger.warning("pipeline parallelism compiles each decoder layer (compile_scope='layer'): the stage "
+                           "boundaries send and receive outside compiled graphs")
+            config = config.replace(compile_scope="layer")
+        stages = validate_parallel_config(config, read_hf_config(resolve_model_path(config.model),
+                                                                 config.trust_remote_code))
+        self.memory_estimate = check_config_fits(config)  # per device; before any process starts
+        pm = ParallelManager.launch(config, stages)
+        try:
+            self.loaded, self.engine = pm.build_engine()
+        except BaseException:
+            if not pm.is_driver:
+                report_error(pm, pm.rank)
+            raise
+        self.parallel = pm
+        if not pm.is_driver:  # torchrun rank > 0
+            try:
+                serve(pm, self.engine)
+            except BaseException:
+                report_error(pm, pm.rank)
+                raise
+            pm.shutdown()
+            raise SystemExit(0)
+        return self
+
+    def parallel_info(self) -> dict | None:
+        """Ranks (pid, host, device, layers, weight and KV bytes), stage split and rank 0's
+        communication figures of a parallel runner; None in one process."""
+        return None if self.parallel is None else self.parallel.info()
+
     def shutdown(self) -> None:
+        if self.parallel is not None:
+            self.parallel.shutdown()
+            self.parallel = None
         self.engine = None
         self.loaded = None
         gc.collect()
@@ -98,9 +142,13 @@ class ModelRunner:
         if max(map(len, rows)) > engine.max_model_len:
             raise InvalidRequestError(f"input has {max(map(len, rows))} tokens, more than max_model_len="
                                       f"{engine.max_model_len}")
-        hidden = engine.forward_pass.run_stateless(rows)
+        if self.parallel is not None:
+            hidden, logits = self.parallel.forward_stateless(engine, rows)
+        else:
+            hidden = engine.forward_pass.run_stateless(rows)
+            with torch.inference_mode():
+                logits = engine.model.compute_logits(hidden)
         with torch.inference_mode():
-            logits = engine.model.compute_logits(hidden)
             full_h = hidden.new_zeros(*ids.shape, hidden.shape[-1])
             full_l = logits.new_zeros(*ids.shape, logits.shape[-1])
             dev_mask = mask.to(hidden.device)
@@ -242,18 +290,23 @@ class ModelRunner:
 
     def compile_model(self) -> dict:
         """Compile with the configured backend, mode and scope (Appendix A's `compile`)."""
-        return self._engine().set_compile_mode(True)
+        return self.set_compile_mode(True)
 
     def set_compile_mode(self, compile: bool = True, *, backend: str | None = None, mode: str | None = None,
                          scope: str | None = None) -> dict:
         """Switch compilation on a loaded runner (no weight reload); returns compile_stats()."""
-        return self._engine().set_compile_mode(compile, backend=backend, mode=mode, scope=scope)
+        engine = self._engine()
+        if self.parallel is not None:  # every rank compiles and warms up in step
+            return self.parallel.set_compile_mode(engine, compile, backend=backend, mode=mode, scope=scope)
+        return engine.set_compile_mode(compile, backend=backend, mode=mode, scope=scope)
 
     def compile_stats(self) -> dict:
         return self._engine().compile_stats()
 
     def defragment(self, shrink_to_blocks: int | None = None) -> dict:
         """Move live KV blocks to the lowest ids and optionally shrink the pool (see MemoryManager)."""
+        if self.parallel is not None:  # every rank moves its KV shard the same way
+            return self.parallel.defragment(self._engine(), shrink_to_blocks)
         return self._engine().defragment(shrink_to_blocks)
 
     def reset_prefix_cache(self) -> int:

@@ -1,42 +1,171 @@
-"""Tensor/pipeline parallel state seen by the layers: ranks, sizes and the collectives.
+"""Tensor/pipeline parallel state seen by the layers: ranks, sizes, the pipeline stage and the
+collectives.
 
-With no process group initialised everything is the single-rank identity, so the
-layers are written tensor-parallel aware while running in one process.
+With no process group active everything is the single-rank identity, so the layers are
+written parallel-aware while running in one process. A parallel runner makes its groups
+active only while it builds or runs its model (`parallel_context`), and only on the calling
+thread (a `threading.local`, which torch.compile guards on), so a single-process runner in
+the same interpreter, on this or another thread, never sees them.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-_TP_GROUP: dist.ProcessGroup | None = None
+_LOCAL = threading.local()  # .tp_group, .pp_stage of the calling thread (absent: single rank)
 
 
+@dataclass(frozen=True, slots=True)
+class PipelineStage:
+    """This rank's pipeline stage: decoder layers [start_layer, end_layer) of the model, and the
+    global ranks it receives hidden states from and sends them to (None at either end)."""
+
+    rank: int
+    size: int
+    start_layer: int
+    end_layer: int
+    prev_rank: int | None
+    next_rank: int | None
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+
+def stage_layer_ranges(num_layers: int, pp_size: int, layers_per_stage: list[int] | None = None) -> list[range]:
+    """Layers of each stage: `layers_per_stage` when given, else an even split in which the
+    earlier stages take the remainder (the rule memory.estimate uses)."""
+    if layers_per_stage is None:
+        base, extra = divmod(num_layers, pp_size)
+        layers_per_stage = [base + (1 if s < extra else 0) for s in range(pp_size)]
+    bounds, start = [], 0
+    for n in layers_per_stage:
+        bounds.append(range(start, start + n))
+        start += n
+    return bounds
+
+
+# ---- activation ------------------------------------------------------------------------------
 def set_tensor_parallel_group(group: dist.ProcessGroup | None) -> None:
-    global _TP_GROUP
-    _TP_GROUP = group
+    _LOCAL.tp_group = group
+
+
+def _tp_group() -> dist.ProcessGroup | None:
+    return getattr(_LOCAL, "tp_group", None)
+
+
+@contextmanager
+def parallel_context(tp_group: dist.ProcessGroup | None, stage: PipelineStage | None) -> Iterator[None]:
+    """Make `tp_group` and `stage` the ones the layers see on this thread, for the block."""
+    previous = _tp_group(), get_pp_stage()
+    _LOCAL.tp_group, _LOCAL.pp_stage = tp_group, stage
+    try:
+        yield
+    finally:
+        _LOCAL.tp_group, _LOCAL.pp_stage = previous
 
 
 def get_tp_size() -> int:
-    return 1 if _TP_GROUP is None else dist.get_world_size(_TP_GROUP)
+    group = _tp_group()
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def get_tp_rank() -> int:
-    return 0 if _TP_GROUP is None else dist.get_rank(_TP_GROUP)
+    group = _tp_group()
+    return 0 if group is None else dist.get_rank(group)
 
 
+def get_pp_stage() -> PipelineStage | None:
+    """The active pipeline stage, or None without pipeline parallelism."""
+    return getattr(_LOCAL, "pp_stage", None)
+
+
+# ---- communication figures -------------------------------------------------------------------
+class CommStats:
+    """Calls, bytes and seconds spent in each kind of collective by this process (cheap counters,
+    touched only on the parallel path). On CUDA the seconds are launch times (NCCL is async).
+    "broadcast" is rank 0's command broadcasts (pickled objects: calls and seconds only); the
+    seconds of a collective include waiting for the slowest rank."""
+
+    KINDS = ("all_reduce", "all_gather", "send", "recv", "broadcast")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls = dict.fromkeys(self.KINDS, 0)
+        self.bytes = dict.fromkeys(self.KINDS, 0)
+        self.seconds = dict.fromkeys(self.KINDS, 0.0)
+
+    def add(self, kind: str, nbytes: int, seconds: float) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += nbytes
+        self.seconds[kind] += seconds
+
+    def as_dict(self) -> dict:
+        return {"calls": dict(self.calls), "bytes": dict(self.bytes), "seconds": dict(self.seconds),
+                "total_bytes": sum(self.bytes.values()), "total_seconds": sum(self.seconds.values())}
+
+
+COMM_STATS = CommStats()
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+# ---- collectives -----------------------------------------------------------------------------
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _TP_GROUP is not None and get_tp_size() > 1:
-        dist.all_reduce(x, group=_TP_GROUP)
+    group = _tp_group()
+    if group is not None and dist.get_world_size(group) > 1:
+        if torch.compiler.is_compiling():
+            dist.all_reduce(x, group=group)
+            return x
+        t = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        COMM_STATS.add("all_reduce", _nbytes(x), time.perf_counter() - t)
     return x
 
 
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    if _TP_GROUP is None or get_tp_size() == 1:
+    group = _tp_group()
+    if group is None or dist.get_world_size(group) == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(get_tp_size())]
-    dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    if torch.compiler.is_compiling():
+        dist.all_gather(parts, x.contiguous(), group=group)
+    else:
+        t = time.perf_counter()
+        dist.all_gather(parts, x.contiguous(), group=group)
+        COMM_STATS.add("all_gather", _nbytes(x) * len(parts), time.perf_counter() - t)
     return torch.cat(parts, dim=dim)
+
+
+def pp_send(x: torch.Tensor, dst: int) -> None:
+    """Send a tensor to global rank `dst` (the next pipeline stage, or rank 0 for the logits)."""
+    t = time.perf_counter()
+    dist.send(x.contiguous(), dst)
+    COMM_STATS.add("send", _nbytes(x), time.perf_counter() - t)
+
+
+def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
+    """Receive a tensor of a known shape from global rank `src`."""
+    t = time.perf_counter()
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, src)
+    COMM_STATS.add("recv", _nbytes(x), time.perf_counter() - t)
+    return x
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

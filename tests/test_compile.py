@@ -151,3 +151,83 @@ def test_auto_mode_picks_from_the_device(monkeypatch):
     monkeypatch.setattr(co, "has_cxx_compiler", lambda: False)
     s = co.CompileSettings.resolve(True, "inductor", "auto", "model", cpu)
     assert not s.enabled and "no C++ compiler" in s.reason
+
+
+# ---- warm start (AOTInductor package), its fallback, CUDA graphs on CPU ------------------------
+def test_warm_start_loads_the_package_without_tracing(compiled, tiny_llama_path):
+    """On CPU with inductor the default route is an AOTInductor package: a second process
+    loads it (a hit), traces nothing (no dynamo graph at all) and generates the same tokens."""
+    stats = compiled.compile_stats()
+    assert stats["warm_start"] == "aoti", stats["warm_start_reason"]
+    assert (CACHE_DIR / stats["cache_key"] / co.AOTI_PACKAGE).exists()
+    script = textwrap.dedent(f"""
+        import json
+        from torch._dynamo.utils import counters
+        from runner_core import ModelRunner, SamplingParams
+        r = ModelRunner({{"model": {str(tiny_llama_path)!r}, **{COMPILED!r}}}).load_model()
+        s = r.compile_stats()
+        outs = r.generate({_prompts()!r}, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        print(json.dumps({{"cache": s["cache"], "route": s["warm_start"], "graphs": counters["stats"]["unique_graphs"],
+                          "recompiles": r.compile_stats()["recompiles_after_warmup"],
+                          "tokens": [o.token_ids for o in outs]}}))
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert (out["cache"], out["route"], out["graphs"], out["recompiles"]) == ("hit", "aoti", 0, 0)
+    assert out["tokens"] == [o.token_ids for o in compiled.generate(_prompts(), GREEDY)]
+
+
+def test_package_input_checks(compiled):
+    """Without dynamo guards the package checks what it was built for; anything else runs eager."""
+    prog = compiled.engine.compiler._program
+    h = compiled.engine.hf_config.hidden_size
+    pos, hid = torch.arange(5), torch.randn(5, h)
+    assert prog.matches((pos, hid, torch.zeros(5, h))) and prog.matches((pos[:1], hid[:1], hid[:1]))
+    assert not prog.matches((pos, torch.randn(h, 5).t(), hid))  # not contiguous
+    assert not prog.matches((pos, hid.double(), hid))  # another dtype
+    assert not prog.matches((pos, hid[:4], hid))  # tokens disagree
+    assert not prog.matches((pos, hid))  # arity
+
+
+def test_corrupt_package_is_discarded(tmp_path, caplog):
+    opt = co.CompileOptimizer(co.CompileSettings(True, "inductor", "default", "layer"), tmp_path, {}, "k2")
+    opt.folder.mkdir(parents=True)
+    (opt.folder / co.AOTI_PACKAGE).write_bytes(b"PK half a zip")
+    (opt.folder / co.AOTI_META).write_text(json.dumps({"sha256": "0" * 64, "names": [], "signature": []}))
+    opt.load_package()
+    assert opt.cache == "rebuilt" and not (opt.folder / co.AOTI_PACKAGE).exists()
+    assert "is corrupt" in caplog.text
+
+
+def test_package_failure_falls_back_to_jit_and_is_remembered(eager, tmp_path, monkeypatch, caplog):
+    """An AOTInductor failure switches to the torch.compile route (dynamo's eager backend here,
+    to spare the suite a cold inductor compile) and is remembered for the key."""
+    def broken(self, module, args, kwargs):
+        raise RuntimeError("simulated export failure")
+
+    monkeypatch.setattr(co._AOTIProgram, "build", broken)
+    monkeypatch.setattr(co.CompileSettings, "options", property(lambda s: {"backend": "eager", "dynamic": True,
+                                                                           "fullgraph": True}))
+    eng = eager.engine
+    saved = eng.config
+    eng.config = saved.replace(compile_cache_dir=str(tmp_path))
+    reference = [o.token_ids for o in eager.generate(_prompts()[:2], GREEDY)]
+    try:
+        stats = eager.set_compile_mode(True, backend="inductor", mode="default", scope="layer")
+        assert stats["enabled"] and stats["warm_start"] == "jit"
+        assert "AOTInductor failed: RuntimeError: simulated export failure" in stats["warm_start_reason"]
+        assert "AOTInductor packaging failed" in caplog.text
+        assert (tmp_path / stats["cache_key"] / co.AOTI_FAILED).exists()
+        assert [o.token_ids for o in eager.generate(_prompts()[:2], GREEDY)] == reference
+        again = eager.set_compile_mode(True, backend="inductor", mode="default", scope="layer")
+        assert again["warm_start"] == "jit" and "failed for this key before" in again["warm_start_reason"]
+    finally:
+        eager.set_compile_mode(False)
+        eng.config = saved
+
+
+def test_cuda_graphs_are_skipped_on_cpu(compiled, eager):
+    for runner in (compiled, eager):
+        assert runner.compile_stats()["cuda_graphs"].startswith("skipped: CPU device")
+    assert co.cuda_graphs_status("cuda", "reduce-overhead", True).startswith("by torch.compile")

@@ -25,6 +25,8 @@ DEFAULTS = {
     "compile_fallback": True,
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
+    "pipeline_stage_layers": None,
+    "parallel_timeout_s": 120.0,
     "trust_remote_code": False,
     "gpu_memory_utilization": 0.9,
     "max_model_len": None,

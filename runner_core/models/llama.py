@@ -2,10 +2,18 @@
 
 Runs over a flat batch of tokens ([N] ids and positions) and a paged KV pool; loads
 Hugging Face checkpoint names onto fused qkv / gate_up projections.
+
+With pipeline parallelism (a `PipelineStage` active at construction) the model holds only
+its stage: decoder layers [start_layer, end_layer) renumbered from 0, the embedding on the
+first stage, the final norm and LM head on the last. A stage receives the previous stage's
+hidden states (the residual stream, [N, hidden]) and sends its own to the next one inside
+`forward`, so every forward path (engine step, stateless forward, profile and compile
+warm-up runs) crosses the stages the same way when all ranks run it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -17,6 +25,7 @@ from runner_core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runner_core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
 from runner_core.layers.norm import RMSNorm
 from runner_core.layers.rotary import RotaryEmbedding
+from runner_core.parallel_state import get_pp_stage, pp_recv, pp_send
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 STACKED_PARAMS = (
@@ -26,6 +35,7 @@ STACKED_PARAMS = (
     ("gate_proj", "gate_up_proj", 0),
     ("up_proj", "gate_up_proj", 1),
 )
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def rope_settings(config) -> tuple[float, dict | None]:
@@ -97,16 +107,43 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        stage = get_pp_stage()
+        self.stage = stage if stage is not None and stage.size > 1 else None
+        n = config.num_hidden_layers
+        self.start_layer, self.end_layer = (stage.start_layer, stage.end_layer) if self.stage else (0, n)
+        self.hidden_size = config.hidden_size
+        first, last = self.stage is None or self.stage.is_first, self.stage is None or self.stage.is_last
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if first else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(self.start_layer, self.end_layer))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
 
     def forward(self, input_ids, positions):
+        if self.stage is not None:
+            return self._stage_forward(input_ids, positions)
         hidden_states = self.embed_tokens(input_ids)
         # a zero residual makes every layer's call identical, so regional compilation reuses one graph
         residual = torch.zeros_like(hidden_states)
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    def _stage_forward(self, input_ids, positions):
+        """One pipeline stage: the residual stream (hidden + residual, which the next layer's
+        norm would form anyway, so the result is bit-identical) crosses stage boundaries."""
+        stage = self.stage
+        if stage.is_first:
+            hidden_states = self.embed_tokens(input_ids)
+        else:
+            w = self.layers[0].input_layernorm.weight
+            hidden_states = pp_recv((input_ids.shape[0], self.hidden_size), w.dtype, w.device, stage.prev_rank)
+        residual = torch.zeros_like(hidden_states)
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if not stage.is_last:
+            hidden_states = hidden_states + residual
+            pp_send(hidden_states, stage.next_rank)
+            return hidden_states
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -118,11 +155,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
+        last = self.model.norm is not None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if last else None
+        if config.tie_word_embeddings and last and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_layers = len(self.model.layers)  # decoder layers held here (this stage's)
         self.sliding_window = sliding_window(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -131,28 +170,52 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits [S, vocab]; a pipeline stage without the LM head returns an empty [S, 0]."""
+        if self.lm_head is None:
+            return hidden_states.new_empty(hidden_states.shape[0], 0)
         return self.lm_head.compute_logits(hidden_states)
+
+    def _local_name(self, name: str) -> str | None:
+        """The parameter name of checkpoint tensor `name` in this model, or None when it belongs
+        to another pipeline stage (then it is not read at all)."""
+        tied = self.config.tie_word_embeddings
+        if name == "lm_head.weight" and tied:
+            return None
+        if self.model.stage is None:
+            return name
+        m = _LAYER_NAME.match(name)
+        if m:
+            i = int(m.group(1))
+            if self.model.start_layer <= i < self.model.end_layer:
+                return f"model.layers.{i - self.model.start_layer}.{m.group(2)}"
+            return None if i < self.config.num_hidden_layers else name
+        if name == "model.embed_tokens.weight" and self.model.embed_tokens is None:
+            return "lm_head.weight" if tied and self.lm_head is not None else None
+        if (name == "model.norm.weight" and self.model.norm is None) or (name == "lm_head.weight" and self.lm_head is None):
+            return None
+        return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+        for ckpt_name, tensor in weights:
+            name = None if "rotary_emb.inv_freq" in ckpt_name else self._local_name(ckpt_name)
+            if name is None:
                 continue
             for ckpt_part, fused_part, shard_id in STACKED_PARAMS:
                 if ckpt_part in name:
                     target = name.replace(ckpt_part, fused_part)
                     if target not in params:
                         continue
-                    self._load(params[target], name, tensor, shard_id)
+                    self._load(params[target], ckpt_name, tensor, shard_id)
                     loaded.add(target)
                     break
             else:
                 if name not in params:
-                    raise ValueError(f"checkpoint tensor '{name}' has no matching parameter in {type(self).__name__}")
-                self._load(params[name], name, tensor, None)
+                    raise ValueError(f"checkpoint tensor '{ckpt_name}' has no matching parameter in {type(self).__name__}")
+                self._load(params[name], ckpt_name, tensor, None)
                 loaded.add(name)
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None:
             loaded.add("lm_head.weight")
         return loaded
 

@@ -1,0 +1,179 @@
+"""Which parallel layouts a model allows, and which one to use on given devices.
+
+`validate_parallel_config` refuses, with a `ConfigError` naming the reason, a tensor-parallel
+size that does not divide the heads (or the MLP width), a pipeline deeper than the model,
+a stage split that does not add up, and a world size larger than the CUDA devices.
+
+`suggest_parallel_config(model, devices)` picks tensor_parallel_size x pipeline_parallel_size
+from the memory prediction (`estimate_memory`: weights, activation peak, rotary tables and a
+KV pool for `min_sequences` sequences of max_model_len, per device) and the devices' memory.
+The rule, in order:
+  1. candidates are every (tp, pp) with tp x pp <= the number of devices, tp a valid split of
+     the heads and at most `devices_per_node` (TP all-reduces twice per layer: keep it inside
+     a node), pp <= the number of layers;
+  2. a candidate fits when its per-device need is at most the usable memory of the smallest
+     device (CUDA: total x gpu_memory_utilization; CPU: available RAM / number of devices);
+  3. the fitting candidate with the fewest devices wins (less communication, devices left
+     for other replicas); at equal device count the larger tp wins (TP splits each layer's
+     work and KV per token, so it lowers latency; PP without micro-batching runs the stages
+     one after another and only adds capacity).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from runner_core.errors import ConfigError
+from runner_core.parallel_state import stage_layer_ranges
+
+_GiB = 2**30
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def tp_problem(tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> str | None:
+    """Why `tp` cannot split this model's layers, or None when it can."""
+    if num_heads % tp:
+        return (f"tensor_parallel_size={tp} does not divide num_attention_heads={num_heads}: attention heads "
+                f"are split evenly across the ranks; use one of {_divisors(num_heads)}")
+    if num_kv_heads >= tp and num_kv_heads % tp:
+        return (f"tensor_parallel_size={tp} does not divide num_key_value_heads={num_kv_heads}; use a divisor "
+                f"of {num_kv_heads} or a multiple of it that divides {num_heads}")
+    if num_kv_heads < tp and tp % num_kv_heads:
+        return (f"tensor_parallel_size={tp} is not a multiple of num_key_value_heads={num_kv_heads}: with fewer "
+                f"KV heads than ranks each KV head is replicated on tp/kv_heads ranks")
+    if intermediate_size % tp:
+        return f"tensor_parallel_size={tp} does not divide intermediate_size={intermediate_size} (the MLP width)"
+    return None
+
+
+def _cuda_devices_needed(config) -> tuple[int, int]:
+    """(devices this node's ranks need, devices visible) for a CUDA config."""
+    visible = torch.cuda.device_count()
+    if os.environ.get("LOCAL_WORLD_SIZE") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return int(os.environ["LOCAL_WORLD_SIZE"]), visible  # torchrun: the ranks of this node
+    return config.torch_device.index + config.world_size, visible
+
+
+def validate_parallel_config(config, hf_config) -> list[range]:
+    """Refuse a parallel layout the model or the machine cannot take; the layers of each stage."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    problem = tp_problem(tp, heads, kv, hf_config.intermediate_size)
+    if problem:
+        raise ConfigError(problem)
+    layers = hf_config.num_hidden_layers
+    if pp > layers:
+        raise ConfigError(f"pipeline_parallel_size={pp} exceeds the model's {layers} decoder layers: every "
+                          f"stage needs at least one layer; use pipeline_parallel_size <= {layers}")
+    split = config.pipeline_stage_layers
+    if split is not None and sum(split) != layers:
+        raise ConfigError(f"pipeline_stage_layers={split} adds up to {sum(split)} layers but the model has "
+                          f"{layers}; give {pp} counts that add up to {layers}")
+    if config.torch_device.type == "cuda":
+        needed, visible = _cuda_devices_needed(config)
+        if needed > visible:
+            raise ConfigError(
+                f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} = {tp * pp} ranks need one CUDA "
+                f"device each (cuda:{config.torch_device.index} onwards, {needed} in all) but {visible} "
+                f"{'is' if visible == 1 else 'are'} visible; lower the sizes or use more devices (torchrun for several nodes)")
+    return stage_layer_ranges(layers, pp, split)
+
+
+# ---- suggestion ----------------------------------------------------------------------------
+@dataclass
+class ParallelSuggestion:
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    per_device_bytes: int  # predicted need per device of the choice
+    device_bytes: int  # usable memory of the smallest device
+    reason: str
+    candidates: list[dict] = field(default_factory=list)  # every layout considered, with its need and verdict
+
+    def as_config(self) -> dict:
+        return {"tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size}
+
+    def __str__(self) -> str:
+        rows = [f"  tp={c['tp']} pp={c['pp']}: " + (f"{c['need_bytes'] / _GiB:.2f} GiB per device, "
+                f"{'fits' if c['fits'] else 'too big'}" if c.get("need_bytes") is not None else c["why"])
+                for c in self.candidates]
+        return self.reason + "\n" + "\n".join(rows)
+
+
+def _usable_bytes(devices, device_memory: int | None, gpu_memory_utilization: float) -> tuple[int, int, str]:
+    """(number of devices, usable bytes of the smallest, device kind)."""
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ConfigError(f"devices must be >= 1, got {devices}")
+        devices = [f"cuda:{i}" for i in range(devices)] if device_memory is None else ["cuda"] * devices
+    devices = [torch.device(d) if not isinstance(d, torch.device) else d for d in devices]
+    if not devices:
+        raise ConfigError("devices is empty; pass a count or a list of devices")
+    kind = devices[0].type
+    if device_memory is not None:
+        return len(devices), int(device_memory * (gpu_memory_utilization if kind == "cuda" else 1)), kind
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("no CUDA device is visible; pass device_memory=<bytes per device> to plan on paper")
+        return len(devices), min(int(torch.cuda.mem_get_info(d)[1] * gpu_memory_utilization) for d in devices), kind
+    from runner_core.memory.sizing import available_memory_bytes
+
+    return len(devices), available_memory_bytes("cpu") // len(devices), kind  # the ranks share the RAM
+
+
+def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memory: int | None = None,
+                            devices_per_node: int | None = None, gpu_memory_utilization: float = 0.9,
+                            min_sequences: int = 1, **estimate_kwargs) -> ParallelSuggestion:
+    """Pick tensor_parallel_size and pipeline_parallel_size for `model` on `devices` (a CUDA count,
+    or a list such as ["cuda:0", "cuda:1"] or ["cpu"] * 2) by the rule in the module docstring.
+
+    `device_memory` (bytes per device) plans on paper instead of asking the devices;
+    `estimate_kwargs` go to `estimate_memory` (dtype, max_model_len, max_num_seqs, ...).
+    Raises ConfigError when no layout fits, saying the least memory per device it would take."""
+    from runner_core.memory.estimate import estimate_memory
+
+    n, usable, kind = _usable_bytes(devices, device_memory, gpu_memory_utilization)
+    per_node = devices_per_node or n
+    estimate_kwargs.setdefault("device", "cuda" if kind == "cuda" else "cpu")
+    base = estimate_memory(model, **estimate_kwargs)
+    shape = base._inputs.shape
+    candidates = []
+    for world in range(1, n + 1):
+        for tp in sorted((d for d in range(1, world + 1) if world % d == 0), reverse=True):
+            pp = world // tp
+            why = tp_problem(tp, shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
+            if why is None and tp > per_node:
+                why = f"tensor_parallel_size={tp} would span nodes (devices_per_node={per_node})"
+            if why is None and pp > shape.num_layers:
+                why = f"pipeline_parallel_size={pp} exceeds the {shape.num_layers} layers"
+            if why is not None:
+                candidates.append({"tp": tp, "pp": pp, "need_bytes": None, "fits": False, "why": why})
+                continue
+            est = estimate_memory(model, **{**estimate_kwargs, "tensor_parallel_size": tp, "pipeline_parallel_size": pp})
+            need = est.fixed_bytes + est.min_kv_pool_bytes * min_sequences
+            candidates.append({"tp": tp, "pp": pp, "need_bytes": need, "fits": need <= usable, "why": ""})
+    fitting = [c for c in candidates if c["fits"]]
+    if not fitting:
+        sized = [c for c in candidates if c["need_bytes"] is not None]
+        best = min(sized, key=lambda c: c["need_bytes"]) if sized else None
+        detail = (f"; the best layout, tp={best['tp']} pp={best['pp']}, needs {best['need_bytes'] / _GiB:.2f} GiB "
+                  f"per device" if best else "")
+        raise ConfigError(f"{model} does not fit on {n} device(s) of {usable / _GiB:.2f} GiB usable{detail}. "
+                          "Use more or larger devices, a 16-bit dtype or a shorter max_model_len")
+    best = min(fitting, key=lambda c: (c["tp"] * c["pp"], -c["tp"]))
+    smaller = [c for c in candidates if c["tp"] * c["pp"] < best["tp"] * best["pp"] and c["need_bytes"] is not None]
+    why_not_fewer = (f"; with fewer devices the least need is {min(c['need_bytes'] for c in smaller) / _GiB:.2f} GiB"
+                     if smaller else "")
+    reason = (f"tensor_parallel_size={best['tp']}, pipeline_parallel_size={best['pp']}: the fewest devices "
+              f"({best['tp'] * best['pp']} of {n}) whose predicted need per device, {best['need_bytes'] / _GiB:.2f} GiB "
+              f"(weights, activation peak, rotary tables and KV for {min_sequences} x max_model_len), fits in "
+              f"{usable / _GiB:.2f} GiB usable{why_not_fewer}; at equal device count tensor parallelism is "
+              "preferred (it splits every layer's work; pipeline stages run one after another)")
+    return ParallelSuggestion(best["tp"], best["pp"], best["need_bytes"], usable, reason, candidates)
