@@ -55,8 +55,16 @@ def _load() -> bool:
     from torch.utils import cpp_extension
 
     _ensure_ninja_on_path()
+    build_dir = _build_dir()
+    # build from a copy inside the (content-keyed) build folder: the compile command then does not
+    # depend on where this package lives, so checkouts sharing a cache do not rebuild each other
+    source = build_dir / _SOURCE.name
+    if not source.exists() or source.read_bytes() != _SOURCE.read_bytes():
+        tmp = build_dir / f".{_SOURCE.name}.{os.getpid()}"
+        tmp.write_bytes(_SOURCE.read_bytes())
+        os.replace(tmp, source)
     cpp_extension.load(
-        name="runner_core_paged_attention_cpu", sources=[str(_SOURCE)], build_directory=str(_build_dir()),
+        name="runner_core_paged_attention_cpu", sources=[str(source)], build_directory=str(build_dir),
         extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], is_python_module=False, verbose=False)
     return True
 
