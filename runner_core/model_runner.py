@@ -309,6 +309,17 @@ class ModelRunner:
             return self.parallel.defragment(self._engine(), shrink_to_blocks)
         return self._engine().defragment(shrink_to_blocks)
 
+    def kv_block_map(self) -> dict:
+        """Which request owns which KV block, and which free blocks still hold a cached prefix."""
+        engine = self._engine()
+        pool = engine.memory.pool
+        return {
+            "num_blocks": pool.num_blocks,
+            "block_size": engine.memory.block_size,
+            "owners": {rid: list(seq.block_table) for rid, seq in engine.requests.items() if seq.block_table},
+            "cached_block_ids": [i for i in pool.free_queue if pool.blocks[i].block_hash is not None],
+        }
+
     def reset_prefix_cache(self) -> int:
         return self._engine().memory.reset_prefix_cache()
 

@@ -173,3 +173,18 @@ def _shared_runner(path):
     if "r" not in _SHARED:
         _SHARED["r"] = _runner(path, blocks=24, enable_prefix_caching=True, max_model_len=64, max_num_seqs=4)
     return _SHARED["r"]
+
+
+def test_kv_block_map_shows_owners_and_cached_blocks(tiny_llama_path):
+    runner = _runner(tiny_llama_path, enable_prefix_caching=True)
+    runner.generate(PROMPTS[0], GREEDY)
+    rid = runner.add_request(PROMPTS[1], GREEDY)
+    runner.step()
+    m = runner.kv_block_map()
+    assert m["num_blocks"] == 256 and m["block_size"] == BS
+    assert list(m["owners"]) == [rid]
+    owned = m["owners"][rid]
+    assert owned == runner.engine.requests[rid].block_table
+    assert m["cached_block_ids"] and not set(m["cached_block_ids"]) & set(owned)
+    while runner.has_unfinished_requests():
+        runner.step()

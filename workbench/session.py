@@ -79,9 +79,6 @@ class ModelEntry:
 
 _CURRENT: "Session | None" = None
 _CURRENT_LOCK = threading.Lock()
-# Held around every call into a runner. runner_core keeps some per-step state in module globals
-# (the forward context), so two sessions' engine threads must not step at the same moment.
-_RUNNER_LOCK = threading.RLock()
 
 
 class Session:
@@ -189,8 +186,7 @@ class Session:
             try:
                 self._drain(block=not self._has_work())
                 for entry in list(self._models.values()):
-                    with _RUNNER_LOCK:
-                        self._advance(entry)
+                    self._advance(entry)
             except Exception:  # never let the engine thread die
                 logger.exception("workbench engine loop error")
                 time.sleep(0.05)
@@ -202,8 +198,7 @@ class Session:
             return
         while True:
             fn, fut = item
-            with _RUNNER_LOCK:
-                _run_into(fut, fn)
+            _run_into(fut, fn)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -257,15 +252,8 @@ class Session:
         self._block_maps[entry.name] = self._snapshot_blocks(entry)
 
     def _snapshot_blocks(self, entry: ModelEntry) -> dict:
-        runner, mem = entry.runner, entry.memory
-        if hasattr(runner, "kv_block_map"):
-            snap = dict(runner.kv_block_map())
-        else:
-            snap = {"owners": {rid: list(seq.block_table) for rid, seq in runner.engine.requests.items()
-                               if seq.block_table}}
-        snap.setdefault("num_blocks", mem.get("blocks_total", 0))
-        snap.setdefault("block_size", mem.get("block_size", 0))
-        snap.setdefault("blocks_cached", mem.get("blocks_cached", 0))
+        snap = entry.runner.kv_block_map()
+        snap["blocks_cached"] = entry.memory.get("blocks_cached", 0)
         snap["t"] = time.time() - self.metrics.t0
         snap["model"] = entry.name
         return snap
