@@ -8,7 +8,7 @@ MODEL ?= tiny-llama
 PROMPT ?= Once upon a time
 PORT ?= 5006
 
-.PHONY: setup run generate lab browser test bench clean
+.PHONY: setup run generate lab browser test bench bench-memory bench-compile bench-parallel clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,15 @@ test: setup browser
 
 bench: setup
 	$(PY) benchmarks/throughput.py
+
+bench-memory: setup
+	$(PY) benchmarks/kv_waste.py
+
+bench-compile: setup
+	$(PY) benchmarks/compile.py
+
+bench-parallel: setup
+	$(PY) benchmarks/parallel.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

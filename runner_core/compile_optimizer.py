@@ -13,8 +13,9 @@ Two routes, chosen per optimizer (`compile_stats()["warm_start"]` says which and
   so one program serves every layer and a re-bound or shrunk pool needs nothing; N is one dynamic
   dimension >= 1, the KV-pool slot count is dynamic too) and compiles it with AOTInductor into
   `compile_cache_dir/<key>/aoti.pt2`. Every later start loads that package with
-  `torch._C._aoti.AOTIModelPackageLoader`: a zip extract and a dlopen, no dynamo, no inductor,
-  not even their imports, and no dependence on `TORCHINDUCTOR_CACHE_DIR`. The custom op runs
+  `torch._C._aoti.AOTIModelPackageLoader`: a zip extract and a dlopen; no tracing, no inductor
+  import, no vector-ISA probe, no dependence on `TORCHINDUCTOR_CACHE_DIR` (torch.library's
+  custom-op wrapper still imports dynamo's module at the op's first call). The custom op runs
   through AOTInductor's proxy executor, i.e. the dispatcher calls our Python kernel, which reads
   the forward context as in eager. There are no dynamo guards at run time, so each call checks
   what the package assumes (tensor args, dtype, device, trailing dims, contiguity, one shared N);
@@ -24,31 +25,48 @@ Two routes, chosen per optimizer (`compile_stats()["warm_start"]` says which and
   fullgraph=True)`: dynamo specialises N=1, so a continuous-batching workload needs two graphs
   after warm-up. The inductor/AOTAutograd artifacts are saved with
   `torch.compiler.save_cache_artifacts` into `<key>/artifacts.bin` and hot-loaded by a later
-  process before compiling; dynamo still traces at every start.
+  process before compiling (inductor's vector-ISA probe is skipped when the CPU claims the ISAs
+  recorded at compile time); dynamo still traces at every start.
 
-Why aoti (small-llama, fp32, 2 shared CPU cores, noisy; seconds from "compile requested" to
-"warm-up done", fresh process; cold = empty compile cache and empty inductor cache):
+Why aoti. Measured on small-llama (fp32, 2 shared CPU cores: noisy), seconds from "compile
+requested" to "warm-up done" in a fresh process; cold = empty compile_cache_dir and empty
+TORCHINDUCTOR_CACHE_DIR, warm = the same folders again. benchmarks/compile.py, final code:
 
-    scope   route                                cold s   warm s   warm s, empty inductor dir
-    layer   jit: mega-cache (the old route)       32.3     5.4      15.7
-    layer   torch._dynamo aot_compile (precompile) 25.5    4.1      14.0
-    layer   AOTInductor, N=1 + dynamic packages   49.4     3.3       7.7
-    layer   AOTInductor, one dynamic package      17.7     ~0.1 (loader only, imports skipped)
-    model   jit: mega-cache                       34.3    10.1
-    model   torch._dynamo aot_compile             32.8     2.6
-    model   AOTInductor, N=1 + dynamic packages   48.0     2.7
+    scope   route                          cold s   warm s   warm/cold
+    model   aoti (kept)                     24.3     0.53      2.2%
+    model   jit: torch.compile + mega-cache 27.0     5.85     21.7%
+    layer   aoti (kept)                     16.7     0.51      3.1%
+    layer   jit: torch.compile + mega-cache 15.2     3.00     19.8%
 
-About 2.5 s of every warm figure above that imports inductor is `import torch._dynamo` (~1.4 s)
-and inductor's vector-ISA probe (~1 s, a compile plus a child process); the direct loader needs
-neither. `aot_compile` (dynamo precompile) keeps guards but its artifacts still need the
-inductor kernel cache (an empty TORCHINDUCTOR_CACHE_DIR recompiles every kernel), it must be
-loaded under the inference mode it was traced in (dispatch-key guards), it needs
-`specialize_float` and a Python guard check per call; `TORCH_CACHING_PRECOMPILE=1` (dynamo's
-own cache in the mega-cache) failed on load ("Name '__builtins_dict___2' already exists").
-Steady-state forward (min of 30 calls, layer scope, ms at N=1 / 32 / 256): eager 10.3/19.3/104,
-jit 10.2/19.8/-, aot_compile 9.7/18.8/81.7, AOTInductor 9.1/17.4/81.7; an N=1-specialised
-package is no faster than the dynamic one at N=1 (9.06 vs 9.12 ms), so one dynamic package.
-`benchmarks/compile.py` measures the kept routes.
+(an earlier run: 26.0/0.58, 29.3/7.14, 17.4/0.55, 16.0/2.96). Same run, aoti route, eager ->
+compiled tok/s: decode batch 1 75.9 -> 85.3 (model) / 74.7 -> 85.0 (layer), batch 32 1027 -> 1134
+/ 1031 -> 1117, mixed workload 512 -> 572 / 545 -> 564; greedy tokens equal 64/64; 0 recompiles.
+
+Tried on the way (experiment scripts, same machine, busier, so cold/warm are higher):
+  * `torch.compile(fn, fullgraph=True, dynamic=True).aot_compile(((module, *args), {}))` per
+    graph (N=1 and dynamic), saved with `save_compiled_function`, loaded with
+    `torch.compiler.load_compiled_function`: correct tokens, zero recompiles; warm 4.1 s (layer)
+    / 2.6 s (model) vs the mega-cache's 5.4 / 10.1 in the same session. But its artifacts still
+    need inductor's kernel cache (with an empty TORCHINDUCTOR_CACHE_DIR the warm start was 14.0 s:
+    every kernel is rebuilt), it must be loaded under the inference mode it was traced in
+    (dispatch-key guards), needs `specialize_float=True` (else TensorifyScalarRestartAnalysis),
+    pays ~1.4 s importing dynamo plus ~1 s of inductor's vector-ISA probe, and checks guards in
+    Python on every call.
+  * `TORCH_CACHING_PRECOMPILE=1` (dynamo's own cache inside the mega-cache): the warm load failed
+    ("Name '__builtins_dict___2' already exists in scope").
+  * AOTInductor with two packages (N=1 specialised + dynamic N>=2): warm 3.3 s / 2.7 s through
+    `aoti_load_package` (which imports inductor and runs the ISA probe), 7.7 s with an empty
+    inductor cache, but cold 49 s / 48 s. An N=1-specialised package was no faster at N=1 than the
+    dynamic one (9.06 vs 9.12 ms per forward), so one dynamic package (cold 17.7 s, layer) loaded
+    by the C++ loader directly: ~5 ms to load; the rest of the warm figure is the warm-up runs and
+    the import of dynamo that torch.library's custom-op wrapper does on the op's first call.
+  * Steady state (min of 30 forwards, layer scope, ms at N=1 / 32 / 256): eager 10.3/19.3/104,
+    jit 10.2/19.8/-, aot_compile 9.7/18.8/81.7, AOTInductor 9.1/17.4/81.7 (quiet machine later:
+    eager 11.1/20.1/48.8@128, aoti 9.7/18.6/46.8@128). The mm's are extern BLAS calls on both
+    sides, so compiled decode is ~1.1x eager here (1.08-1.14x), short of the 1.3x target; inductor's
+    `freezing` (weights prepacked as constants) measured 1.45x at N=1 and 1.8x at N=32 on the
+    jit route, but it makes the KV pool and the weights graph constants (a re-bound pool would be
+    missed silently) and one program per layer instance: not adopted.
 
 The key hashes everything that changes the generated code (model config, the model's parameter
 layout and pipeline stage, dtype, device and CPU flags, compile options, torch and project
@@ -346,9 +364,13 @@ class _AOTIProgram:
         folder = self.opt.folder
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{os.getpid()}.{AOTI_PACKAGE}"  # the packager wants a name ending in .pt2
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
-                                                 inductor_configs=self.opt.settings.inductor_configs)
-        data = tmp.read_bytes()
+        try:
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
+                                                     inductor_configs=self.opt.settings.inductor_configs)
+            data = tmp.read_bytes()
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         meta = {"sha256": hashlib.sha256(data).hexdigest(), "names": names, "module": type(module).__name__,
                 "signature": [(str(a.dtype), str(a.device), list(a.shape[1:])) for a in args],
                 "vec_isa": _vec_isa_list(), "factors": self.opt.factors, "created": time.time()}
