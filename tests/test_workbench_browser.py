@@ -29,7 +29,9 @@ def _require_browser():
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    return pytest.importorskip("playwright.sync_api")
+    import playwright.sync_api  # a test dependency: `make test` installs it
+
+    return playwright.sync_api
 
 
 @pytest.fixture(scope="module")
