@@ -8,13 +8,12 @@ from __future__ import annotations
 import html
 import logging
 import socket
-from concurrent.futures import Future
-from pathlib import Path
 
 import panel as pn
 
 from runner_core.models import preset_names
 from workbench import charts
+from workbench.controller import ViewController, model_choice
 from workbench.session import Session
 
 logger = logging.getLogger("workbench")
@@ -46,19 +45,15 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class Dashboard:
+class Dashboard(ViewController):
     """One dashboard per browser session (or notebook cell) over a shared Session."""
 
     def __init__(self, session: Session | None = None, refresh_ms: int = REFRESH_MS):
-        self.session = session or Session.current()
+        super().__init__(session)
         self.refresh_ms = refresh_ms
-        self.handle = None
-        self.workload: list = []
-        self.jobs: list[tuple[str, Future]] = []
         self._chart_version = -1
         self._chart_model = None
         self._syncing = False
-        self._error_shown_for = None
         self._build()
         self.refresh()
 
@@ -145,6 +140,7 @@ class Dashboard:
     # ---- messages -------------------------------------------------------------------------------
     def show_error(self, message: str) -> None:
         logger.warning("dashboard: %s", message)
+        self.info.visible = False
         self.error.object = html.escape(message)
         self.error.visible = True
 
@@ -156,69 +152,40 @@ class Dashboard:
         self.error.visible = False
         self.info.visible = False
 
-    def _guard(self, action: str, fn):
-        """Run a Session call; a raised error becomes the page's message."""
-        self.clear_messages()
-        try:
-            return fn()
-        except Exception as exc:  # shown, not swallowed: the session stays usable
-            self.show_error(f"{action}: {exc}")
-            return None
-
     # ---- actions -----------------------------------------------------------------------------------
     def on_load(self) -> None:
-        path = self.model_path.value.strip()
-        model = str(Path(path).expanduser().resolve()) if path else self.model_select.value
+        model = model_choice(self.model_select.value, self.model_path.value)
         config = load_config(self.dtype.value, self.device.value, self.kv_mib.value, self.max_len.value)
         already = model in self.session.models
-        fut = self._guard("Load", lambda: self.session.load_model(model, wait=False, **config))
-        if fut is not None and already:
-            self.show_info(f"{model} is already loaded; it is the active model now")
-        elif fut is not None:
-            self.jobs.append((f"Load {model}", fut))
-            self.show_info(f"Loading {model}…")
+        if self.load(model, config) is not None:
+            self.show_info(f"{model} is already loaded; it is the active model now" if already
+                           else f"Loading {model}…")
 
     def on_unload(self) -> None:
-        fut = self._guard("Unload", lambda: self.session.unload(wait=False))
-        if fut is not None:
-            self.jobs.append(("Unload", fut))
+        self.unload()
 
     def on_compile(self) -> None:
-        fut = self._guard("Compile mode", lambda: self.session.set_compile_mode(
-            self.compile_on.value, backend=self.compile_backend.value, mode=self.compile_mode.value,
-            scope=self.compile_scope.value, wait=False))
-        if fut is not None:
-            label = "compile " + ("on" if self.compile_on.value else "off")
-            self.jobs.append((label, fut))
-            self.show_info(f"Switching {label} ({self.compile_backend.value}, {self.compile_mode.value}, "
-                           f"scope {self.compile_scope.value})…")
+        if self.set_compile(self.compile_on.value, self.compile_backend.value, self.compile_mode.value,
+                            self.compile_scope.value) is not None:
+            self.show_info(f"Switching compile {'on' if self.compile_on.value else 'off'} "
+                           f"({self.compile_backend.value}, {self.compile_mode.value}, scope {self.compile_scope.value})…")
 
     def on_generate(self) -> None:
-        top_k = self.top_k.value or 0
-        handle = self._guard("Generate", lambda: self.session.submit(
-            self.prompt.value, max_tokens=self.max_tokens.value, temperature=self.temperature.value,
-            top_p=self.top_p.value, top_k=top_k, ignore_eos=self.ignore_eos.value))
-        if handle is not None:
-            self.handle = handle
-            self._error_shown_for = None
+        if self.generate(self.prompt.value, max_tokens=self.max_tokens.value, temperature=self.temperature.value,
+                         top_p=self.top_p.value, top_k=self.top_k.value or 0,
+                         ignore_eos=self.ignore_eos.value) is not None:
             self.answer.object = _pre("")
             self.answer_stats.object = "_generating…_"
 
     def on_cancel(self) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
-        for h in self.workload:
-            h.cancel()
+        self.cancel()
 
     def on_workload(self) -> None:
-        handles = self._guard("Workload", lambda: self.session.run_workload(int(self.workload_n.value)))
-        if handles:
-            self.workload = handles
+        self.start_workload(self.workload_n.value)
 
     def _on_active(self, event) -> None:
-        if self._syncing or not event.new:
-            return
-        self._guard("Switch model", lambda: self.session.use(event.new))
+        if not self._syncing and event.new:
+            self.use(event.new)
 
     # ---- the periodic refresh ---------------------------------------------------------------------
     def refresh(self) -> None:
@@ -234,32 +201,15 @@ class Dashboard:
         s = self.session
         self.status.object = f"**{html.escape(s.status)}**"
         self.spinner.value = s.busy
-        for label, fut in list(self.jobs):
-            if fut.done():
-                self.jobs.remove((label, fut))
-                exc = fut.exception()
-                if exc is not None:
-                    self.info.visible = False
-                    self.show_error(f"{label}: {exc}")
-                else:
-                    self.show_info(f"{label}: done" + _describe(fut.result()))
-        models = s.models
-        self._sync_models(models)
-        h = self.handle
-        if h is not None:
-            self.answer.object = _pre(h.text)
-            rate = h.tokens_per_s
-            parts = [f"{h.num_tokens} tokens"] + ([f"{rate:.1f} tokens/s"] if rate else [])
-            if h.done:
-                parts.append(f"finished: {h.finish_reason}")
-                if h.exception is not None and self._error_shown_for is not h:
-                    self._error_shown_for = h
-                    self.show_error(f"Generate: {h.exception}")
-            self.answer_stats.object = " · ".join(parts)
+        for label, exc, result in self.finished_jobs():
+            if exc is None:
+                self.show_info(f"{label}: done" + _describe(result))
+        self._sync_models(s.models)
+        if self.handle is not None:
+            self.answer.object = _pre(self.handle.text)
+            self.answer_stats.object = self.answer_stats_text()
         if self.workload:
-            done = sum(x.done for x in self.workload)
-            tokens = sum(x.num_tokens for x in self.workload)
-            self.workload_md.object = f"workload: {done}/{len(self.workload)} requests done, {tokens} tokens"
+            self.workload_md.object = self.workload_summary()
         version = s.metrics.version
         if version != self._chart_version or s.active != self._chart_model:
             self._chart_version, self._chart_model = version, s.active

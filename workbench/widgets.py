@@ -14,14 +14,13 @@ import asyncio
 import html
 import threading
 import weakref
-from concurrent.futures import Future
-from pathlib import Path
 
 import ipywidgets as W
 import plotly.graph_objects as go
 
 from runner_core.models import preset_names
 from workbench import charts
+from workbench.controller import ViewController, model_choice
 from workbench.panel_app import COMPILE_BACKENDS, COMPILE_MODES, DEFAULT_LOAD, _default_device, load_config
 from workbench.session import Session
 
@@ -30,20 +29,16 @@ CHART_HISTORY = 600
 FIGURE_WIDTH = 470  # two side by side in a notebook cell
 
 
-class WorkbenchWidgets(W.VBox):
+class WorkbenchWidgets(ViewController, W.VBox):
     """Load/unload, compile mode, prompt and sampling, workload, status and live charts."""
 
     def __init__(self, session: Session | None = None, *, auto_refresh: bool = True, interval: float = 0.5,
                  figures: tuple[str, ...] = FIGURES):
-        self.session = session or Session.current()
+        ViewController.__init__(self, session)
         self.interval = interval
-        self.handle = None
-        self.workload: list = []
-        self.jobs: list[tuple[str, Future]] = []
         self._chart_version = -1
         self._syncing = False
         self._closed = False
-        self._error_shown_for = None
         layout = W.Layout(width="auto")
         presets = preset_names()
         self.model = W.Dropdown(options=presets, value=presets[0], description="Model")
@@ -87,7 +82,7 @@ class WorkbenchWidgets(W.VBox):
                              W.HBox([self.workload_n, self.workload_button])])
         figs = list(self.figures.values())
         grid = W.VBox([W.HBox(figs[i:i + 2]) for i in range(0, len(figs), 2)])
-        super().__init__([self.status, self.error, controls, generation, grid], layout=layout)
+        W.VBox.__init__(self, [self.status, self.error, controls, generation, grid], layout=layout)
         self.refresh()
         if auto_refresh:
             self._start_auto_refresh()
@@ -96,66 +91,42 @@ class WorkbenchWidgets(W.VBox):
     def show_error(self, message: str) -> None:
         self.error.value = f'<div style="color:#b00020"><b>Error:</b> {html.escape(message)}</div>'
 
-    def _guard(self, action: str, fn):
+    def clear_messages(self) -> None:
         self.error.value = ""
-        try:
-            return fn()
-        except Exception as exc:
-            self.show_error(f"{action}: {exc}")
-            return None
 
     # ---- actions ----------------------------------------------------------------------------------
     def on_load(self) -> None:
-        path = self.model_path.value.strip()
-        model = str(Path(path).expanduser().resolve()) if path else self.model.value
         config = load_config(DEFAULT_LOAD["dtype"], _default_device(), DEFAULT_LOAD["kv_cache_memory_mib"],
                              DEFAULT_LOAD["max_model_len"])
-        fut = self._guard("Load", lambda: self.session.load_model(model, wait=False, **config))
-        if fut is not None:
-            self.jobs.append((f"Load {model}", fut))
+        self.load(model_choice(self.model.value, self.model_path.value), config)
 
     def on_unload(self) -> None:
-        fut = self._guard("Unload", lambda: self.session.unload(wait=False))
-        if fut is not None:
-            self.jobs.append(("Unload", fut))
+        self.unload()
 
     def on_compile(self) -> None:
-        fut = self._guard("Compile mode", lambda: self.session.set_compile_mode(
-            self.compile.value, backend=self.compile_backend.value, mode=self.compile_mode.value, wait=False))
-        if fut is not None:
-            self.jobs.append(("Compile mode", fut))
+        self.set_compile(self.compile.value, self.compile_backend.value, self.compile_mode.value)
 
     def on_generate(self) -> None:
-        handle = self._guard("Generate", lambda: self.session.submit(
-            self.prompt.value, max_tokens=self.max_tokens.value, temperature=self.temperature.value))
-        if handle is not None:
-            self.handle = handle
+        if self.generate(self.prompt.value, max_tokens=self.max_tokens.value,
+                         temperature=self.temperature.value) is not None:
             self.output.value = ""
 
     def on_cancel(self) -> None:
-        for h in [self.handle, *self.workload]:
-            if h is not None:
-                h.cancel()
+        self.cancel()
 
     def on_workload(self) -> None:
-        handles = self._guard("Workload", lambda: self.session.run_workload(int(self.workload_n.value)))
-        if handles:
-            self.workload = handles
+        self.start_workload(self.workload_n.value)
 
     def _on_active(self, change) -> None:
         if not self._syncing and change["new"]:
-            self._guard("Switch model", lambda: self.session.use(change["new"]))
+            self.use(change["new"])
 
     # ---- refresh --------------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Copy the session's state into the widgets and charts."""
         s = self.session
         self.status.value = f"<b>{html.escape(s.status)}</b>"
-        for label, fut in list(self.jobs):
-            if fut.done():
-                self.jobs.remove((label, fut))
-                if fut.exception() is not None:
-                    self.show_error(f"{label}: {fut.exception()}")
+        self.finished_jobs()
         self._syncing = True
         try:
             names = list(s.models)
@@ -165,15 +136,9 @@ class WorkbenchWidgets(W.VBox):
                 self.active.value = s.active
         finally:
             self._syncing = False
-        h = self.handle
-        if h is not None:
-            self.output.value = h.text
-            rate = h.tokens_per_s
-            self.stats.value = (f"{h.num_tokens} tokens" + (f" · {rate:.1f} tokens/s" if rate else "")
-                                + (f" · finished: {h.finish_reason}" if h.done else ""))
-            if h.exception is not None and self._error_shown_for is not h:
-                self._error_shown_for = h
-                self.show_error(f"Generate: {h.exception}")
+        if self.handle is not None:
+            self.output.value = self.handle.text
+            self.stats.value = self.answer_stats_text()
         if s.metrics.version != self._chart_version:
             self._chart_version = s.metrics.version
             rows = s.metrics.rows(model=s.active, last=CHART_HISTORY) if s.active else []

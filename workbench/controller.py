@@ -1,0 +1,115 @@
+"""What the two views (the Panel dashboard and the ipywidgets panel) share: each user action is
+one Session call whose error becomes the view's message, background jobs (load, unload, compile
+switch) are tracked until they finish, and the streamed answer and workload are summarised for
+display. A view supplies `show_error` / `clear_messages` and its widgets; no engine logic here.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+
+from workbench.handles import RequestHandle
+from workbench.session import Session
+
+
+def model_choice(preset: str, path: str) -> str:
+    """The model to load: a typed local path wins over the preset picker."""
+    path = path.strip()
+    return str(Path(path).expanduser().resolve()) if path else preset
+
+
+class ViewController:
+    def __init__(self, session: Session | None = None):
+        self.session = session or Session.current()
+        self.handle: RequestHandle | None = None
+        self.workload: list[RequestHandle] = []
+        self.jobs: list[tuple[str, Future]] = []
+        self._error_shown_for: RequestHandle | None = None
+
+    # ---- supplied by the view ---------------------------------------------------------------
+    def show_error(self, message: str) -> None:
+        raise NotImplementedError
+
+    def clear_messages(self) -> None:
+        raise NotImplementedError
+
+    # ---- actions ----------------------------------------------------------------------------
+    def guard(self, action: str, fn):
+        """Run a Session call; a raised error becomes the view's message (the session goes on)."""
+        self.clear_messages()
+        try:
+            return fn()
+        except Exception as exc:  # shown, not swallowed
+            self.show_error(f"{action}: {exc}")
+            return None
+
+    def _track(self, label: str, fut: Future | None) -> Future | None:
+        if fut is not None:
+            self.jobs.append((label, fut))
+        return fut
+
+    def load(self, model: str, config: dict) -> Future | None:
+        return self._track(f"Load {model}", self.guard("Load", lambda: self.session.load_model(
+            model, wait=False, **config)))
+
+    def unload(self) -> Future | None:
+        return self._track("Unload", self.guard("Unload", lambda: self.session.unload(wait=False)))
+
+    def set_compile(self, enabled: bool, backend: str, mode: str, scope: str | None = None) -> Future | None:
+        label = "compile " + ("on" if enabled else "off")
+        return self._track(label, self.guard("Compile mode", lambda: self.session.set_compile_mode(
+            enabled, backend=backend, mode=mode, scope=scope, wait=False)))
+
+    def generate(self, prompt: str, **sampling) -> RequestHandle | None:
+        handle = self.guard("Generate", lambda: self.session.submit(prompt, **sampling))
+        if handle is not None:
+            self.handle, self._error_shown_for = handle, None
+        return handle
+
+    def cancel(self) -> None:
+        for h in [self.handle, *self.workload]:
+            if h is not None:
+                h.cancel()
+
+    def start_workload(self, n: int) -> None:
+        handles = self.guard("Workload", lambda: self.session.run_workload(int(n)))
+        if handles:
+            self.workload = handles
+
+    def use(self, name: str) -> None:
+        self.guard("Switch model", lambda: self.session.use(name))
+
+    # ---- state for display ------------------------------------------------------------------
+    def finished_jobs(self) -> list[tuple[str, BaseException | None, object]]:
+        """Jobs that finished since the last call: (label, exception or None, result); errors are shown."""
+        done = []
+        for label, fut in list(self.jobs):
+            if fut.done():
+                self.jobs.remove((label, fut))
+                exc = fut.exception()
+                if exc is not None:
+                    self.show_error(f"{label}: {exc}")
+                done.append((label, exc, None if exc is not None else fut.result()))
+        return done
+
+    def answer_stats_text(self) -> str:
+        """'N tokens · R tokens/s · finished: reason' for the current generation; its error, once."""
+        h = self.handle
+        if h is None:
+            return ""
+        rate = h.tokens_per_s
+        parts = [f"{h.num_tokens} tokens"] + ([f"{rate:.1f} tokens/s"] if rate else [])
+        if h.done:
+            parts.append(f"finished: {h.finish_reason}")
+            if h.exception is not None and self._error_shown_for is not h:
+                self._error_shown_for = h
+                self.show_error(f"Generate: {h.exception}")
+        return " · ".join(parts)
+
+    def workload_summary(self) -> str:
+        if not self.workload:
+            return ""
+        done = sum(x.done for x in self.workload)
+        tokens = sum(x.num_tokens for x in self.workload)
+        return f"workload: {done}/{len(self.workload)} requests done, {tokens} tokens"
