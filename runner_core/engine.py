@@ -20,6 +20,7 @@ from runner_core.input_buffers import InputBuffers
 from runner_core.layers.attention import bind_kv_cache
 from runner_core.layers.sampler import Sampler, SamplingMetadata
 from runner_core.memory import FragmentationTracker, MemoryManager, plan_kv_pool
+from runner_core.output_processor import OutputProcessor
 from runner_core.sampling import SamplingParams
 from runner_core.scheduler import Scheduler
 from runner_core.sequence import RequestOutput, Sequence
@@ -98,6 +99,7 @@ class LLMEngine:
         else:
             self.forward_pass = parallel.make_forward_pass(self.model, kv_cache, bs, self.device, buffers)
         self.sampler = Sampler()
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.compiler: CompileOptimizer | None = None
         if config.compile and not config.enforce_eager:
             self.set_compile_mode(True)
@@ -166,7 +168,7 @@ class LLMEngine:
             return None
         self._release(seq)
         seq.finish("abort")
-        return self._output(seq, [], "")
+        return self.output_processor.output(seq, [], "")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -295,50 +297,11 @@ class LLMEngine:
 
     def _append_tokens(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
         outputs = []
-        now = time.perf_counter()
-        token_ids = sampled.sampled_token_ids.tolist()
-        lp_ids = sampled.logprob_token_ids.tolist() if sampled.logprob_token_ids is not None else None
-        lp_vals = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-        for i, (seq, tok) in enumerate(zip(seqs, token_ids)):
-            seq.token_ids.append(tok)
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            if seq.logprobs is not None:
-                k = seq.params.logprobs + 1
-                seq.logprobs.append(dict(zip(lp_ids[i][:k], lp_vals[i][:k])))
-            prev_len = len(seq.detokenizer.text) if seq.detokenizer is not None else 0
-            delta = seq.detokenizer.add([tok]) if seq.detokenizer is not None else ""
-            self._check_stop(seq, tok)
-            if seq.is_finished and seq.detokenizer is not None:
-                # final text: cut at a stop string, else the full decode (flushes held-back bytes)
-                if seq.text is None:
-                    seq.text = self.tokenizer.decode(seq.output_token_ids,
-                                                     skip_special_tokens=seq.params.skip_special_tokens)
-                delta = seq.text[prev_len:]
+        for seq, delta_ids, delta_text in self.output_processor.append(seqs, sampled):
             if seq.is_finished:
                 self._release(seq)
-                outputs.append(self._output(seq, [tok], delta))
-            elif seq.detokenizer is not None:
-                outputs.append(self._output(seq, [tok], delta))
+            outputs.append(self.output_processor.output(seq, delta_ids, delta_text))
         return outputs
-
-    def _check_stop(self, seq: Sequence, tok: int) -> None:
-        p = seq.params
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
-            if tok in p.stop_token_ids:
-                return seq.finish("stop", tok)
-            if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
-                return seq.finish("stop")
-            if p.stop:
-                text = seq.detokenizer.text
-                hits = [(text.find(s), s) for s in p.stop if s in text]
-                if hits:
-                    cut, s = min(hits)
-                    seq.text = text[:cut]
-                    return seq.finish("stop", s)
-        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish("length")
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
@@ -348,14 +311,4 @@ class LLMEngine:
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         self._release(seq)
         seq.finish("error", error=message)
-        return self._output(seq, [], "")
-
-    def _output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
-        if seq.is_finished and seq.text is None:
-            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
-        text = seq.text if seq.is_finished else seq.detokenizer.text
-        return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-            token_ids=list(seq.output_token_ids), text=text, delta_token_ids=delta_ids, delta_text=delta_text,
-            finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            error=seq.error, logprobs=seq.logprobs, metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_cached_tokens))
+        return self.output_processor.output(seq, [], "")

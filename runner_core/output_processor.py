@@ -1,0 +1,70 @@
+"""OutputProcessor: what happens to a sampled token — append it, record logprobs and first-token
+time, detokenize incrementally for streams and stop strings, apply the stop conditions (stop ids,
+EOS, stop strings, max_tokens, max_model_len) — and the RequestOutput handed to callers."""
+
+from __future__ import annotations
+
+import time
+
+from runner_core.sequence import RequestOutput, Sequence
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+
+    def append(self, seqs: list[Sequence], sampled) -> list[tuple[Sequence, list[int], str]]:
+        """Append one sampled token per sequence; returns (sequence, new ids, new text) for the
+        sequences that finished or stream."""
+        updates = []
+        now = time.perf_counter()
+        token_ids = sampled.sampled_token_ids.tolist()
+        lp_ids = sampled.logprob_token_ids.tolist() if sampled.logprob_token_ids is not None else None
+        lp_vals = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        for i, (seq, tok) in enumerate(zip(seqs, token_ids)):
+            seq.token_ids.append(tok)
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            if seq.logprobs is not None:
+                k = seq.params.logprobs + 1
+                seq.logprobs.append(dict(zip(lp_ids[i][:k], lp_vals[i][:k])))
+            prev_len = len(seq.detokenizer.text) if seq.detokenizer is not None else 0
+            delta = seq.detokenizer.add([tok]) if seq.detokenizer is not None else ""
+            self.check_stop(seq, tok)
+            if seq.is_finished and seq.detokenizer is not None:
+                # final text: cut at a stop string, else the full decode (flushes held-back bytes)
+                if seq.text is None:
+                    seq.text = self.tokenizer.decode(seq.output_token_ids,
+                                                     skip_special_tokens=seq.params.skip_special_tokens)
+                delta = seq.text[prev_len:]
+            if seq.is_finished or seq.detokenizer is not None:
+                updates.append((seq, [tok], delta))
+        return updates
+
+    def check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                return seq.finish("stop", tok)
+            if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
+                return seq.finish("stop")
+            if p.stop:
+                text = seq.detokenizer.text
+                hits = [(text.find(s), s) for s in p.stop if s in text]
+                if hits:
+                    cut, s = min(hits)
+                    seq.text = text[:cut]
+                    return seq.finish("stop", s)
+        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish("length")
+
+    def output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
+        if seq.is_finished and seq.text is None:
+            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        text = seq.text if seq.is_finished else seq.detokenizer.text
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            token_ids=list(seq.output_token_ids), text=text, delta_token_ids=delta_ids, delta_text=delta_text,
+            finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            error=seq.error, logprobs=seq.logprobs, metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_cached_tokens))
