@@ -1,5 +1,6 @@
-"""LLMEngine: the step loop. Admits requests, schedules, runs ForwardPass and the sampler,
-appends tokens, applies stop conditions and emits outputs. One bad request never stops it."""
+"""LLMEngine: the step loop. Admits requests, schedules, runs ForwardPass and the sampler, hands
+sampled tokens to the OutputProcessor and releases finished requests; owns the KV pool, the
+compile mode and the per-step metrics. One bad request never stops it."""
 
 from __future__ import annotations
 
