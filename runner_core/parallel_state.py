@@ -57,10 +57,6 @@ def stage_layer_ranges(num_layers: int, pp_size: int, layers_per_stage: list[int
 
 
 # ---- activation ------------------------------------------------------------------------------
-def set_tensor_parallel_group(group: dist.ProcessGroup | None) -> None:
-    _LOCAL.tp_group = group
-
-
 def _tp_group() -> dist.ProcessGroup | None:
     return getattr(_LOCAL, "tp_group", None)
 

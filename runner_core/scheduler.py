@@ -23,10 +23,6 @@ class SchedulerOutput:
     rejected: list[Sequence] = field(default_factory=list)  # can never fit in the pool
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
