@@ -454,11 +454,12 @@ class CompileOptimizer:
         return self.cache_dir / self.key
 
     # ---- the persistent cache (jit route) ---------------------------------------------------
-    def load_cache(self) -> None:
-        """Load saved artifacts for this key into torch's caches, if present and intact."""
+    def _load_verified(self, what: str, blob_name: str, meta_name: str, load) -> None:
+        """Under the key's lock: `load(data, meta)` the key's `blob_name` if present and its sha256
+        matches `meta_name`; a missing file is a miss, a bad one is discarded with a warning."""
         t = time.perf_counter()
         with _locked(self.cache_dir / f"{self.key}.lock"):
-            blob, meta = self.folder / ARTIFACTS, self.folder / META
+            blob, meta = self.folder / blob_name, self.folder / meta_name
             if not blob.exists():
                 self.cache = "miss"
             else:
@@ -467,15 +468,23 @@ class CompileOptimizer:
                     info = json.loads(meta.read_text())
                     if hashlib.sha256(data).hexdigest() != info["sha256"]:
                         raise ValueError("checksum mismatch (a truncated or overwritten file)")
-                    torch.compiler.load_cache_artifacts(data)
-                    _prime_vec_isa(info.get("vec_isa"))
+                    load(data, info)
                     self.cache = "hit"
                 except Exception as e:
-                    logger.warning("compile cache %s is corrupt (%s); discarding it and compiling afresh", self.folder, e)
-                    shutil.rmtree(self.folder, ignore_errors=True)
+                    logger.warning("compile %s %s is corrupt (%s); discarding it and compiling afresh", what, blob, e)
+                    for name in (blob_name, meta_name):
+                        (self.folder / name).unlink(missing_ok=True)
                     self.cache = "rebuilt"
         self.load_seconds = time.perf_counter() - t
-        logger.info("compile cache %s: %s (key %s from %s)", self.cache, self.folder, self.key, self.factors)
+        logger.info("compile %s %s: %s (key %s from %s)", what, self.folder, self.cache, self.key, self.factors)
+
+    def load_cache(self) -> None:
+        """Load saved artifacts for this key into torch's caches, if present and intact."""
+        def load(data, info):
+            torch.compiler.load_cache_artifacts(data)
+            _prime_vec_isa(info.get("vec_isa"))
+
+        self._load_verified("cache", ARTIFACTS, META, load)
 
     def save_cache(self) -> None:
         """Write this process's compile artifacts for the key (atomically; others may be reading)."""
@@ -493,27 +502,11 @@ class CompileOptimizer:
     # ---- the package (aoti route) -----------------------------------------------------------
     def load_package(self) -> None:
         """Load this key's AOTInductor package, if present and intact (else cache = miss/rebuilt)."""
-        t = time.perf_counter()
         self._program = _AOTIProgram(self)
-        with _locked(self.cache_dir / f"{self.key}.lock"):
-            pkg, meta = self.folder / AOTI_PACKAGE, self.folder / AOTI_META
-            if not pkg.exists():
-                self.cache = "miss"
-            else:
-                try:
-                    info = json.loads(meta.read_text())
-                    if hashlib.sha256(pkg.read_bytes()).hexdigest() != info["sha256"]:
-                        raise ValueError("checksum mismatch (a truncated or overwritten file)")
-                    self._program.load(pkg, info)
-                    self.cache = "hit"
-                except Exception as e:
-                    logger.warning("compile package %s is corrupt (%s); discarding it and compiling afresh", pkg, e)
-                    for name in (AOTI_PACKAGE, AOTI_META):
-                        (self.folder / name).unlink(missing_ok=True)
-                    self._program = _AOTIProgram(self)
-                    self.cache = "rebuilt"
-        self.load_seconds = time.perf_counter() - t
-        logger.info("compile package %s: %s (key %s from %s)", self.cache, self.folder, self.key, self.factors)
+        self._load_verified("package", AOTI_PACKAGE, AOTI_META,
+                            lambda data, info: self._program.load(self.folder / AOTI_PACKAGE, info))
+        if self.cache == "rebuilt":
+            self._program = _AOTIProgram(self)
 
     # ---- compiling --------------------------------------------------------------------------
     def _targets(self, model: nn.Module) -> list[nn.Module]:

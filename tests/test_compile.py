@@ -121,9 +121,9 @@ def test_corrupt_cache_entry_is_discarded(tmp_path, eager, caplog):
     (opt.folder / co.ARTIFACTS).write_bytes(b"half-written garbage")
     (opt.folder / co.META).write_text(json.dumps({"sha256": "0" * 64}))
     opt.load_cache()
-    assert opt.cache == "rebuilt" and not opt.folder.exists()
+    assert opt.cache == "rebuilt" and not any((opt.folder / n).exists() for n in (co.ARTIFACTS, co.META))
     assert "is corrupt" in caplog.text
-    opt.folder.mkdir(parents=True)
+    opt.folder.mkdir(parents=True, exist_ok=True)
     (opt.folder / co.ARTIFACTS).write_bytes(b"x")  # no meta.json: also corrupt
     opt.load_cache()
     assert opt.cache == "rebuilt"

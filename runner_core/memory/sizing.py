@@ -139,16 +139,6 @@ def plan_pool(*, bytes_per_token: int, block_size: int, max_model_len: int, max_
                     budget, max_model_len * max_num_seqs)
 
 
-def plan_num_blocks(*, bytes_per_token: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                    kv_cache_memory: int | None, device: torch.device, gpu_memory_utilization: float,
-                    weights_bytes: int = 0, activation_peak_bytes: int = 0) -> int:
-    """Blocks for the pool (`plan_pool(...).num_blocks`, kept for existing callers)."""
-    return plan_pool(bytes_per_token=bytes_per_token, block_size=block_size, max_model_len=max_model_len,
-                     max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory, device=device,
-                     gpu_memory_utilization=gpu_memory_utilization, weights_bytes=weights_bytes,
-                     activation_peak_bytes=activation_peak_bytes).num_blocks
-
-
 def model_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's unique parameters and buffers (weights and rotary tables)."""
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
