@@ -9,7 +9,9 @@ inductor in mode "default":
                must be reported); "ready" is the child's whole import + load + compile time
   decode       tokens/s of steady-state pure-decode steps (runner.step_metrics: steps with no
                prefill token and the full batch; tokens / sum of total_s) at batch 1 and 32,
-               eager and compiled alternating in one process, best of --rounds
+               eager, "general" (the one dynamic-size program, compile_sizes=[]) and compiled
+               (with the default decode programs: a static batch-1 package on MKL-prepacked
+               weights on CPU) alternating in one process, best of --rounds
   mixed        useful tokens/s of benchmarks/workload.py make_workload(64) (prompts 16-256,
                outputs 16-128, greedy, EOS ignored), eager and compiled in one process
   greedy       compiled token ids == eager token ids, request by request (mixed workload)
@@ -91,9 +93,16 @@ def child_speed(spec: dict) -> dict:
 
     runner = _runner(spec, max_num_seqs=spec["max_num_seqs"])
     runner.generate([[5] * 16], _greedy(4))
-    modes = {"eager": lambda: runner.set_compile_mode(False),
-             "compiled": lambda: runner.set_compile_mode(True, backend="inductor", mode="default",
-                                                          scope=spec["scope"])}
+    engine = runner.engine
+
+    def compiled(sizes):
+        def switch():
+            engine.config = engine.config.replace(compile_sizes=sizes)
+            return runner.set_compile_mode(True, backend="inductor", mode="default", scope=spec["scope"])
+        return switch
+
+    # "general": the one dynamic-size program only; "compiled": with the default decode programs
+    modes = {"eager": lambda: runner.set_compile_mode(False), "general": compiled([]), "compiled": compiled(None)}
     decode = {m: {b: 0.0 for b in (1, 32)} for m in modes}
     for rnd in range(spec["rounds"]):
         for mode, switch in modes.items():
@@ -105,7 +114,7 @@ def child_speed(spec: dict) -> dict:
     lens = dict(prompt_len=(16, 64), output_len=(8, 32)) if spec["quick"] else {}
     reqs = make_workload(spec["num_requests"], seed=0, vocab_size=vocab, **lens)
     mixed, tokens = {}, {}
-    for mode, switch in modes.items():
+    for mode, switch in ((m, modes[m]) for m in ("eager", "compiled")):
         stats = switch()
         runner.generate([[5] * 16], _greedy(4))
         t0 = time.perf_counter()
@@ -116,7 +125,7 @@ def child_speed(spec: dict) -> dict:
     same = sum(a == b for a, b in zip(tokens["eager"], tokens["compiled"]))
     return {"decode": decode, "mixed": mixed, "greedy_equal": same, "greedy_total": len(reqs),
             "recompiles": stats["recompiles_after_warmup"], "warm_start": stats["warm_start"],
-            "cuda_graphs": stats["cuda_graphs"]}
+            "cuda_graphs": stats["cuda_graphs"], "decode_programs": stats["decode_programs"]}
 
 
 # ---- the parent ------------------------------------------------------------------------------
@@ -179,8 +188,8 @@ def main() -> None:
             if route == routes[0]:
                 speed[scope] = run_child("speed", spec, env)
                 d = speed[scope]["decode"]
-                print(f"  {scope:<6}decode b1 {d['eager']['1']:.1f} -> {d['compiled']['1']:.1f} tok/s, "
-                      f"b32 {d['eager']['32']:.1f} -> {d['compiled']['32']:.1f} tok/s; mixed "
+                print(f"  {scope:<6}decode b1 {d['eager']['1']:.1f} -> {d['general']['1']:.1f} (general) -> "
+                      f"{d['compiled']['1']:.1f} tok/s, b32 {d['eager']['32']:.1f} -> {d['compiled']['32']:.1f} tok/s; mixed "
                       f"{speed[scope]['mixed']['eager']:.1f} -> {speed[scope]['mixed']['compiled']:.1f} tok/s",
                       flush=True)
     if not args.keep:
@@ -204,18 +213,22 @@ def main() -> None:
                                    "warm_over_cold": round(ratio, 4), "ready_cold_s": round(s["cold"]["ready_s"], 3),
                                    "ready_warm_s": round(s["warm"]["ready_s"], 3), "warm_cache": s["warm"]["cache"],
                                    "route_used": s["warm"]["warm_start"], "recompiles": s["warm"]["recompiles"]}
-    print(f"\n{'scope':<7}{'':<22}{'eager tok/s':>12}{'compiled':>10}{'ratio':>7}")
+    print(f"\n{'scope':<7}{'':<22}{'eager tok/s':>12}{'compiled':>10}{'ratio':>7}   (compiled: with decode programs)")
     for scope in scopes:
         sp = speed[scope]
         fs = figures["scopes"][scope]
         for label, e, c in (("decode batch 1", sp["decode"]["eager"]["1"], sp["decode"]["compiled"]["1"]),
+                            ("  general program", sp["decode"]["eager"]["1"], sp["decode"]["general"]["1"]),
                             ("decode batch 32", sp["decode"]["eager"]["32"], sp["decode"]["compiled"]["32"]),
+                            ("  general program", sp["decode"]["eager"]["32"], sp["decode"]["general"]["32"]),
                             ("mixed workload", sp["mixed"]["eager"], sp["mixed"]["compiled"])):
             note = f"  (target >= {DECODE_TARGET:g}x: {'met' if c / e >= DECODE_TARGET else 'NOT met'})" \
                 if label.startswith("decode") else ""
             print(f"{scope:<7}{label:<22}{e:>12.1f}{c:>10.1f}{c / e:>6.2f}x{note}")
+        dp = sp["decode_programs"]
         print(f"{scope:<7}greedy tokens equal: {sp['greedy_equal']}/{sp['greedy_total']} requests; "
-              f"recompiles after warm-up: {sp['recompiles']}; route {sp['warm_start']}")
+              f"recompiles after warm-up: {sp['recompiles']}; route {sp['warm_start']}; decode programs "
+              f"{dp.get('sizes')} ({dp.get('memory_bytes', 0) / 2**20:.0f} MiB prepacked; {dp['reason']})")
         fs.update({"decode_b1_tok_s": {k: round(v["1"], 2) for k, v in sp["decode"].items()},
                    "decode_b32_tok_s": {k: round(v["32"], 2) for k, v in sp["decode"].items()},
                    "decode_b1_ratio": round(sp["decode"]["compiled"]["1"] / sp["decode"]["eager"]["1"], 3),
@@ -223,7 +236,8 @@ def main() -> None:
                    "mixed_tok_s": {k: round(v, 2) for k, v in sp["mixed"].items()},
                    "mixed_ratio": round(sp["mixed"]["compiled"] / sp["mixed"]["eager"], 3),
                    "greedy_equal": sp["greedy_equal"], "greedy_total": sp["greedy_total"],
-                   "recompiles_after_warmup": sp["recompiles"]})
+                   "recompiles_after_warmup": sp["recompiles"],
+                   "decode_programs": {"sizes": dp.get("sizes"), "memory_bytes": dp.get("memory_bytes", 0)}})
     figures["cuda_graphs"] = next(iter(speed.values()))["cuda_graphs"] if speed else None
     print(f"CUDA graphs: {figures['cuda_graphs']}")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")

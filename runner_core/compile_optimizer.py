@@ -85,19 +85,21 @@ import platform
 import shutil
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from runner_core.layers.linear import packed_weights_in_use, unpack_linear_weights
+
 logger = logging.getLogger("runner_core")
 
 SCOPES = ("model", "layer", "mlp", "self_attn")
 TRACED_SOURCES = ("models/llama.py", "layers/linear.py", "layers/embedding.py", "layers/norm.py",
                   "layers/rotary.py", "layers/activation.py", "layers/attention.py", "forward_context.py",
-                  "compile_optimizer.py")  # the last: its export wrapper is traced into AOTInductor packages
+                  "compile_optimizer.py", "decode_programs.py")  # these two: their wrappers are traced
 ARTIFACTS = "artifacts.bin"  # jit route: torch.compiler.save_cache_artifacts
 META = "meta.json"
 AOTI_PACKAGE = "aoti.pt2"  # aoti route: the AOTInductor package
@@ -266,14 +268,17 @@ def _prime_vec_isa(recorded: list[str] | None) -> bool:
         return False
 
 
-def cuda_graphs_status(device_type: str, mode: str, enabled: bool) -> str:
+def cuda_graphs_status(device_type: str, mode: str, enabled: bool, programs=None) -> str:
     if device_type != "cuda":
         return f"skipped: {device_type.upper()} device (CUDA graphs capture CUDA kernel launches; no CUDA device here)"
     if not enabled:
         return "off: compilation is off"
-    if "cudagraphs" in mode or mode in ("reduce-overhead", "max-autotune"):
+    if mode in ("reduce-overhead", "max-autotune"):
         return f"by torch.compile mode={mode!r} (inductor CUDA graph trees); no runner-level capture sizes"
-    return f"off: compile_mode={mode!r} does not use CUDA graphs"
+    if programs is not None and getattr(programs, "graphs", None):
+        return (f"captured decode sizes {sorted(programs.graphs)} "
+                f"({programs.memory_bytes / 2**20:.1f} MiB of graph memory)")
+    return "off: no capture sizes (compile_sizes=[])"
 
 
 # ---- the AOTInductor route ------------------------------------------------------------------
@@ -307,11 +312,28 @@ def _tensor_refs(module: nn.Module, names: list[str]) -> list[tuple[dict, str]]:
     return refs
 
 
-class _AOTIProgram:
-    """One AOTInductor package serving every target module of the scope (all one class)."""
+@contextmanager
+def _eager_hooks_off(module: nn.Module):
+    """Trace the eager forward: compiled hooks of `module` and its submodules off meanwhile."""
+    hooks = {m: m._compiled_call_impl for m in module.modules() if m._compiled_call_impl is not None}
+    for m in hooks:
+        m._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for m, hook in hooks.items():
+            m._compiled_call_impl = hook
 
-    def __init__(self, optimizer: "CompileOptimizer"):
-        self.opt = optimizer
+
+class _AOTIProgram:
+    """One AOTInductor package serving every target module of the scope (all one class), for any
+    token count >= 1, or, with `size`, a static decode program of exactly `size` tokens exported
+    with the layers' prepacked weights (layers/linear.py)."""
+
+    def __init__(self, optimizer: "CompileOptimizer", size: int | None = None):
+        self.opt, self.size = optimizer, size
+        self.package, self.meta_name = ((AOTI_PACKAGE, AOTI_META) if size is None
+                                        else (f"decode-{size}.pt2", f"decode-{size}.json"))
         self.loader = None
         self.names: list[str] = []
         self.signature: list[tuple[torch.dtype, torch.device, tuple[int, ...]]] = []
@@ -344,26 +366,26 @@ class _AOTIProgram:
         n = args[0].shape[0]
         if any(a.shape[0] != n for a in args):
             raise ValueError("the arguments do not share one token dimension")
-        # an example with N >= 2, so N is not specialised to 1 (one program serves every N)
-        example = [a if n >= 2 else torch.cat([a, a]) for a in args]
         names = _tensor_names(module)
         tensors = [t for _, t in list(module.named_parameters()) + list(module.named_buffers())]
-        tokens = torch.export.Dim("tokens", min=1)
         tensor_dims = [{2: torch.export.Dim.DYNAMIC} if name.endswith("kv_cache") and t.dim() == 4 else None
                        for name, t in zip(names, tensors)]
-        installed, module._compiled_call_impl = module._compiled_call_impl, None  # trace the eager forward
-        try:
+        if self.size is None:
+            # an example with N >= 2, so N is not specialised to 1 (one program serves every N)
+            example = [a if n >= 2 else torch.cat([a, a]) for a in args]
+            arg_dims, packed = [{0: torch.export.Dim("tokens", min=1)}] * len(example), nullcontext()
+        else:
+            example, arg_dims, packed = list(args), [None] * len(args), packed_weights_in_use()
+        with _eager_hooks_off(module), packed:
             ep = torch.export.export(_Functional(module, names), (tensors, example),
-                                     dynamic_shapes=(tensor_dims, [{0: tokens}] * len(example)), strict=False)
-        finally:
-            module._compiled_call_impl = installed
+                                     dynamic_shapes=(tensor_dims, arg_dims), strict=False)
         has_attention = any(type(m).__name__ == "Attention" for m in module.modules())
         op = torch.ops.runner_core.paged_attention.default
         if has_attention and not any(node.target is op for node in ep.graph.nodes):
             raise RuntimeError("attention was traced through instead of kept as the runner_core::paged_attention op")
         folder = self.opt.folder
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{os.getpid()}.{AOTI_PACKAGE}"  # the packager wants a name ending in .pt2
+        tmp = folder / f".{os.getpid()}.{self.package}"  # the packager wants a name ending in .pt2
         try:
             torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
                                                      inductor_configs=self.opt.settings.inductor_configs)
@@ -375,9 +397,14 @@ class _AOTIProgram:
                 "signature": [(str(a.dtype), str(a.device), list(a.shape[1:])) for a in args],
                 "vec_isa": _vec_isa_list(), "factors": self.opt.factors, "created": time.time()}
         with _locked(self.opt.cache_dir / f"{self.opt.key}.lock"):
-            os.replace(tmp, folder / AOTI_PACKAGE)
-            _write_atomic(folder / AOTI_META, json.dumps(meta, indent=1).encode())
-        self.load(folder / AOTI_PACKAGE, meta)
+            os.replace(tmp, folder / self.package)
+            _write_atomic(folder / self.meta_name, json.dumps(meta, indent=1).encode())
+        self.load(folder / self.package, meta)
+
+    def load_cached(self) -> str:
+        """Load this program's package from the key's folder if present and intact: hit, miss or rebuilt."""
+        return self.opt._load_verified("package", self.package, self.meta_name,
+                                       lambda data, info: self.load(self.opt.folder / self.package, info))
 
     # -- running
     def matches(self, args: tuple) -> bool:
@@ -389,7 +416,7 @@ class _AOTIProgram:
             if not (isinstance(a, torch.Tensor) and a.dtype == dtype and a.device == device and a.dim() == len(rest) + 1
                     and a.shape[0] == n and tuple(a.shape[1:]) == rest and a.is_contiguous()):
                 return False
-        return n >= 1
+        return n >= 1 and (self.size is None or n == self.size)
 
     def miss(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.misses == 0:
@@ -433,6 +460,9 @@ class CompileOptimizer:
     route_reason: str = ""
     world_size: int = 1
     load_seconds: float = 0.0
+    artifacts_cache: str = "off"  # the jit route's inductor artifacts: hit, miss or rebuilt
+    decode_programs: object | None = None  # DecodePrograms, attached by finish_warm_up
+    decode_reason: str = ""
     _compiled: list[nn.Module] = field(default_factory=list)
     _graphs_after_warmup: int | None = None
     _program: _AOTIProgram | None = None
@@ -454,14 +484,15 @@ class CompileOptimizer:
         return self.cache_dir / self.key
 
     # ---- the persistent cache (jit route) ---------------------------------------------------
-    def _load_verified(self, what: str, blob_name: str, meta_name: str, load) -> None:
+    def _load_verified(self, what: str, blob_name: str, meta_name: str, load) -> str:
         """Under the key's lock: `load(data, meta)` the key's `blob_name` if present and its sha256
-        matches `meta_name`; a missing file is a miss, a bad one is discarded with a warning."""
+        matches `meta_name`; a missing file is a miss, a bad one is discarded with a warning.
+        Returns hit, miss or rebuilt."""
         t = time.perf_counter()
         with _locked(self.cache_dir / f"{self.key}.lock"):
             blob, meta = self.folder / blob_name, self.folder / meta_name
             if not blob.exists():
-                self.cache = "miss"
+                status = "miss"
             else:
                 try:
                     data = blob.read_bytes()
@@ -469,14 +500,15 @@ class CompileOptimizer:
                     if hashlib.sha256(data).hexdigest() != info["sha256"]:
                         raise ValueError("checksum mismatch (a truncated or overwritten file)")
                     load(data, info)
-                    self.cache = "hit"
+                    status = "hit"
                 except Exception as e:
                     logger.warning("compile %s %s is corrupt (%s); discarding it and compiling afresh", what, blob, e)
                     for name in (blob_name, meta_name):
                         (self.folder / name).unlink(missing_ok=True)
-                    self.cache = "rebuilt"
-        self.load_seconds = time.perf_counter() - t
-        logger.info("compile %s %s: %s (key %s from %s)", what, self.folder, self.cache, self.key, self.factors)
+                    status = "rebuilt"
+        self.load_seconds += time.perf_counter() - t
+        logger.info("compile %s %s: %s (key %s from %s)", what, self.folder, status, self.key, self.factors)
+        return status
 
     def load_cache(self) -> None:
         """Load saved artifacts for this key into torch's caches, if present and intact."""
@@ -484,7 +516,7 @@ class CompileOptimizer:
             torch.compiler.load_cache_artifacts(data)
             _prime_vec_isa(info.get("vec_isa"))
 
-        self._load_verified("cache", ARTIFACTS, META, load)
+        self.artifacts_cache = self._load_verified("cache", ARTIFACTS, META, load)
 
     def save_cache(self) -> None:
         """Write this process's compile artifacts for the key (atomically; others may be reading)."""
@@ -503,8 +535,7 @@ class CompileOptimizer:
     def load_package(self) -> None:
         """Load this key's AOTInductor package, if present and intact (else cache = miss/rebuilt)."""
         self._program = _AOTIProgram(self)
-        self._load_verified("package", AOTI_PACKAGE, AOTI_META,
-                            lambda data, info: self._program.load(self.folder / AOTI_PACKAGE, info))
+        self.cache = self._program.load_cached()
         if self.cache == "rebuilt":
             self._program = _AOTIProgram(self)
 
@@ -558,20 +589,22 @@ class CompileOptimizer:
 
     def _apply_jit(self, targets: list[nn.Module]) -> None:
         self.load_cache()
+        self.cache = self.artifacts_cache
         for module in targets:
             module.compile(**self.settings.options)
         self._compiled = targets
 
     def reset(self, model: nn.Module) -> None:
-        """Undo an earlier `apply` (back to eager)."""
+        """Undo an earlier `apply` (back to eager), dropping the decode programs' packed weights."""
+        unpack_linear_weights(model)
         for module in model.modules():
             if getattr(module, "_compiled_call_impl", None) is not None:
                 module._compiled_call_impl = None
         self._compiled = []
 
     def warm_up(self, run, sizes: list[int]) -> None:
-        """Run `run(num_tokens)` for every size so compiles happen now, then save the cache. An
-        AOTInductor failure is remembered for the key and the jit route takes over."""
+        """Run `run(num_tokens)` for every size so compiles happen now (`finish_warm_up` saves the
+        cache). An AOTInductor failure is remembered for the key and the jit route takes over."""
         if not self._compiled:
             return
         try:
@@ -591,8 +624,13 @@ class CompileOptimizer:
             self.compile_seconds.clear()
             self._apply_jit(self._targets(self._model))
             self._run_sizes(run, sizes)
+
+    def finish_warm_up(self, decode_programs, reason: str) -> None:
+        """After the warm-up and the decode programs' builds: note the graph count and (jit route)
+        save the inductor artifacts unless they were loaded from the cache."""
+        self.decode_programs, self.decode_reason = decode_programs, reason
         self._graphs_after_warmup = _dynamo_counters()[0]
-        if self.route == "jit" and self.cache != "hit":
+        if self.settings.enabled and self.route == "jit" and self.artifacts_cache != "hit":
             self.save_cache()
 
     def _run_sizes(self, run, sizes: list[int]) -> None:
@@ -606,10 +644,11 @@ class CompileOptimizer:
 
     def stats(self) -> dict:
         graphs, breaks = _dynamo_counters()
+        # dynamo's counters are per process: graphs any compiled code made since the warm-up (the
+        # jit route, the decode programs); the AOTInductor package counts the inputs it refused
+        recompiles = (graphs - self._graphs_after_warmup) if self._graphs_after_warmup is not None else 0
         if self.route == "aoti" and self._program is not None:
-            recompiles = self._program.misses  # dynamo is not involved: its counters are other code's
-        else:  # dynamo's counters are per process: graphs any compiled code made since the warm-up
-            recompiles = (graphs - self._graphs_after_warmup) if self._graphs_after_warmup is not None else 0
+            recompiles += self._program.misses
         return {
             "enabled": self.settings.enabled,
             "backend": self.settings.backend,
@@ -626,5 +665,7 @@ class CompileOptimizer:
             "recompiles_after_warmup": recompiles,
             "graph_breaks": breaks,
             "cuda_graphs": cuda_graphs_status(self.factors.get("device", "cpu"), self.settings.mode,
-                                              self.settings.enabled),
+                                              self.settings.enabled, self.decode_programs),
+            "decode_programs": {**(self.decode_programs.stats() if self.decode_programs else {"sizes": []}),
+                                "reason": self.decode_reason},
         }

@@ -141,6 +141,17 @@ def _check_stage_layers(value: Any, pp: int) -> Optional[list]:
     return list(value)
 
 
+def _check_sizes(value: Any) -> Optional[list]:
+    if value is None:
+        return None
+    ok = isinstance(value, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                                  for n in value)
+    if not ok:
+        raise _bad("compile_sizes", value, "None (the device's default), [] (none) or a list of ints >= 1, "
+                                           "the decode batch sizes that get a static program")
+    return sorted(set(value))
+
+
 def _check_timeout(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise _bad("parallel_timeout_s", value, "a number of seconds > 0")
@@ -161,6 +172,10 @@ class RunnerConfig:
     compile_cache_dir: str = "./compile_cache"
     compile_scope: str = "model"
     compile_fallback: bool = True
+    # pure-decode batch sizes given a static program (CPU: weight-frozen inductor compile; CUDA: a
+    # CUDA graph); a decode batch runs at the next size up. None: [1] on CPU, 1, 2, 4, 8, 16, 32, ...
+    # up to max_num_seqs on CUDA; []: none
+    compile_sizes: Optional[list] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_stage_layers: Optional[list] = None  # decoder layers per stage, first to last; None: even
@@ -212,6 +227,7 @@ class RunnerConfig:
         self.compile_cache_dir = _check_str("compile_cache_dir", self.compile_cache_dir)
         self.compile_scope = _check_choice("compile_scope", self.compile_scope, _COMPILE_SCOPES)
         self.compile_fallback = _check_bool("compile_fallback", self.compile_fallback)
+        self.compile_sizes = _check_sizes(self.compile_sizes)
         self.tensor_parallel_size = _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         self.pipeline_parallel_size = _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         self.pipeline_stage_layers = _check_stage_layers(self.pipeline_stage_layers, self.pipeline_parallel_size)

@@ -15,6 +15,7 @@ import torch
 
 from runner_core.config import RunnerConfig
 from runner_core.compile_optimizer import CompileOptimizer, cuda_graphs_status
+from runner_core.decode_programs import CUDAGraphDecodePrograms, PackedDecodePrograms, plan_sizes
 from runner_core.errors import CompileError, ConfigError, EngineBusyError, InvalidRequestError, WorkerError
 from runner_core.forward_pass import ForwardPass
 from runner_core.input_buffers import InputBuffers
@@ -191,10 +192,14 @@ class LLMEngine:
             scope = RunnerConfig.coerce(self.config, compile_scope=scope).compile_scope
         optimizer = CompileOptimizer.create(self.config, self.hf_config, self.device, self.dtype, enabled=enabled,
                                             backend=backend, mode=mode, scope=scope)
+        fp = self.forward_pass
+        fp.decode_programs = fp.static_decode_len = None
         try:
             optimizer.apply(self.model)
             optimizer.warm_up(self._warm_up_run, COMPILE_WARMUP_SIZES)
+            optimizer.finish_warm_up(*self._build_decode_programs(optimizer))
         except Exception as e:
+            fp.decode_programs = fp.static_decode_len = None
             optimizer.reset(self.model)
             if not self.config.compile_fallback:
                 raise CompileError(f"compiling with {optimizer.settings} failed: {type(e).__name__}: {e}") from e
@@ -208,6 +213,27 @@ class LLMEngine:
 
     def _warm_up_run(self, num_tokens: int) -> None:
         self.forward_pass.run_dummy(num_tokens)
+
+    def _build_decode_programs(self, optimizer: CompileOptimizer) -> tuple[object | None, str]:
+        """Static programs for pure-decode batch sizes (decode_programs.py), installed on the
+        forward pass; (programs or None, why)."""
+        if not optimizer.settings.enabled:
+            return None, "compilation is off"
+        if self.parallel is not None:
+            return None, "parallel ranks run the general program"
+        sizes, why = plan_sizes(self.config.compile_sizes, self.model, self.device, self.dtype,
+                                self.config.max_num_seqs, optimizer.settings, optimizer.route)
+        if not sizes:
+            return None, why
+        fp = self.forward_pass
+        if self.device.type == "cuda":
+            self.memory.reset_prefix_cache()  # the capture's warm-up writes dummy K/V into block 0
+            fp.static_decode_len = fp.buffers.max_blocks * self.memory.block_size
+            programs = CUDAGraphDecodePrograms(self.model, sizes)
+        else:
+            programs = PackedDecodePrograms(self.model, sizes, optimizer)
+        fp.decode_programs = programs.build(fp.dummy_decode)
+        return programs, why
 
     def compile_stats(self) -> dict:
         if self.compiler is None:

@@ -28,6 +28,7 @@ class ModelInput:
     sampling_seqs: list[Sequence]  # in the order of logits_indices
     num_prefill_tokens: int
     num_decode_tokens: int
+    num_pad_tokens: int = 0  # rows added to reach a decode program's size (repeats of the first row)
 
 
 def _kv_gather(block_tables: torch.Tensor | None, base: torch.Tensor | None, length: int, block_size: int,
@@ -52,13 +53,15 @@ def _visible(q_pos: torch.Tensor, key_len: int, sliding_window: int | None) -> t
 
 def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block_size: int,
                    sliding_window: int | None, decode_kernel: bool = False,
-                   filled: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+                   filled: dict[str, torch.Tensor] | None = None,
+                   decode_len: int | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [N] and attention metadata for sequences whose first `num_decodes` have one query token.
 
     `filled` holds the positions, slot mapping and block tables InputBuffers wrote for a step
     over the KV pool; without it there is no pool and keys come from the step's own tokens
     (stateless forward). With `decode_kernel`, decodes carry block tables and context lengths
-    for the native kernel instead of gather indices.
+    for the native kernel instead of gather indices. `decode_len` fixes the decodes' key length
+    (masked past each context) so their metadata has one shape per batch size (CUDA graphs).
     """
     start_t, qlen_t = torch.tensor(starts), torch.tensor(q_lens)
     n = int(qlen_t.sum())
@@ -74,10 +77,12 @@ def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block
         meta.decode_block_tables, meta.decode_context_lens = bt[:d], start_t[:d] + 1
         meta.block_size, meta.sliding_window = block_size, sliding_window
     elif d:
-        ctx = start_t[:d] + 1
+        length = decode_len or int(start_t[:d].max()) + 1
+        if decode_len:
+            bt = filled["block_tables_full"]
         meta.decode_kv_idx = _kv_gather(None if bt is None else bt[:d], None if bt is not None else cu[:d],
-                                        int(ctx.max()), block_size, n)
-        visible = _visible(start_t[:d], int(ctx.max()), sliding_window)
+                                        length, block_size, n)
+        visible = _visible(start_t[:d], length, sliding_window)
         meta.decode_bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[None, :, None, :]
     if p:
         p_start, p_len = start_t[d:], qlen_t[d:]
@@ -105,6 +110,8 @@ class ForwardPass:
         self.buffers = buffers
         self.sliding_window = getattr(model, "sliding_window", None)
         self.decode_kernel = kv_cache is not None and device.type == "cpu" and cpu_kernels_available()
+        self.decode_programs = None  # DecodePrograms for pure-decode steps (set when compiling)
+        self.static_decode_len: int | None = None  # the decodes' fixed key length under CUDA graphs
 
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         if self.device.type == "cpu":
@@ -120,31 +127,60 @@ class ForwardPass:
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> ModelInput:
         ordered = [x for x in scheduled if x[1] == 1] + [x for x in scheduled if x[1] > 1]
         num_decodes = len(scheduled) - sum(1 for _, n in scheduled if n > 1)
+        pad, decode_len = 0, None
+        if self.decode_programs is not None and num_decodes == len(scheduled):
+            size = self.decode_programs.padded_size(num_decodes)
+            if size is not None:
+                pad, decode_len = size - num_decodes, self.static_decode_len
+                ordered += [ordered[0]] * pad
         starts = [s.num_computed_tokens for s, _ in ordered]
         q_lens = [n for _, n in ordered]
         ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
         tables = [s.block_table for s, _ in ordered]
         filled = self.buffers.fill(ids, starts, q_lens, tables, self.block_size)
-        positions, meta = build_metadata(starts, q_lens, num_decodes, self.block_size,
-                                         self.sliding_window, self.decode_kernel, filled)
+        positions, meta = build_metadata(starts, q_lens, num_decodes + pad, self.block_size,
+                                         self.sliding_window, self.decode_kernel, filled, decode_len)
         ends = torch.cumsum(torch.tensor(q_lens), 0) - 1
-        sampling = [i for i, (s, n) in enumerate(ordered) if s.num_computed_tokens + n == s.num_tokens]
+        sampling = [i for i, (s, n) in enumerate(ordered[:len(scheduled)])
+                    if s.num_computed_tokens + n == s.num_tokens]
         return ModelInput(
             input_ids=self.buffers.to_device("input_ids", filled["input_ids"]),
             positions=self.buffers.to_device("positions", positions),
             meta=self._to_device(meta),
             logits_indices=ends[sampling].to(self.device),
             sampling_seqs=[ordered[i][0] for i in sampling],
-            num_prefill_tokens=sum(q_lens[num_decodes:]),
+            num_prefill_tokens=sum(q_lens[num_decodes + pad:]),
             num_decode_tokens=num_decodes,
+            num_pad_tokens=pad,
         )
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """Logits [S, vocab] (float32) for the sequences that sample this step."""
         with set_forward_context(inp.meta, True):
-            hidden = self.model(inp.input_ids, inp.positions)
+            hidden = None
+            if self.decode_programs is not None and not inp.num_prefill_tokens:
+                hidden = self.decode_programs.run(inp.input_ids, inp.positions, inp.meta, inp.num_decode_tokens)
+            if hidden is None:
+                hidden = self.model(inp.input_ids, inp.positions)
         return self.model.compute_logits(hidden[inp.logits_indices]).float()
+
+    @torch.inference_mode()
+    def dummy_decode(self, size: int, use_kv_cache: bool):
+        """(input ids, positions, metadata) on the device for a decode step of `size` dummy rows
+        (token 0 at position 0): over the pool (block 0, the static key length), as a CUDA graph
+        is captured, or stateless, as a decode program is compiled. Writes nothing itself."""
+        starts, q_lens = [0] * size, [1] * size
+        if use_kv_cache:
+            filled = self.buffers.fill([0] * size, starts, q_lens, [[0]] * size, self.block_size)
+            positions, meta = build_metadata(starts, q_lens, size, self.block_size, self.sliding_window,
+                                             self.decode_kernel, filled, self.static_decode_len)
+        else:
+            self.buffers.np["input_ids"][:size] = self.buffers.np["positions"][:size] = 0
+            _, meta = build_metadata(starts, q_lens, size, self.block_size, self.sliding_window)
+        bufs = self.buffers  # their slices, as in a real step (a compiled program's guards see no difference)
+        ids = bufs.to_device("input_ids", bufs.cpu["input_ids"][:size])
+        return ids, bufs.to_device("positions", bufs.cpu["positions"][:size]), self._to_device(meta)
 
     @torch.inference_mode()
     def run_dummy(self, num_tokens: int) -> torch.Tensor:

@@ -29,25 +29,26 @@ class InputBuffers:
     def fill(self, ids: list[int], starts: list[int], q_lens: list[int], block_tables: list[list[int]],
              block_size: int) -> dict[str, torch.Tensor]:
         """Write one step's inputs; returns CPU views {input_ids, positions, slot_mapping: [N],
-        block_tables: [B, width]}."""
+        block_tables: [B, width], block_tables_full: [B, max_blocks]}."""
         n, b = len(ids), len(starts)
         width = max(map(len, block_tables))
         if n > self.max_tokens or b > self.max_seqs or width > self.max_blocks:
             raise ValueError(f"step of {n} tokens / {b} sequences / {width} blocks exceeds the input buffers "
                              f"({self.max_tokens} / {self.max_seqs} / {self.max_blocks})")
         ids_np, pos_np, slot_np = self.np["input_ids"][:n], self.np["positions"][:n], self.np["slot_mapping"][:n]
+        self.np["block_tables"][:b] = 0  # whole rows: a static-length decode reads every column
         bt_np = self.np["block_tables"][:b, :width]
         ids_np[:] = ids
         start_np, qlen_np = np.asarray(starts), np.asarray(q_lens)
         offsets = np.cumsum(qlen_np) - qlen_np
         np.subtract(np.arange(n), np.repeat(offsets - start_np, qlen_np), out=pos_np)
-        bt_np[:] = 0
         for row, table in enumerate(block_tables):
             bt_np[row, : len(table)] = table
         rows = np.repeat(np.arange(b), qlen_np)
         np.add(bt_np[rows, pos_np // block_size] * block_size, pos_np % block_size, out=slot_np)
         return {"input_ids": self.cpu["input_ids"][:n], "positions": self.cpu["positions"][:n],
-                "slot_mapping": self.cpu["slot_mapping"][:n], "block_tables": self.cpu["block_tables"][:b, :width]}
+                "slot_mapping": self.cpu["slot_mapping"][:n], "block_tables": self.cpu["block_tables"][:b, :width],
+                "block_tables_full": self.cpu["block_tables"][:b]}
 
     def to_device(self, name: str, view: torch.Tensor) -> torch.Tensor:
         """The device twin's slice holding `view` (the same tensor on the CPU)."""

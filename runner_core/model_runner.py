@@ -279,6 +279,8 @@ class ModelRunner:
             "kv_pool_bytes": kv.numel() * kv.element_size(),
             "kv_bytes_per_token": engine.bytes_per_token,
             "activation_peak_bytes": engine.pool_plan.activation_peak_bytes,
+            # CPU: the decode programs' prepacked weights; CUDA: their graphs' memory pool
+            "decode_programs_bytes": getattr(engine.forward_pass.decode_programs, "memory_bytes", 0),
             "max_model_len": engine.max_model_len,
             **engine.memory_figures(),
         }

@@ -20,7 +20,8 @@ from tests.conftest import REPO
 
 CACHE_DIR = REPO / "test-output" / "compile-cache"
 COMPILED = {"dtype": "float32", "kv_cache_memory": 1 << 22, "compile": True, "compile_backend": "inductor",
-            "compile_mode": "default", "compile_scope": "layer", "compile_cache_dir": str(CACHE_DIR)}
+            "compile_mode": "default", "compile_scope": "layer", "compile_cache_dir": str(CACHE_DIR),
+            "compile_sizes": [1, 4]}
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
@@ -121,12 +122,12 @@ def test_corrupt_cache_entry_is_discarded(tmp_path, eager, caplog):
     (opt.folder / co.ARTIFACTS).write_bytes(b"half-written garbage")
     (opt.folder / co.META).write_text(json.dumps({"sha256": "0" * 64}))
     opt.load_cache()
-    assert opt.cache == "rebuilt" and not any((opt.folder / n).exists() for n in (co.ARTIFACTS, co.META))
+    assert opt.artifacts_cache == "rebuilt" and not any((opt.folder / n).exists() for n in (co.ARTIFACTS, co.META))
     assert "is corrupt" in caplog.text
     opt.folder.mkdir(parents=True, exist_ok=True)
     (opt.folder / co.ARTIFACTS).write_bytes(b"x")  # no meta.json: also corrupt
     opt.load_cache()
-    assert opt.cache == "rebuilt"
+    assert opt.artifacts_cache == "rebuilt"
 
 
 def test_compile_error_falls_back_to_eager_or_raises(eager, monkeypatch, caplog):

@@ -23,6 +23,7 @@ DEFAULTS = {
     "compile_cache_dir": "./compile_cache",
     "compile_scope": "model",
     "compile_fallback": True,
+    "compile_sizes": None,
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
     "pipeline_stage_layers": None,

@@ -51,7 +51,8 @@ def test_full_history_figures():
     rows = _full_rows()
     events = [{"kind": "load", "t": 0.0}, {"kind": "compile", "t": 1.0, "enabled": True, "backend": "inductor",
                                            "mode": "default", "seconds": 12.5, "ok": True,
-                                           "stats": {"compile_seconds_per_size": {"1": 2.0, "8": 3.5}}},
+                                           "stats": {"compile_seconds_per_size": {"1": 2.0, "8": 3.5},
+                                                     "decode_programs": {"build_seconds": {"4": 1.5, "1": 0.5}}}},
               {"kind": "compile", "t": 2.0, "enabled": False, "seconds": 0.1, "ok": True},
               {"kind": "compile", "t": 3.0, "enabled": True, "backend": "bogus", "seconds": 0.0, "ok": False,
                "error": "unknown backend"}]
@@ -75,6 +76,7 @@ def test_full_history_figures():
     bars = figs["compile"].data
     assert list(bars[0].x) == ["#1 inductor/default", "#2 eager", "#3 bogus"]
     assert list(bars[1].y) == [2.0, 3.5]
+    assert (list(bars[2].x), list(bars[2].y)) == (["decode 1", "decode 4"], [0.5, 1.5])
 
     heat = figs["block_map"].data[0]
     z = [v for row in heat.z for v in row]

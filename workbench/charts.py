@@ -185,14 +185,15 @@ def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_bloc
 
 def compile_timings(events: Sequence[Mapping[str, Any]], stats: Mapping[str, Any] | None = None) -> go.Figure:
     """Seconds spent in each compile mode switch (from session events), and per-size compile
-    seconds when the runner's compile_stats() reports them."""
+    and decode-program build seconds when the runner's compile_stats() reports them."""
     fig = go.Figure(layout=_layout("Compile timings", "seconds"))
     fig.update_layout(xaxis=dict(title=""))
     events = [e for e in events if e.get("kind") == "compile"]
     if stats is None:  # the latest compile that reported statistics
         stats = next((e["stats"] for e in reversed(events) if e.get("stats")), {})
     per_size = _per_size_seconds(stats)
-    if not events and not per_size:
+    decode = (stats.get("decode_programs") or {}).get("build_seconds") or {}
+    if not events and not per_size and not decode:
         return _empty(fig, "no compile events yet: toggle compile mode")
     if events:
         labels = [f"#{i + 1} {_compile_label(e)}" for i, e in enumerate(events)]
@@ -203,6 +204,10 @@ def compile_timings(events: Sequence[Mapping[str, Any]], stats: Mapping[str, Any
     if per_size:
         fig.add_trace(go.Bar(x=[f"size {k}" for k in per_size], y=list(per_size.values()), name="per compile size",
                              marker_color=PALETTE[0]))
+    if decode:  # static decode programs: a package build or load (CPU), a CUDA graph capture
+        fig.add_trace(go.Bar(x=[f"decode {k}" for k in sorted(decode, key=int)],
+                             y=[float(decode[k]) for k in sorted(decode, key=int)], name="decode program",
+                             marker_color=PALETTE[1]))
     return fig
 
 

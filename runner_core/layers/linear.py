@@ -3,9 +3,19 @@
 Each parameter carries a `weight_loader` that copies this rank's slice of a
 checkpoint tensor into it, so fused layouts (qkv, gate_up) and sharding are
 handled where the layout is defined.
+
+Prepacked weights (CPU decode programs): `pack_linear_weights` gives each layer a copy of its
+weight in MKL's packed GEMM layout as a buffer; while `packed_weights_in_use()` is on (when a
+static decode program is exported) the layers call the opaque `runner_core::packed_linear` op on
+it. The packed buffer cannot move (MKL keeps address-dependent metadata in it), so it is a
+program *input* made in this process, never a constant stored in a package.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +34,47 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+_PACKED_IN_USE: ContextVar[bool] = ContextVar("runner_core_packed_weights", default=False)
+
+
+@contextmanager
+def packed_weights_in_use() -> Iterator[None]:
+    token = _PACKED_IN_USE.set(True)
+    try:
+        yield
+    finally:
+        _PACKED_IN_USE.reset(token)
+
+
+@torch.library.custom_op("runner_core::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T through MKL's packed GEMM (`packed` from `torch.ops.mkl._mkl_reorder_linear_weight`)."""
+    return torch.ops.mkl._mkl_linear(x, packed, weight, None, x.shape[0])
+
+
+@packed_linear.register_fake
+def _(x, packed, weight):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def pack_linear_weights(model: nn.Module, batch_size: int) -> int:
+    """Give every linear layer a `packed_weight` buffer (MKL's layout, tuned for `batch_size` rows);
+    returns the bytes they take."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, LinearBase):
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), batch_size)
+            m.register_buffer("packed_weight", packed, persistent=False)
+            total += packed.numel() * packed.element_size()
+    return total
+
+
+def unpack_linear_weights(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, LinearBase) and "packed_weight" in m._buffers:
+            del m._buffers["packed_weight"]
+
+
 class LinearBase(nn.Module):
     """y = x W^T + b over this rank's [out, in] slice of W."""
 
@@ -40,8 +91,15 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # (dynamo cannot trace a ContextVar; its graphs never use the packed weights)
+        if not torch.compiler.is_dynamo_compiling() and _PACKED_IN_USE.get() and "packed_weight" in self._buffers:
+            y = packed_linear(x, self._buffers["packed_weight"], self.weight)
+            return y if bias is None else y + bias
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -61,7 +119,7 @@ class ColumnParallelLinear(LinearBase):
         default_weight_loader(param, loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return tp_all_gather(y) if self.gather_output else y
 
 
@@ -120,5 +178,5 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight))
+        y = tp_all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,206 @@
+"""DecodePrograms: static-shape programs for pure-decode steps of chosen batch sizes (vLLM's
+compile sizes and CUDA-graph capture sizes), and the padding that routes a decode batch to one.
+
+* CPU (`PackedDecodePrograms`, AOTInductor route): one package per size, exported for exactly that
+  many tokens with every linear layer on MKL's packed GEMM. Both eager and the general compiled
+  program call the same BLAS for the matmuls (~83% of an eager batch-1 forward of small-llama), so
+  the packed GEMM is where a small decode batch gains. Inductor's own `freezing` uses it only
+  outside AOTInductor (the packed buffer holds address-dependent metadata and cannot be stored), so
+  the runner packs the weights itself at load and passes them as program inputs: the warm start
+  stays a package load. Costs memory: MKL's packed copies are 2.2-5.6x the linear weights on
+  small-llama's shapes and far more on tiny ones (a large minimum buffer), reported as
+  `memory_bytes`; they are not built when they would take over half the available memory.
+* CUDA (`CUDAGraphDecodePrograms`): each size captured as a CUDA graph over the model as it is
+  (eager or compiled without inductor's own graphs) on static input and metadata tensors; a replay
+  copies the step's inputs and metadata into them. Graph memory is measured and reported.
+
+Padding: a decode batch of D sequences runs at the smallest size S >= D; the S - D pad rows repeat
+the first row (token, position, slot, block table), so they write the values that row writes to the
+slot it writes and read what it reads; their outputs are dropped. No slot is reserved for them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from runner_core.forward_context import set_forward_context
+from runner_core.layers.linear import LinearBase, pack_linear_weights
+
+logger = logging.getLogger("runner_core")
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor captures its own CUDA graphs in these
+
+
+def default_sizes(device_type: str, max_num_seqs: int) -> list[int]:
+    """CPU: [1] (small-llama: 1.5x eager at 1 token; at 8 and 32 tokens the packed GEMM is no
+    faster than the plain one). CUDA: 1, 2, 4, 8 and multiples of 16 up to max_num_seqs."""
+    if device_type != "cuda":
+        return [1]
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+    return [s for s in sizes if s <= max_num_seqs] or [1]
+
+
+def packed_weight_bytes(model: nn.Module) -> int:
+    """What `pack_linear_weights` will take: MKL's packed size for each distinct weight shape
+    (measured by packing one of each; small matrices get a large minimum buffer)."""
+    shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, LinearBase))
+    return sum(count * torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(shape), 1).nbytes
+               for shape, count in shapes.items())
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def plan_sizes(configured: list[int] | None, model: nn.Module, device: torch.device, dtype: torch.dtype,
+               max_num_seqs: int, settings, route: str) -> tuple[list[int], str]:
+    """The decode sizes to build and why (an empty list says why there are none)."""
+    if device.type == "cuda":
+        if settings.backend == "inductor" and settings.mode in CUDA_GRAPH_MODES:
+            return [], f"compile_mode={settings.mode!r}: inductor captures its own CUDA graphs"
+    elif route != "aoti":
+        return [], f"the {route!r} route: CPU decode programs are AOTInductor packages"
+    elif not torch.backends.mkl.is_available() or dtype != torch.float32:
+        return [], "MKL's packed GEMM needs float32 weights and a torch built with MKL"
+    sizes = default_sizes(device.type, max_num_seqs) if configured is None else configured
+    usable = [s for s in sizes if s <= max_num_seqs]
+    if len(usable) < len(sizes):
+        logger.info("compile_sizes above max_num_seqs=%d are never used: %s", max_num_seqs,
+                    [s for s in sizes if s > max_num_seqs])
+    if usable and device.type == "cpu":
+        need, free = packed_weight_bytes(model), _available_memory()
+        if free is not None and need > free // 2:
+            return [], (f"prepacked weights ({need / 2**30:.1f} GiB) would take over half the available "
+                        f"memory ({free / 2**30:.1f} GiB)")
+    return usable, "configured" if configured is not None else "device default"
+
+
+class DecodePrograms:
+    """Static programs by decode batch size; `padded_size` routes a batch, `run` executes it."""
+
+    kind = ""
+
+    def __init__(self, model: nn.Module, sizes: list[int]):
+        self.model, self.sizes = model, sorted(sizes)
+        self.build_seconds: dict[int, float] = {}
+        self.runs = dict.fromkeys(self.sizes, 0)
+        self.padded_rows = 0
+
+    def padded_size(self, num_decodes: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, num_decodes)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def build(self, run_dummy: Callable[[int], object]) -> "DecodePrograms":
+        from tqdm.auto import tqdm
+
+        for s in tqdm(self.sizes[::-1], desc=f"decode programs ({self.kind})", leave=False, disable=None):
+            t = time.perf_counter()
+            self._build_size(s, run_dummy)
+            self.build_seconds[s] = time.perf_counter() - t
+        return self
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, num_real: int) -> torch.Tensor | None:
+        """Hidden states [S, H] if a program of this size exists, else None."""
+        n = input_ids.shape[0]
+        if n not in self.runs:
+            return None
+        self.runs[n] += 1
+        self.padded_rows += n - num_real
+        return self._run(n, input_ids, positions, meta)
+
+    def stats(self) -> dict:
+        return {"kind": self.kind, "sizes": self.sizes, "build_seconds": dict(self.build_seconds),
+                "runs": dict(self.runs), "padded_rows": self.padded_rows}
+
+    def _build_size(self, size: int, run_dummy) -> None:
+        raise NotImplementedError
+
+    def _run(self, n, input_ids, positions, meta) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PackedDecodePrograms(DecodePrograms):
+    """CPU: one AOTInductor package per size, exported for exactly that many tokens with every
+    linear layer on MKL's packed GEMM (its prepacked weights are inputs made at load)."""
+
+    kind = "AOTInductor, static size, MKL-prepacked weights"
+
+    def __init__(self, model: nn.Module, sizes: list[int], optimizer):
+        from runner_core.compile_optimizer import _AOTICall, _AOTIProgram
+
+        super().__init__(model, sizes)
+        self.memory_bytes = pack_linear_weights(model, sizes[0])
+        self.calls, self.cache = {}, {}
+        for size in sizes:
+            program = _AOTIProgram(optimizer, size)
+            self.cache[size] = program.load_cached()
+            self.calls[size] = _AOTICall(model, program)
+
+    def _build_size(self, size: int, run_dummy) -> None:
+        """Export, compile and save the package on a cache miss (else it is loaded already), then
+        run it once on a stateless dummy step (the pool is not touched)."""
+        ids, positions, meta = run_dummy(size, False)
+        with torch.inference_mode(), set_forward_context(meta, False):
+            self._run(size, ids, positions, meta)
+
+    def _run(self, n, input_ids, positions, meta) -> torch.Tensor:
+        return self.calls[n](input_ids, positions)
+
+    def stats(self) -> dict:
+        misses = sum(call.program.misses for call in self.calls.values())
+        return {**super().stats(), "cache": dict(self.cache), "memory_bytes": self.memory_bytes, "misses": misses}
+
+
+class CUDAGraphDecodePrograms(DecodePrograms):
+    kind = "CUDA graphs"
+
+    def __init__(self, model: nn.Module, sizes: list[int]):
+        super().__init__(model, sizes)
+        self.graphs: dict[int, tuple] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.memory_bytes = 0
+
+    def _build_size(self, size: int, run_dummy) -> None:
+        """Capture `size` tokens: warm up on a side stream, then record the model over the static
+        tensors `run_dummy` leaves (ids, positions, metadata of a decode step of that size over
+        block 0, which the warm-up runs write: the engine frees it of cached prefixes first)."""
+        ids, positions, meta = run_dummy(size, True)
+        before = torch.cuda.memory_reserved()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode(), set_forward_context(meta, True):
+            for _ in range(2):
+                self.model(ids, positions)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), set_forward_context(meta, True), torch.cuda.graph(graph, pool=self.pool):
+            out = self.model(ids, positions)
+        torch.cuda.synchronize()
+        self.memory_bytes += torch.cuda.memory_reserved() - before
+        self.graphs[size] = (graph, ids, positions, meta, out)
+
+    def _run(self, n, input_ids, positions, meta) -> torch.Tensor:
+        graph, ids, pos, static, out = self.graphs[n]
+        ids.copy_(input_ids)
+        pos.copy_(positions)
+        for name, value in vars(meta).items():
+            if isinstance(value, torch.Tensor):
+                getattr(static, name).copy_(value)
+        graph.replay()
+        return out
+
+    def stats(self) -> dict:
+        return {**super().stats(), "memory_bytes": self.memory_bytes}

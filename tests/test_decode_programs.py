@@ -1,0 +1,130 @@
+"""Decode programs: static-size programs for pure-decode steps (CPU: AOTInductor packages on
+MKL-prepacked weights), the padding that routes a decode batch to the next size, and the
+static-length decode metadata CUDA graphs replay over (checked here on the CPU, uncompiled).
+
+The compiled runner uses test_compile's configuration (compile sizes 1 and 4) and the run's
+shared compile cache, so its packages are built once per run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner_core import ConfigError, ModelRunner, SamplingParams
+from runner_core.decode_programs import DecodePrograms, plan_sizes
+from runner_core import decode_programs as dp
+from tests.test_compile import COMPILED, GREEDY, _prompts
+
+LOGPROBS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_llama_path):
+    # a short max_model_len leaves room to shrink the pool (the compile key does not depend on it)
+    return ModelRunner({"model": str(tiny_llama_path), **COMPILED, "max_model_len": 256}).load_model()
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_llama_path):
+    return ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 22}).load_model()
+
+
+def _run(runner, prompts, params=LOGPROBS):
+    outs = runner.generate(prompts, params)
+    return [o.token_ids for o in outs], [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs]
+
+
+def _assert_same(a, b):
+    assert a[0] == b[0]
+    for x, y in zip(a[1], b[1]):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-4, rtol=1e-4)
+
+
+def test_padded_decode_batches_equal_eager(compiled, eager):
+    """Three sequences decode at size 4 (one pad row repeating the first), one at size 1:
+    tokens equal eager's and log-probabilities close; five sequences use the general program."""
+    programs = compiled.engine.forward_pass.decode_programs
+    assert programs.sizes == [1, 4] and compiled.compile_stats()["decode_programs"]["cache"]
+    before = dict(programs.runs), programs.padded_rows
+    for prompts in (_prompts()[:3], _prompts()[3:4], _prompts()):
+        _assert_same(_run(compiled, prompts), _run(eager, prompts))
+    assert programs.runs[4] - before[0][4] >= 11 and programs.runs[1] - before[0][1] >= 11
+    assert programs.padded_rows - before[1] >= 11
+    assert compiled.compile_stats()["recompiles_after_warmup"] == 0
+
+
+def test_decode_program_reads_a_rebound_pool(compiled, eager):
+    """The pool is a program input, not a constant: after defragment + shrink re-binds it,
+    decoding through the programs still matches eager."""
+    old_pool = compiled.engine.memory.kv_cache
+    compiled.defragment(shrink_to_blocks=compiled.engine.memory.num_blocks - 8)
+    assert compiled.engine.memory.kv_cache.data_ptr() != old_pool.data_ptr()
+    _assert_same(_run(compiled, _prompts()[:3]), _run(eager, _prompts()[:3]))
+    assert compiled.compile_stats()["decode_programs"]["misses"] == 0
+
+
+def test_prepacked_weights_are_reported_and_dropped(compiled):
+    stats = compiled.memory_stats()
+    packed = [n for n, _ in compiled.engine.model.named_buffers() if n.endswith("packed_weight")]
+    assert stats["decode_programs_bytes"] == compiled.compile_stats()["decode_programs"]["memory_bytes"] > 0
+    assert len(packed) == 4 * compiled.engine.hf_config.num_hidden_layers
+    compiled.set_compile_mode(False)
+    try:
+        assert compiled.memory_stats()["decode_programs_bytes"] == 0
+        assert not any(n.endswith("packed_weight") for n, _ in compiled.engine.model.named_buffers())
+    finally:
+        stats = compiled.set_compile_mode(True)
+    assert stats["cache"] == "hit" and set(stats["decode_programs"]["cache"].values()) == {"hit"}
+
+
+class _EagerAtSizes(DecodePrograms):
+    """The model as is, at fixed sizes: exercises padding and static metadata without compiling."""
+
+    kind = "eager (test)"
+
+    def _run(self, n, input_ids, positions, meta):
+        return self.model(input_ids, positions)
+
+
+def test_static_length_decode_metadata_matches(eager):
+    """The CUDA-graph data path on the CPU: decodes padded to size 4 with the gather-based
+    attention over a fixed key length (every block-table column, masked past each context)."""
+    reference = _run(eager, _prompts()[:3])
+    fp = eager.engine.forward_pass
+    programs = _EagerAtSizes(eager.engine.model, [4])
+    fp.decode_programs, fp.static_decode_len, kernel = programs, fp.buffers.max_blocks * fp.block_size, fp.decode_kernel
+    fp.decode_kernel = False
+    engine = eager.engine
+    try:
+        seqs = [engine.add_request(p, GREEDY) for p in _prompts()[:3]]
+        engine.step()  # their prefills, on the general path
+        inp = fp.prepare([(s, 1) for s in seqs])
+        assert inp.num_pad_tokens == 1 and tuple(inp.meta.decode_kv_idx.shape) == (4, fp.static_decode_len)
+        for s in seqs:
+            engine.abort_request(s.request_id)
+        _assert_same(_run(eager, _prompts()[:3]), reference)
+        assert programs.runs[4] >= 11 and programs.padded_rows >= 11
+    finally:
+        fp.decode_programs, fp.static_decode_len, fp.decode_kernel = None, None, kernel
+
+
+def test_plan_says_why_there_are_none(eager, monkeypatch):
+    model, cpu = eager.engine.model, torch.device("cpu")
+    from runner_core.compile_optimizer import CompileSettings
+
+    s = CompileSettings(True, "inductor", "default", "model")
+    assert plan_sizes(None, model, cpu, torch.float32, 8, s, "aoti") == ([1], "device default")
+    assert plan_sizes([2, 16], model, cpu, torch.float32, 8, s, "aoti") == ([2], "configured")
+    assert plan_sizes(None, model, cpu, torch.float32, 8, s, "jit")[1].startswith("the 'jit' route")
+    assert "float32" in plan_sizes(None, model, cpu, torch.bfloat16, 8, s, "aoti")[1]
+    monkeypatch.setattr(dp, "_available_memory", lambda: 1 << 20)
+    sizes, why = plan_sizes(None, model, cpu, torch.float32, 8, s, "aoti")
+    assert sizes == [] and "over half the available memory" in why
+    assert dp.default_sizes("cuda", 40) == [1, 2, 4, 8, 16, 32]
+
+
+def test_bad_compile_sizes_are_refused(tiny_llama_path):
+    with pytest.raises(ConfigError, match="compile_sizes.*ints >= 1"):
+        ModelRunner({"model": str(tiny_llama_path), "compile_sizes": [0, 4]})
+    with pytest.raises(ConfigError, match="compile_sizes"):
+        ModelRunner({"model": str(tiny_llama_path), "compile_sizes": "1,2"})
