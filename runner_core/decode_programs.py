@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from runner_core.aoti_program import AOTICall, AOTIProgram
 from runner_core.forward_context import set_forward_context
 from runner_core.layers.linear import LinearBase, pack_linear_weights
 
@@ -139,15 +140,13 @@ class PackedDecodePrograms(DecodePrograms):
     kind = "AOTInductor, static size, MKL-prepacked weights"
 
     def __init__(self, model: nn.Module, sizes: list[int], optimizer):
-        from runner_core.compile_optimizer import _AOTICall, _AOTIProgram
-
         super().__init__(model, sizes)
         self.memory_bytes = pack_linear_weights(model, sizes[0])
         self.calls, self.cache = {}, {}
         for size in sizes:
-            program = _AOTIProgram(optimizer, size)
+            program = AOTIProgram(optimizer, size)
             self.cache[size] = program.load_cached()
-            self.calls[size] = _AOTICall(model, program)
+            self.calls[size] = AOTICall(model, program)
 
     def _build_size(self, size: int, run_dummy) -> None:
         """Export, compile and save the package on a cache miss (else it is loaded already), then

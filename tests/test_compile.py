@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from runner_core import CompileError, ConfigError, EngineBusyError, ModelRunner, SamplingParams
+from runner_core import aoti_program, compile_cache
 from runner_core import compile_optimizer as co
 from tests.conftest import REPO
 
@@ -105,27 +106,27 @@ def test_key_changes_with_dtype_mode_and_sources(eager):
     hf = eager.engine.hf_config
     base = co.CompileSettings(True, "inductor", "default", "model")
     cpu = torch.device("cpu")
-    k = co.cache_key(co.cache_key_factors(hf, torch.float32, cpu, base))
-    assert k == co.cache_key(co.cache_key_factors(hf, torch.float32, cpu, base))
-    assert k != co.cache_key(co.cache_key_factors(hf, torch.bfloat16, cpu, base))
-    assert k != co.cache_key(co.cache_key_factors(hf, torch.float32, cpu,
+    k = compile_cache.cache_key(compile_cache.cache_key_factors(hf, torch.float32, cpu, base))
+    assert k == compile_cache.cache_key(compile_cache.cache_key_factors(hf, torch.float32, cpu, base))
+    assert k != compile_cache.cache_key(compile_cache.cache_key_factors(hf, torch.bfloat16, cpu, base))
+    assert k != compile_cache.cache_key(compile_cache.cache_key_factors(hf, torch.float32, cpu,
                                                   co.CompileSettings(True, "inductor", "max-autotune", "model")))
-    assert k != co.cache_key(co.cache_key_factors(hf, torch.float32, cpu,
+    assert k != compile_cache.cache_key(compile_cache.cache_key_factors(hf, torch.float32, cpu,
                                                   co.CompileSettings(True, "inductor", "default", "layer")))
-    assert set(co.cache_key_factors(hf, torch.float32, cpu, base)) >= {
+    assert set(compile_cache.cache_key_factors(hf, torch.float32, cpu, base)) >= {
         "model_config", "dtype", "device", "capability", "backend", "mode", "scope", "torch", "runner_core", "sources"}
 
 
 def test_corrupt_cache_entry_is_discarded(tmp_path, eager, caplog):
     opt = co.CompileOptimizer(co.CompileSettings(True, "inductor", "default", "model"), tmp_path, {}, "k1")
     opt.folder.mkdir(parents=True)
-    (opt.folder / co.ARTIFACTS).write_bytes(b"half-written garbage")
-    (opt.folder / co.META).write_text(json.dumps({"sha256": "0" * 64}))
+    (opt.folder / compile_cache.ARTIFACTS).write_bytes(b"half-written garbage")
+    (opt.folder / compile_cache.META).write_text(json.dumps({"sha256": "0" * 64}))
     opt.load_cache()
-    assert opt.artifacts_cache == "rebuilt" and not any((opt.folder / n).exists() for n in (co.ARTIFACTS, co.META))
+    assert opt.artifacts_cache == "rebuilt" and not any((opt.folder / n).exists() for n in (compile_cache.ARTIFACTS, compile_cache.META))
     assert "is corrupt" in caplog.text
     opt.folder.mkdir(parents=True, exist_ok=True)
-    (opt.folder / co.ARTIFACTS).write_bytes(b"x")  # no meta.json: also corrupt
+    (opt.folder / compile_cache.ARTIFACTS).write_bytes(b"x")  # no meta.json: also corrupt
     opt.load_cache()
     assert opt.artifacts_cache == "rebuilt"
 
@@ -160,7 +161,7 @@ def test_warm_start_loads_the_package_without_tracing(compiled, tiny_llama_path)
     loads it (a hit), traces nothing (no dynamo graph at all) and generates the same tokens."""
     stats = compiled.compile_stats()
     assert stats["warm_start"] == "aoti", stats["warm_start_reason"]
-    assert (CACHE_DIR / stats["cache_key"] / co.AOTI_PACKAGE).exists()
+    assert (CACHE_DIR / stats["cache_key"] / aoti_program.AOTI_PACKAGE).exists()
     script = textwrap.dedent(f"""
         import json
         from torch._dynamo.utils import counters
@@ -194,10 +195,10 @@ def test_package_input_checks(compiled):
 def test_corrupt_package_is_discarded(tmp_path, caplog):
     opt = co.CompileOptimizer(co.CompileSettings(True, "inductor", "default", "layer"), tmp_path, {}, "k2")
     opt.folder.mkdir(parents=True)
-    (opt.folder / co.AOTI_PACKAGE).write_bytes(b"PK half a zip")
-    (opt.folder / co.AOTI_META).write_text(json.dumps({"sha256": "0" * 64, "names": [], "signature": []}))
+    (opt.folder / aoti_program.AOTI_PACKAGE).write_bytes(b"PK half a zip")
+    (opt.folder / aoti_program.AOTI_META).write_text(json.dumps({"sha256": "0" * 64, "names": [], "signature": []}))
     opt.load_package()
-    assert opt.cache == "rebuilt" and not (opt.folder / co.AOTI_PACKAGE).exists()
+    assert opt.cache == "rebuilt" and not (opt.folder / aoti_program.AOTI_PACKAGE).exists()
     assert "is corrupt" in caplog.text
 
 
@@ -207,7 +208,7 @@ def test_package_failure_falls_back_to_jit_and_is_remembered(eager, tmp_path, mo
     def broken(self, module, args, kwargs):
         raise RuntimeError("simulated export failure")
 
-    monkeypatch.setattr(co._AOTIProgram, "build", broken)
+    monkeypatch.setattr(aoti_program.AOTIProgram, "build", broken)
     monkeypatch.setattr(co.CompileSettings, "options", property(lambda s: {"backend": "eager", "dynamic": True,
                                                                            "fullgraph": True}))
     eng = eager.engine
