@@ -45,7 +45,7 @@ class PipelineStage:
 
 def stage_layer_ranges(num_layers: int, pp_size: int, layers_per_stage: list[int] | None = None) -> list[range]:
     """Layers of each stage: `layers_per_stage` when given, else an even split in which the
-    earlier stages take the remainder (the rule memory.estimate uses)."""
+    earlier stages take the remainder (the rule memory.shapes uses)."""
     if layers_per_stage is None:
         base, extra = divmod(num_layers, pp_size)
         layers_per_stage = [base + (1 if s < extra else 0) for s in range(pp_size)]

@@ -1,4 +1,4 @@
-"""Memory prediction (runner_core.memory.estimate) against measurement, parallel and dtype
+"""Memory prediction (runner_core.memory: estimate, shapes, fit) against measurement, parallel and dtype
 scaling, refusal of configurations that cannot fit, and the pool plan (sizing)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from runner_core import ConfigError, ModelRunner, RunnerConfig
-from runner_core.memory.estimate import check_config_fits, check_fits, estimate_memory, required_bytes
+from runner_core.memory.estimate import estimate_memory
+from runner_core.memory.fit import check_config_fits, check_fits, required_bytes
 from runner_core.memory.profile import dummy_batch, profile_activation_peak
 from runner_core.memory.sizing import CPU_KV_CAP_BYTES, CPU_KV_FRACTION, plan_kv_pool, plan_pool
 from runner_core.model_loader import read_hf_config

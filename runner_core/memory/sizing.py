@@ -153,7 +153,8 @@ def plan_kv_pool(config, model: torch.nn.Module, hf_config, max_model_len: int, 
     `profile` is true (default: on CUDA when kv_cache_memory is unset, where it decides the
     pool size). Call it after the weights are on the device and before the pool exists.
     """
-    from runner_core.memory.estimate import ModelShape, estimate_activation_peak
+    from runner_core.memory.estimate import estimate_activation_peak
+    from runner_core.memory.shapes import ModelShape
 
     device, dtype = config.torch_device, config.torch_dtype
     bytes_per_token = kv_bytes_per_token(hf_config.num_hidden_layers, model.num_kv_heads, model.head_dim, dtype)

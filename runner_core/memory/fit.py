@@ -1,0 +1,106 @@
+"""Refusal of configurations that cannot fit: the least memory a configuration needs, the
+single changes that would make it fit, and the `ConfigError` that says so.
+"""
+
+from __future__ import annotations
+
+from runner_core.errors import ConfigError
+from runner_core.memory.estimate import MemoryEstimate, _estimate, estimate_memory
+from runner_core.memory.shapes import ModelShape, _MiB
+
+_GiB = 2**30
+
+
+def _fmt(n: int) -> str:
+    return f"{n / _GiB:.2f} GiB" if abs(n) >= _GiB else f"{n / _MiB:.1f} MiB"
+
+
+def required_bytes(estimate: MemoryEstimate) -> int:
+    """Least memory per device the configuration can run in: weights, activation peak, rotary
+    tables and the KV pool (`kv_cache_memory` when set, else one max_model_len sequence)."""
+    pool = estimate.kv_pool_bytes if estimate.kv_cache_memory is not None else estimate.min_kv_pool_bytes
+    return estimate.fixed_bytes + pool
+
+
+def _valid_tp(shape: ModelShape, tp: int) -> bool:
+    kv_ok = shape.num_kv_heads % tp == 0 if shape.num_kv_heads >= tp else tp % shape.num_kv_heads == 0
+    return shape.num_heads % tp == 0 and shape.intermediate_size % tp == 0 and kv_ok
+
+
+def fit_suggestions(estimate: MemoryEstimate, available_bytes: int) -> list[str]:
+    """Single changes that would make `estimate` fit in `available_bytes` per device."""
+    inputs = estimate._inputs
+    if inputs is None:
+        return []
+    out = []
+    if estimate.dtype == "float32":
+        half = _estimate(inputs, dtype="bfloat16")
+        verdict = "fits" if required_bytes(half) <= available_bytes else "not enough alone"
+        out.append(f"dtype='bfloat16' or 'float16' (needs {_fmt(required_bytes(half))}: {verdict})")
+    tp = estimate.tensor_parallel_size * 2
+    while tp <= max(64, estimate.tensor_parallel_size * 2):
+        if _valid_tp(inputs.shape, tp):
+            more = _estimate(inputs, tensor_parallel_size=tp)
+            if required_bytes(more) <= available_bytes:
+                out.append(f"tensor_parallel_size={tp} (needs {_fmt(required_bytes(more))} per device)")
+                break
+        tp *= 2
+    if estimate.kv_cache_memory is None and estimate.max_model_len > 1:
+        lo, hi = 0, estimate.max_model_len - 1  # largest max_model_len that fits, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if required_bytes(_estimate(inputs, max_model_len=mid)) <= available_bytes:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo >= 1:
+            out.append(f"max_model_len={lo} (or shorter)")
+    if estimate.kv_cache_memory is not None:
+        room = available_bytes - estimate.fixed_bytes
+        if room >= estimate.min_kv_pool_bytes:
+            out.append(f"kv_cache_memory={room} ({_fmt(room)}) or less")
+        elif room > 0:
+            out.append(f"a smaller kv_cache_memory (at most {_fmt(room)} is left, but one "
+                       f"{estimate.max_model_len}-token sequence needs {_fmt(estimate.min_kv_pool_bytes)})")
+    return out
+
+
+def check_fits(estimate: MemoryEstimate, available_bytes: int, *, gpu_memory_utilization: float = 0.9) -> None:
+    """Raise ConfigError when weights + activation peak + rotary tables + the least KV pool
+    (one max_model_len sequence, or kv_cache_memory when set) exceed `available_bytes`."""
+    need = required_bytes(estimate)
+    if need <= available_bytes:
+        return
+    if estimate.kv_cache_memory is not None:
+        pool = f"KV cache {_fmt(estimate.kv_pool_bytes)} (kv_cache_memory)"
+    else:
+        pool = f"KV cache {_fmt(estimate.min_kv_pool_bytes)} for one {estimate.max_model_len}-token sequence"
+    where = (f"available: {_fmt(available_bytes)} (gpu_memory_utilization={gpu_memory_utilization:g} of the device)"
+             if estimate.device.startswith("cuda") else f"available: {_fmt(available_bytes)} of RAM")
+    msg = (f"{estimate.model or 'the model'} does not fit: it needs {_fmt(need)} per device (weights "
+           f"{_fmt(estimate.weights_bytes)} in {estimate.dtype}, "
+           f"activation peak {_fmt(estimate.activation_peak_bytes)}, "
+           f"rotary tables {_fmt(estimate.buffers_bytes)}, {pool}) but {where}.")
+    tips = fit_suggestions(estimate, available_bytes)
+    msg += (" Would fit with: " + "; ".join(tips) + "." if tips else
+            " No single change of dtype, tensor_parallel_size, max_model_len or kv_cache_memory makes it fit; "
+            "combine them or use a device with more memory.")
+    raise ConfigError(msg)
+
+
+def check_config_fits(config, available_bytes: int | None = None) -> MemoryEstimate:
+    """Estimate `config` (a RunnerConfig) and refuse it with ConfigError if it cannot fit on its
+    device (`available_bytes` defaults to `sizing.usable_memory_bytes`). Returns the estimate."""
+    from runner_core.memory.sizing import usable_memory_bytes
+
+    device = config.torch_device
+    estimate = estimate_memory(
+        config.model, dtype=config.torch_dtype, tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size, max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.effective_max_num_batched_tokens,
+        block_size=config.block_size, kv_cache_memory=config.kv_cache_memory, device=str(device),
+        trust_remote_code=config.trust_remote_code)
+    if available_bytes is None:
+        available_bytes = usable_memory_bytes(device, config.gpu_memory_utilization)
+    check_fits(estimate, available_bytes, gpu_memory_utilization=config.gpu_memory_utilization)
+    return estimate

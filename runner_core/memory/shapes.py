@@ -1,0 +1,158 @@
+"""Checkpoint shapes and per-device weight counts: what the memory formulas need from
+config.json and the safetensors headers, and how many parameter elements each device holds.
+
+Per-device rules follow the runner's layers: with tensor parallelism each device holds
+1/tp of every projection, of the (padded) vocabulary rows of the embedding and LM head,
+and max(1, kv_heads/tp) KV heads (KV heads replicate when there are fewer than ranks);
+norms and row-parallel biases replicate. With pipeline parallelism stage s holds its
+contiguous share of the layers (earlier stages take the remainder), the embedding lives
+on the first stage, the final norm and LM head on the last (tied embeddings count once
+unless those are different stages).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner_core.errors import ModelLoadError
+
+_MiB = 2**20
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_MAX_HEADER = 256 * _MiB
+
+
+# ---- what the formulas need from config.json ------------------------------------------------
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelShape":
+        heads = cfg.num_attention_heads
+        return cls(
+            num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=bool(getattr(cfg, "attention_bias", False)) or getattr(cfg, "model_type", "") == "qwen2",
+            o_bias=bool(getattr(cfg, "attention_bias", False)),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+        )
+
+    def kv_heads_per_device(self, tp: int) -> int:
+        return max(1, self.num_kv_heads // tp)
+
+    def checkpoint_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The (name, shape) list of a Llama-family checkpoint with this shape (HF names)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        out = [("model.embed_tokens.weight", (self.vocab_size, h))]
+        for n in range(self.num_layers):
+            p = f"model.layers.{n}."
+            out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+                    (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                    (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
+                    (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                    (p + "mlp.down_proj.weight", (h, i))]
+            if self.qkv_bias:
+                out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
+                        (p + "self_attn.v_proj.bias", (kv,))]
+            if self.o_bias:
+                out.append((p + "self_attn.o_proj.bias", (h,)))
+            if self.mlp_bias:
+                out += [(p + "mlp.gate_proj.bias", (i,)), (p + "mlp.up_proj.bias", (i,)),
+                        (p + "mlp.down_proj.bias", (h,))]
+        out.append(("model.norm.weight", (h,)))
+        if not self.tie_word_embeddings:
+            out.append(("lm_head.weight", (self.vocab_size, h)))
+        return out
+
+
+def read_safetensors_shapes(path: Path) -> list[tuple[str, tuple[int, ...]]] | None:
+    """(name, shape) of every tensor in the checkpoint at `path`, from the file headers only
+    (8-byte little-endian length, then JSON); None when the directory has no safetensors."""
+    from runner_core.model_loader import safetensors_files
+
+    if not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
+        return None
+    out = []
+    for file in safetensors_files(path):
+        try:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                if size > _MAX_HEADER:
+                    raise ValueError(f"header length {size} is implausible")
+                header = json.loads(f.read(size))
+        except (OSError, ValueError, struct.error) as exc:
+            raise ModelLoadError(
+                f"safetensors file {file} has a corrupt header ({exc}); download or save it again") from exc
+        out += [(name, tuple(meta["shape"])) for name, meta in header.items() if name != "__metadata__"]
+    return out
+
+
+# ---- per-device weights -----------------------------------------------------------------------
+def _numel_per_device(name: str, shape: tuple[int, ...], tp: int, shape_info: ModelShape) -> int:
+    numel = math.prod(shape)
+    if tp == 1:
+        return numel
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        return -(-shape[0] // tp) * math.prod(shape[1:])  # vocabulary rows, padded to equal shards
+    if len(shape) == 1 and "norm" in name:
+        return numel
+    if "k_proj" in name or "v_proj" in name:
+        kv = shape_info.num_kv_heads
+        return numel // tp if kv >= tp else numel // kv  # fewer KV heads than ranks: one head each
+    if name.endswith("bias") and ("o_proj" in name or "down_proj" in name):
+        return numel  # row-parallel bias, added once after the reduction
+    return -(-numel // tp)
+
+
+def _stage_layers(num_layers: int, pp: int) -> list[range]:
+    base, extra = divmod(num_layers, pp)
+    bounds, start = [], 0
+    for s in range(pp):
+        n = base + (1 if s < extra else 0)
+        bounds.append(range(start, start + n))
+        start += n
+    return bounds
+
+
+def _weights_per_stage(tensors, shape: ModelShape, tp: int, pp: int) -> list[int]:
+    """Parameter elements held by one device of each pipeline stage."""
+    stages = _stage_layers(shape.num_layers, pp)
+    stage_of_layer = {layer: s for s, r in enumerate(stages) for layer in r}
+    numel = [0] * pp
+    for name, dims in tensors:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if name.startswith("lm_head") and shape.tie_word_embeddings:
+            continue  # tied: the embedding is the LM head
+        n = _numel_per_device(name, dims, tp, shape)
+        m = _LAYER.search(name)
+        if m:
+            numel[stage_of_layer.get(int(m.group(1)), pp - 1)] += n
+        elif name.startswith("lm_head") or name.endswith("model.norm.weight") or name == "norm.weight":
+            numel[pp - 1] += n
+        else:
+            numel[0] += n
+            if "embed_tokens" in name and shape.tie_word_embeddings and pp > 1:
+                numel[pp - 1] += n  # the last stage needs its own copy as the LM head
+    return numel
