@@ -135,7 +135,9 @@ class DecodePrograms:
 
 class PackedDecodePrograms(DecodePrograms):
     """CPU: one AOTInductor package per size, exported for exactly that many tokens with every
-    linear layer on MKL's packed GEMM (its prepacked weights are inputs made at load)."""
+    linear layer on MKL's packed GEMM (its prepacked weights are inputs made at load). One packed
+    copy is made, for the smallest size: MKL runs any other row count on the plain weight (same
+    results, no gain), so further sizes only save the general program's dynamic-shape overhead."""
 
     kind = "AOTInductor, static size, MKL-prepacked weights"
 

@@ -8,10 +8,10 @@ on which rank 0 broadcasts commands (idle workers wait on it without timing out)
 
 Two ways to start:
   * spawn (a script or a notebook): rank 0 is the caller's process; it hosts a TCPStore on
-    127.0.0.1 and starts ranks 1.. with torch.multiprocessing's spawn context. A monitor
-    thread watches the workers: one that exits, or a step in which the workers stay silent
-    longer than parallel_timeout_s, ends the runner (every worker's process group is killed)
-    and the caller gets a WorkerError naming the rank and the cause.
+    127.0.0.1 and its WorkerSupervisor (worker_supervisor.py) starts ranks 1.. with
+    torch.multiprocessing's spawn context and watches them: one that exits, or a step in which
+    the workers stay silent longer than parallel_timeout_s, ends the runner (every worker's
+    process group is killed) and the caller gets a WorkerError naming the rank and the cause.
   * torchrun (env://): every rank runs the same script; rank 0 drives, `load_model()` on the
     other ranks serves rank 0 and exits the process when rank 0 shuts down.
 
@@ -26,8 +26,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
-import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -37,10 +35,12 @@ import torch.distributed as dist
 
 from runner_core.errors import ConfigError, EngineBusyError, RunnerError, WorkerError
 from runner_core.parallel_state import COMM_STATS, PipelineStage, parallel_context, pp_recv, pp_send
+from runner_core.worker_supervisor import WorkerSupervisor
 
 logger = logging.getLogger("runner_core")
 _CONTROL_TIMEOUT = timedelta(days=7)  # idle workers wait this long for rank 0's next command
 _ACTIVE: "ParallelManager | None" = None  # torch.distributed's default group is one per process
+_HOST = "127.0.0.1"  # spawn mode: rank 0's TCPStore
 _OPERATIONS = {"step": "a step", "forward": "a stateless forward", "compile": "compilation",
                "defrag": "defragmentation"}
 
@@ -48,24 +48,6 @@ _OPERATIONS = {"step": "a step", "forward": "a stateless forward", "compile": "c
 def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "MASTER_ADDR" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1)
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _proc_state(pid: int) -> str:
-    """The process state letter from /proc (R, S, D, T, Z...), '' when unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 class ParallelManager:
@@ -83,13 +65,10 @@ class ParallelManager:
         self.timeout = timedelta(seconds=config.parallel_timeout_s)
         self.store = None
         self.tp_group = self.control = None
-        self.procs: dict[int, object] = {}  # spawn mode, rank 0: rank -> Process
+        # spawn mode, rank 0: the worker processes; elsewhere empty (it still reads worker errors)
+        self.supervisor = WorkerSupervisor(world_size, self.timeout.total_seconds())
         self.state = "starting"  # running, failed, closed
         self.failure: str | None = None
-        self._cause: str | None = None  # set by the monitor: a worker died or hung
-        self._op: tuple[str, float] | None = None  # rank 0's distributed operation in flight
-        self._stop = threading.Event()
-        self._threads_before: int | None = None
         self.ranks_info: list[dict] = []
 
     @property
@@ -136,31 +115,12 @@ class ParallelManager:
 
     @classmethod
     def _spawn(cls, config, stage_ranges) -> "ParallelManager":
-        import torch.multiprocessing as mp
-
-        from runner_core.worker import worker_main
-
         world = config.world_size
         pm = cls(config, 0, world, "spawn", stage_ranges)
-        pm.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=pm.timeout)
-        threads = 0
-        if pm.device.type == "cpu":  # share the cores: every rank computes at the same time
-            threads = max(1, torch.get_num_threads() // world)
-            pm._threads_before = torch.get_num_threads()
-            torch.set_num_threads(threads)
-        ctx = mp.get_context("spawn")
-        ranges = [(r.start, r.stop) for r in stage_ranges]
+        pm.store = dist.TCPStore(_HOST, 0, world, is_master=True, wait_for_workers=False, timeout=pm.timeout)
         try:
-            for r in range(1, world):
-                cfg = config.to_dict()
-                if pm.device.type == "cuda":
-                    cfg["device"] = f"cuda:{pm.device.index + r}"
-                proc = ctx.Process(target=worker_main, name=f"runner-worker-{r}", daemon=True,
-                                   args=(r, world, "127.0.0.1", pm.store.port, cfg, ranges, os.getpid(), threads))
-                proc.start()
-                pm.procs[r] = proc
-            threading.Thread(target=pm._monitor, name="runner-parallel-monitor", daemon=True).start()
-            pm._wait_ready()
+            pm.supervisor.start(config, stage_ranges, _HOST, pm.store.port)
+            pm.supervisor.wait_ready(pm.store)
             if pm.device.type == "cuda":
                 torch.cuda.set_device(pm.device)
             dist.init_process_group(pm.backend, store=pm.store, rank=0, world_size=world, timeout=pm.timeout)
@@ -175,16 +135,6 @@ class ParallelManager:
     @property
     def backend(self) -> str:
         return "nccl" if self.device.type == "cuda" else "gloo"
-
-    def _wait_ready(self) -> None:
-        """Wait for every worker to reach its process-group setup, watching that none died."""
-        for r in self.procs:
-            while True:
-                if self._cause is not None:
-                    raise WorkerError(self._cause)
-                if self.store.check([f"runner/ready/{r}"]):
-                    break
-                time.sleep(0.02)
 
     def _init_groups(self) -> None:
         """Every rank creates every group, in the same order (torch.distributed requires it)."""
@@ -216,9 +166,9 @@ class ParallelManager:
         except BaseException as e:
             if not self.is_driver:
                 raise
-            if isinstance(e, RunnerError) and self._cause is None and not isinstance(e, WorkerError):
+            if isinstance(e, RunnerError) and self.supervisor.cause is None and not isinstance(e, WorkerError):
                 # rank 0's own refusal (e.g. a pool too small): the workers are mid-collective, stop them
-                self._teardown(kill=True)
+                self._teardown()
                 self.state = "closed"
                 raise
             raise self.fail(e, "loading the model") from e
@@ -251,9 +201,9 @@ class ParallelManager:
             raise RunnerError(f"this parallel runner is {self.state}; create a new ModelRunner")
 
     def begin(self, kind: str, arg=None, watch: bool = True) -> None:
-        """Broadcast a command to the workers; with `watch`, the monitor times the operation."""
+        """Broadcast a command to the workers; with `watch`, the supervisor times the operation."""
         self.check()
-        self._op = (kind, time.monotonic()) if watch and self.mode == "spawn" else None
+        self.supervisor.watch(_OPERATIONS.get(kind, kind) if watch and self.mode == "spawn" else None)
         try:
             t = time.perf_counter()
             dist.broadcast_object_list([(kind, arg)], src=0, group=self.control)
@@ -262,7 +212,7 @@ class ParallelManager:
             self._raise_failure(e, _OPERATIONS.get(kind, kind))
 
     def end(self) -> None:
-        self._op = None
+        self.supervisor.watch(None)
 
     @contextmanager
     def operation(self, kind: str, arg=None, watch: bool = True):
@@ -356,98 +306,48 @@ class ParallelManager:
                 "comm": COMM_STATS.as_dict()}
 
     # ---- faults and shutdown -------------------------------------------------------------------
-    def _monitor(self) -> None:
-        """Rank 0, spawn mode: a worker that exits, or an operation with no answer for longer
-        than parallel_timeout_s, ends the runner (the blocked collective then fails at once)."""
-        limit = self.timeout.total_seconds()
-        while not self._stop.wait(0.1):
-            for r, proc in self.procs.items():
-                if proc.exitcode is not None:
-                    self._cause = f"worker rank {r} (pid {proc.pid}) {_describe_exit(proc.exitcode)}"
-                    break
-            op = self._op
-            if self._cause is None and op is not None and time.monotonic() - op[1] > limit:
-                stopped = [f"rank {r} (pid {p.pid}) is stopped" for r, p in self.procs.items()
-                           if _proc_state(p.pid) in ("T", "t")]
-                self._cause = (f"the workers did not answer for {limit:g} s during {_OPERATIONS.get(op[0], op[0])} "
-                               f"(parallel_timeout_s): a worker hung{' - ' + ', '.join(stopped) if stopped else ''}")
-            if self._cause is not None:
-                logger.error("parallel runner: %s; shutting every worker down", self._cause)
-                self._kill_workers()
-                return
-
-    def _kill_workers(self) -> None:
-        for proc in self.procs.values():
-            if proc.pid is None:
-                continue
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the worker and anything it started
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.kill()
-            except (OSError, ValueError):
-                pass
-
-    def _worker_errors(self) -> str:
-        out = []
-        for r in range(1, self.world_size):
-            try:
-                if self.store is not None and self.store.check([f"runner/error/{r}"]):
-                    text = self.store.get(f"runner/error/{r}").decode(errors="replace").strip().splitlines()
-                    out.append(f" Worker rank {r} reported: {text[-1] if text else '?'}")
-            except Exception:  # the store may be gone with the worker that hosted it (torchrun)
-                break
-        return "".join(out)
-
     def fail(self, exc: BaseException | None, during: str) -> WorkerError:
         """End the runner after a fault: name the cause, stop every worker, release the groups."""
         if self.state == "failed":
             return WorkerError(self.failure)
-        deadline = time.monotonic() + 1.0
-        while self.mode == "spawn" and self._cause is None and time.monotonic() < deadline:
-            time.sleep(0.05)  # let the monitor attribute a broken collective to a dead worker
-        cause = self._cause or (f"{type(exc).__name__}: {exc}" if exc is not None else "unknown")
+        cause = self.supervisor.wait_for_cause(1.0 if self.mode == "spawn" else 0.0) or (
+            f"{type(exc).__name__}: {exc}" if exc is not None else "unknown")
+        errors = self.supervisor.worker_errors(self.store)
         self.failure = (f"parallel runner (tensor_parallel_size={self.tp_size}, pipeline_parallel_size="
-                        f"{self.pp_size}) failed during {during}: {cause}.{self._worker_errors()} Every worker "
+                        f"{self.pp_size}) failed during {during}: {cause}.{errors} Every worker "
                         "was shut down; create a new ModelRunner to continue")
-        self._teardown(kill=True)
+        self._teardown()
         self.state = "failed"
         return WorkerError(self.failure)
 
     def _startup_error(self, e: BaseException) -> BaseException:
-        if isinstance(e, WorkerError) or self._cause is not None or isinstance(e, RuntimeError):
+        if isinstance(e, WorkerError) or self.supervisor.cause is not None or isinstance(e, RuntimeError):
             return self.fail(e, "start-up")
-        self._teardown(kill=True)
+        self._teardown()
         self.state = "closed"
         return e
 
     def shutdown(self) -> None:
         """Stop the workers (politely, then by force) and release the process groups. Idempotent."""
         if self.state in ("closed", "failed"):
-            self._teardown(kill=True)
+            self._teardown()
             return
         if self.is_driver and self.state == "running":
-            self._stop.set()  # workers exiting now is expected, not a fault
+            self.supervisor.stop()  # workers exiting now is expected, not a fault
             self.state = "closing"
+            self.supervisor.watch(None)
             try:
-                self._op = None
                 dist.broadcast_object_list([("shutdown", None)], src=0, group=self.control)
             except Exception:
                 pass
-            deadline = time.monotonic() + 10
-            for proc in self.procs.values():
-                proc.join(max(0.1, deadline - time.monotonic()))
-        self._teardown(kill=True)
+            self.supervisor.join(10)
+        self._teardown()
         self.state = "closed"
 
-    def _teardown(self, kill: bool) -> None:
+    def _teardown(self) -> None:
+        """Kill the workers and release the process groups and the store."""
         global _ACTIVE
-        self._stop.set()
-        if kill:
-            self._kill_workers()
-        for proc in self.procs.values():
-            proc.join(5)
+        self.supervisor.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -455,9 +355,6 @@ class ParallelManager:
                 pass
         self.tp_group = self.control = None
         self.store = None
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
         if _ACTIVE is self:
             _ACTIVE = None
 
