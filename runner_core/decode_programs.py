@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -48,12 +49,30 @@ def default_sizes(device_type: str, max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s <= max_num_seqs] or [1]
 
 
-def packed_weight_bytes(model: nn.Module) -> int:
-    """What `pack_linear_weights` will take: MKL's packed size for each distinct weight shape
-    (measured by packing one of each; small matrices get a large minimum buffer)."""
-    shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, LinearBase))
+def packed_bytes(shapes: Counter) -> int:
+    """MKL's packed size of float32 weights of these [out, in] shapes (with counts), measured by
+    packing one zero matrix of each shape: small matrices get a large minimum buffer."""
     return sum(count * torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(shape), 1).nbytes
                for shape, count in shapes.items())
+
+
+def packed_weight_bytes(model: nn.Module) -> int:
+    """What `pack_linear_weights` will take for `model`."""
+    return packed_bytes(Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, LinearBase)))
+
+
+def cpu_programs_expected(config) -> bool:
+    """Whether loading `config` (a RunnerConfig) builds the CPU decode programs, as far as the
+    configuration tells (the memory rule in `plan_sizes` may still skip them)."""
+    from runner_core.compile_optimizer import WARM_START_ENV, CompileSettings
+
+    device = config.torch_device
+    if not config.compile or config.enforce_eager or device.type != "cpu" or config.compile_sizes == []:
+        return False
+    settings = CompileSettings.resolve(True, config.compile_backend, config.compile_mode, config.compile_scope, device)
+    return (settings.enabled and settings.backend == "inductor" and config.world_size == 1
+            and config.torch_dtype == torch.float32 and torch.backends.mkl.is_available()
+            and os.environ.get(WARM_START_ENV, "").strip().lower() != "jit")
 
 
 def _available_memory() -> int | None:
@@ -66,6 +85,30 @@ def _available_memory() -> int | None:
     return None
 
 
+def _usable_sizes(configured: list[int] | None, device_type: str, max_num_seqs: int) -> list[int]:
+    sizes = default_sizes(device_type, max_num_seqs) if configured is None else configured
+    return [s for s in sizes if s <= max_num_seqs]
+
+
+def cuda_graph_reserve_bytes(config, hf_config, max_model_len: int) -> int:
+    """CUDA memory the KV-pool plan leaves for the decode graphs' private pool: the activation
+    peak of the largest capture size's static-length decode (the graphs share one pool, captured
+    largest first). 0 where no runner-level graphs will be captured."""
+    from runner_core.compile_optimizer import CompileSettings
+    from runner_core.memory.estimate import estimate_activation_peak
+    from runner_core.memory.shapes import ModelShape
+
+    device = config.torch_device
+    if not config.compile or config.enforce_eager or device.type != "cuda" or config.world_size > 1:
+        return 0
+    settings = CompileSettings.resolve(True, config.compile_backend, config.compile_mode, config.compile_scope, device)
+    sizes = _usable_sizes(config.compile_sizes, "cuda", config.max_num_seqs)
+    if not settings.enabled or not sizes or (settings.backend == "inductor" and settings.mode in CUDA_GRAPH_MODES):
+        return 0
+    return estimate_activation_peak(ModelShape.from_hf_config(hf_config), num_tokens=max(sizes), num_seqs=max(sizes),
+                                    dtype=config.torch_dtype, context_len=max_model_len, decode_gather=True)
+
+
 def plan_sizes(configured: list[int] | None, model: nn.Module, device: torch.device, dtype: torch.dtype,
                max_num_seqs: int, settings, route: str) -> tuple[list[int], str]:
     """The decode sizes to build and why (an empty list says why there are none)."""
@@ -76,11 +119,10 @@ def plan_sizes(configured: list[int] | None, model: nn.Module, device: torch.dev
         return [], f"the {route!r} route: CPU decode programs are AOTInductor packages"
     elif not torch.backends.mkl.is_available() or dtype != torch.float32:
         return [], "MKL's packed GEMM needs float32 weights and a torch built with MKL"
-    sizes = default_sizes(device.type, max_num_seqs) if configured is None else configured
-    usable = [s for s in sizes if s <= max_num_seqs]
-    if len(usable) < len(sizes):
+    usable = _usable_sizes(configured, device.type, max_num_seqs)
+    if configured is not None and len(usable) < len(configured):
         logger.info("compile_sizes above max_num_seqs=%d are never used: %s", max_num_seqs,
-                    [s for s in sizes if s > max_num_seqs])
+                    [s for s in configured if s > max_num_seqs])
     if usable and device.type == "cpu":
         need, free = packed_weight_bytes(model), _available_memory()
         if free is not None and need > free // 2:

@@ -67,6 +67,10 @@ def test_prepacked_weights_are_reported_and_dropped(compiled):
     stats = compiled.memory_stats()
     packed = [n for n, _ in compiled.engine.model.named_buffers() if n.endswith("packed_weight")]
     assert stats["decode_programs_bytes"] == compiled.compile_stats()["decode_programs"]["memory_bytes"] > 0
+    estimate = compiled.memory_estimate  # predicted before loading, from config.json alone
+    assert estimate.decode_programs_bytes == stats["decode_programs_bytes"]
+    assert "decode programs" in str(estimate) and estimate.fixed_bytes >= estimate.weights_bytes + stats[
+        "decode_programs_bytes"]
     assert len(packed) == 4 * compiled.engine.hf_config.num_hidden_layers
     compiled.set_compile_mode(False)
     try:
@@ -128,3 +132,20 @@ def test_bad_compile_sizes_are_refused(tiny_llama_path):
         ModelRunner({"model": str(tiny_llama_path), "compile_sizes": [0, 4]})
     with pytest.raises(ConfigError, match="compile_sizes"):
         ModelRunner({"model": str(tiny_llama_path), "compile_sizes": "1,2"})
+
+
+def test_cuda_graph_reserve_follows_the_capture_plan(eager):
+    """What the KV-pool plan leaves free on CUDA for the decode graphs: the static-length decode
+    of the largest capture size; nothing when inductor captures its own graphs or none are made."""
+    from types import SimpleNamespace
+
+    hf = eager.engine.hf_config
+    cfg = SimpleNamespace(compile=True, enforce_eager=False, torch_device=torch.device("cuda"), world_size=1,
+                          compile_backend="inductor", compile_mode="default", compile_scope="model",
+                          compile_sizes=None, max_num_seqs=64, torch_dtype=torch.float16)
+    full = dp.cuda_graph_reserve_bytes(cfg, hf, 2048)
+    assert full > dp.cuda_graph_reserve_bytes(SimpleNamespace(**{**vars(cfg), "compile_sizes": [1, 8]}), hf, 2048) > 0
+    assert full > dp.cuda_graph_reserve_bytes(cfg, hf, 256)  # the static key length is max_model_len
+    for change in ({"compile_mode": "reduce-overhead"}, {"compile_sizes": []}, {"compile": False},
+                   {"torch_device": torch.device("cpu")}, {"world_size": 2}):
+        assert dp.cuda_graph_reserve_bytes(SimpleNamespace(**{**vars(cfg), **change}), hf, 2048) == 0, change

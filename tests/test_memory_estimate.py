@@ -199,6 +199,11 @@ def test_plan_pool_cuda_budget():
     assert plan.max_concurrency == plan.num_tokens / 1024
     line = plan.describe()
     assert f"{plan.num_blocks} blocks" in line and f"{plan.num_tokens} tokens" in line and "concurrency" in line
+    graphs = plan_pool(bytes_per_token=block_bytes // 16, block_size=16, max_model_len=1024, max_num_seqs=4,
+                       kv_cache_memory=None, device="cuda", gpu_memory_utilization=0.9, weights_bytes=1 << 30,
+                       activation_peak_bytes=512 << 20, total_bytes=10 << 30, non_torch_bytes=512 << 20,
+                       reserved_bytes=256 << 20)
+    assert graphs.num_blocks == (budget - (256 << 20)) // block_bytes  # room left for the decode CUDA graphs
 
 
 def test_plan_pool_cpu_and_override():

@@ -92,6 +92,7 @@ class MemoryEstimate:
     max_model_len: int
     dtype: str
     buffers_bytes: int = 0  # rotary cos/sin tables (float32)
+    decode_programs_bytes: int = 0  # CPU decode programs' MKL-prepacked weights (compiled, one device)
     min_kv_pool_bytes: int = 0  # one max_model_len sequence, rounded up to whole blocks
     block_size: int = 16
     max_num_seqs: int = 256
@@ -108,8 +109,8 @@ class MemoryEstimate:
 
     @property
     def fixed_bytes(self) -> int:
-        """Everything but the KV pool: weights, activation peak and buffers."""
-        return self.weights_bytes + self.activation_peak_bytes + self.buffers_bytes
+        """Everything but the KV pool: weights, activation peak, buffers, prepacked weights."""
+        return self.weights_bytes + self.activation_peak_bytes + self.buffers_bytes + self.decode_programs_bytes
 
     def __str__(self) -> str:
         par = f"tp={self.tensor_parallel_size}, pp={self.pipeline_parallel_size}"
@@ -121,6 +122,8 @@ class MemoryEstimate:
              f"{self.max_num_batched_tokens} tokens, {min(self.max_num_seqs, self.max_num_batched_tokens)} "
              f"sampled rows"),
             ("rotary tables", self.buffers_bytes, ""),
+            *([("decode programs", self.decode_programs_bytes, "MKL-prepacked linear weights (compiled, CPU)")]
+              if self.decode_programs_bytes else []),
             ("total", self.total_per_device_bytes, f"per device, {self.num_devices} device(s)"),
         ]
         lines = [f"Memory estimate for {self.model or 'model'} ({par}, max_model_len={self.max_model_len}, "
@@ -157,14 +160,16 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
                     pipeline_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 256,
                     max_num_batched_tokens: int | None = None, block_size: int = 16,
                     kv_cache_memory: int | None = None, device: str | torch.device = "cpu",
-                    trust_remote_code: bool = False) -> MemoryEstimate:
+                    trust_remote_code: bool = False, packed_decode_weights: bool = False) -> MemoryEstimate:
     """Predict the memory a configuration needs per device, before loading anything.
 
     `model` is resolved like the loader does (a directory, a preset built on first use, a hub id
     in the local cache). Weights come from the safetensors headers, cast to the target dtype,
     or from config.json alone (Llama-family layout) when there are no safetensors files.
     The KV pool is `kv_cache_memory` (bytes per device) if given, else room for `max_num_seqs`
-    sequences of `max_model_len` tokens (default: max_position_embeddings).
+    sequences of `max_model_len` tokens (default: max_position_embeddings). With
+    `packed_decode_weights` (a compiled single-device float32 CPU runner), the CPU decode programs'
+    MKL-prepacked copies of the linear weights are counted too.
     """
     from runner_core.model_loader import read_hf_config, resolve_model_path
 
@@ -177,7 +182,8 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
     args = dict(dtype=_dtype_name(dtype, device), tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size, max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                block_size=block_size, kv_cache_memory=kv_cache_memory, device=device, model=str(model))
+                block_size=block_size, kv_cache_memory=kv_cache_memory, device=device, model=str(model),
+                packed_decode_weights=packed_decode_weights)
     return _estimate(_Inputs(shape, tuple(tensors), args))
 
 
@@ -212,15 +218,27 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
     buffers = [n * limit * shape.head_dim * 4 for n in layers]  # cos and sin, head_dim/2 each, float32
     act = estimate_activation_peak(shape, num_tokens=tokens, num_seqs=a["max_num_seqs"], dtype=dtype,
                                    tensor_parallel_size=tp, context_len=max_len, decode_gather=dev_type == "cuda")
-    totals = [w + pool_tokens * k + act + buf for w, k, buf in zip(weights, per_token, buffers)]
+    packed = _packed_decode_bytes(shape) if a["packed_decode_weights"] and tp * pp == 1 and dtype == "float32" else 0
+    totals = [w + pool_tokens * k + act + buf + packed for w, k, buf in zip(weights, per_token, buffers)]
     return MemoryEstimate(
         weights_bytes=max(weights), kv_bytes_per_token=bpt, kv_pool_bytes=pool_tokens * bpt,
         kv_pool_tokens=pool_tokens, activation_peak_bytes=act, total_per_device_bytes=max(totals),
-        num_devices=tp * pp, max_model_len=max_len, dtype=dtype, buffers_bytes=max(buffers),
+        num_devices=tp * pp, max_model_len=max_len, dtype=dtype, buffers_bytes=max(buffers), decode_programs_bytes=packed,
         min_kv_pool_bytes=-(-max_len // bs) * bs * bpt, block_size=bs, max_num_seqs=a["max_num_seqs"],
         max_num_batched_tokens=tokens, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         kv_cache_memory=a["kv_cache_memory"], device=device, model=a["model"],
         _inputs=_Inputs(shape, inputs.tensors, a))
+
+
+def _packed_decode_bytes(shape: ModelShape) -> int:
+    """The runner's fused linear weights (qkv, o, gate_up, down per layer) as MKL packs them."""
+    from collections import Counter
+
+    from runner_core.decode_programs import packed_bytes
+
+    h, i, d, n = shape.hidden_size, shape.intermediate_size, shape.head_dim, shape.num_layers
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
+    return packed_bytes(Counter({(q + 2 * kv, h): n, (h, q): n, (2 * i, h): n, (h, i): n}))
 
 
 def _torch_dtype(name: str) -> torch.dtype:

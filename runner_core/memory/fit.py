@@ -91,6 +91,7 @@ def check_fits(estimate: MemoryEstimate, available_bytes: int, *, gpu_memory_uti
 def check_config_fits(config, available_bytes: int | None = None) -> MemoryEstimate:
     """Estimate `config` (a RunnerConfig) and refuse it with ConfigError if it cannot fit on its
     device (`available_bytes` defaults to `sizing.usable_memory_bytes`). Returns the estimate."""
+    from runner_core.decode_programs import cpu_programs_expected
     from runner_core.memory.sizing import usable_memory_bytes
 
     device = config.torch_device
@@ -99,8 +100,10 @@ def check_config_fits(config, available_bytes: int | None = None) -> MemoryEstim
         pipeline_parallel_size=config.pipeline_parallel_size, max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.effective_max_num_batched_tokens,
         block_size=config.block_size, kv_cache_memory=config.kv_cache_memory, device=str(device),
-        trust_remote_code=config.trust_remote_code)
+        trust_remote_code=config.trust_remote_code, packed_decode_weights=cpu_programs_expected(config))
     if available_bytes is None:
         available_bytes = usable_memory_bytes(device, config.gpu_memory_utilization)
+    if estimate.decode_programs_bytes > available_bytes // 2:  # the runner will not pack them (plan_sizes)
+        estimate = _estimate(estimate._inputs, packed_decode_weights=False)
     check_fits(estimate, available_bytes, gpu_memory_utilization=config.gpu_memory_utilization)
     return estimate

@@ -111,9 +111,11 @@ class PoolPlan:
 def plan_pool(*, bytes_per_token: int, block_size: int, max_model_len: int, max_num_seqs: int,
               kv_cache_memory: int | None, device: torch.device | str, gpu_memory_utilization: float = 0.9,
               weights_bytes: int = 0, activation_peak_bytes: int = 0, total_bytes: int | None = None,
-              non_torch_bytes: int | None = None, available_bytes: int | None = None) -> PoolPlan:
+              non_torch_bytes: int | None = None, available_bytes: int | None = None,
+              reserved_bytes: int = 0) -> PoolPlan:
     """The pool for these settings (see the module docstring). `total_bytes`, `non_torch_bytes`
-    (CUDA) and `available_bytes` (CPU RAM) default to what the device reports now. The plan may
+    (CUDA) and `available_bytes` (CPU RAM) default to what the device reports now; `reserved_bytes`
+    (CUDA) is kept free for other long-lived allocations (decode CUDA graphs). The plan may
     hold fewer tokens than one max_model_len sequence; the caller refuses that."""
     device = torch.device(device)
     block_bytes = bytes_per_token * block_size
@@ -127,7 +129,8 @@ def plan_pool(*, bytes_per_token: int, block_size: int, max_model_len: int, max_
         if non_torch_bytes is None:
             non_torch_bytes = non_torch_memory_bytes(device)
         source = "gpu_memory_utilization"
-        budget = int(total_bytes * gpu_memory_utilization) - weights_bytes - activation_peak_bytes - non_torch_bytes
+        budget = (int(total_bytes * gpu_memory_utilization) - weights_bytes - activation_peak_bytes - non_torch_bytes
+                  - reserved_bytes)
         num_blocks = max(0, budget // block_bytes)
     else:
         if available_bytes is None:
@@ -153,6 +156,7 @@ def plan_kv_pool(config, model: torch.nn.Module, hf_config, max_model_len: int, 
     `profile` is true (default: on CUDA when kv_cache_memory is unset, where it decides the
     pool size). Call it after the weights are on the device and before the pool exists.
     """
+    from runner_core.decode_programs import cuda_graph_reserve_bytes
     from runner_core.memory.estimate import estimate_activation_peak
     from runner_core.memory.shapes import ModelShape
 
@@ -174,7 +178,10 @@ def plan_kv_pool(config, model: torch.nn.Module, hf_config, max_model_len: int, 
         activation = max(activation, measured)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # hand the profile's cached blocks back before measuring what is left
+    graphs = cuda_graph_reserve_bytes(config, hf_config, max_model_len)
+    if graphs:
+        logger.info("leaving %.1f MiB for the decode CUDA graphs (estimated)", graphs / _MiB)
     return plan_pool(bytes_per_token=bytes_per_token, block_size=config.block_size, max_model_len=max_model_len,
                      max_num_seqs=seqs, kv_cache_memory=config.kv_cache_memory, device=device,
                      gpu_memory_utilization=config.gpu_memory_utilization, weights_bytes=model_bytes(model),
-                     activation_peak_bytes=activation)
+                     activation_peak_bytes=activation, reserved_bytes=graphs)
