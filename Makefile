@@ -8,7 +8,7 @@ MODEL ?= tiny-llama
 PROMPT ?= Once upon a time
 PORT ?= 5006
 
-.PHONY: setup run generate lab browser test bench bench-memory bench-compile bench-parallel clean
+.PHONY: setup run generate lab browser test bench bench-memory bench-compile bench-cuda-graphs bench-parallel clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,10 @@ bench-memory: setup
 
 bench-compile: setup
 	$(PY) benchmarks/compile.py
+
+# needs a CUDA device: eager vs compiled vs compiled with decode CUDA graphs
+bench-cuda-graphs: setup
+	$(PY) benchmarks/cuda_graphs.py
 
 bench-parallel: setup
 	$(PY) benchmarks/parallel.py
