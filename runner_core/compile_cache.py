@@ -63,13 +63,20 @@ def model_layout(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def _config_digest(hf_config) -> str:
+    """The model config without where it was read from (`_name_or_path`): the same model in
+    another folder compiles to the same code."""
+    config = {k: v for k, v in hf_config.to_dict().items() if k != "_name_or_path"}
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def cache_key_factors(hf_config, dtype: torch.dtype, device: torch.device, settings,
                       model: nn.Module | None = None) -> dict:
     from runner_core import __version__
 
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     factors = {
-        "model_config": hashlib.sha256(hf_config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
+        "model_config": _config_digest(hf_config),
         "dtype": str(dtype),
         "device": device.type,
         "capability": capability,

@@ -6,6 +6,7 @@ the run's shared cache directory."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -113,6 +114,11 @@ def test_key_changes_with_dtype_mode_and_sources(eager):
                                                   co.CompileSettings(True, "inductor", "max-autotune", "model")))
     assert k != compile_cache.cache_key(compile_cache.cache_key_factors(hf, torch.float32, cpu,
                                                   co.CompileSettings(True, "inductor", "default", "layer")))
+    moved = copy.deepcopy(hf)
+    moved._name_or_path = "/somewhere/else/tiny-llama"  # the same model in another folder: the same key
+    assert k == compile_cache.cache_key(compile_cache.cache_key_factors(moved, torch.float32, cpu, base))
+    moved.rms_norm_eps = 1e-3  # a real change of the model: another key
+    assert k != compile_cache.cache_key(compile_cache.cache_key_factors(moved, torch.float32, cpu, base))
     assert set(compile_cache.cache_key_factors(hf, torch.float32, cpu, base)) >= {
         "model_config", "dtype", "device", "capability", "backend", "mode", "scope", "torch", "runner_core", "sources"}
 

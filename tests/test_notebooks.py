@@ -28,6 +28,13 @@ def test_notebook_runs(path, tiny_llama_path, monkeypatch):
     assert not errors
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                      if o.output_type == "stream")
+    if path.name == "02-compile-tuning.ipynb":
+        import re
+
+        assert "greedy tokens equal: True" in text and "recompiles after warm-up: 0" in text
+        predicted, measured = re.search(r"predicted ([\d.]+) MiB, measured ([\d.]+) MiB", text).groups()
+        assert predicted == measured and float(measured) > 0
+        assert "aoti.pt2" in text and "decode-1.pt2" in text  # the packages in the cache folder
     if path.name == "01-quickstart.ipynb":
         assert "refused: SamplingParams.max_tokens got 0" in text
         assert "tokens generated" in text and "freed_bytes" in text
