@@ -61,16 +61,25 @@ def packed_weight_bytes(model: nn.Module) -> int:
     return packed_bytes(Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, LinearBase)))
 
 
-def cpu_programs_expected(config) -> bool:
-    """Whether loading `config` (a RunnerConfig) builds the CPU decode programs, as far as the
-    configuration tells (the memory rule in `plan_sizes` may still skip them)."""
-    from runner_core.compile_optimizer import WARM_START_ENV, CompileSettings
+def _compiled_settings(config, device_type: str):
+    """The resolved compile settings if `config` (a RunnerConfig) compiles on one `device_type`
+    device, else None."""
+    from runner_core.compile_optimizer import CompileSettings
 
     device = config.torch_device
-    if not config.compile or config.enforce_eager or device.type != "cpu" or config.compile_sizes == []:
-        return False
+    if not config.compile or config.enforce_eager or device.type != device_type or config.world_size > 1:
+        return None
     settings = CompileSettings.resolve(True, config.compile_backend, config.compile_mode, config.compile_scope, device)
-    return (settings.enabled and settings.backend == "inductor" and config.world_size == 1
+    return settings if settings.enabled else None
+
+
+def cpu_programs_expected(config) -> bool:
+    """Whether loading `config` builds the CPU decode programs, as far as the configuration tells
+    (the memory rule in `plan_sizes` may still skip them)."""
+    from runner_core.compile_optimizer import WARM_START_ENV
+
+    settings = _compiled_settings(config, "cpu")
+    return (settings is not None and settings.backend == "inductor" and config.compile_sizes != []
             and config.torch_dtype == torch.float32 and torch.backends.mkl.is_available()
             and os.environ.get(WARM_START_ENV, "").strip().lower() != "jit")
 
@@ -94,16 +103,12 @@ def cuda_graph_reserve_bytes(config, hf_config, max_model_len: int) -> int:
     """CUDA memory the KV-pool plan leaves for the decode graphs' private pool: the activation
     peak of the largest capture size's static-length decode (the graphs share one pool, captured
     largest first). 0 where no runner-level graphs will be captured."""
-    from runner_core.compile_optimizer import CompileSettings
     from runner_core.memory.estimate import estimate_activation_peak
     from runner_core.memory.shapes import ModelShape
 
-    device = config.torch_device
-    if not config.compile or config.enforce_eager or device.type != "cuda" or config.world_size > 1:
-        return 0
-    settings = CompileSettings.resolve(True, config.compile_backend, config.compile_mode, config.compile_scope, device)
+    settings = _compiled_settings(config, "cuda")
     sizes = _usable_sizes(config.compile_sizes, "cuda", config.max_num_seqs)
-    if not settings.enabled or not sizes or (settings.backend == "inductor" and settings.mode in CUDA_GRAPH_MODES):
+    if settings is None or not sizes or (settings.backend == "inductor" and settings.mode in CUDA_GRAPH_MODES):
         return 0
     return estimate_activation_peak(ModelShape.from_hf_config(hf_config), num_tokens=max(sizes), num_seqs=max(sizes),
                                     dtype=config.torch_dtype, context_len=max_model_len, decode_gather=True)
