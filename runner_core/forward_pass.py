@@ -137,7 +137,7 @@ class ForwardPass:
         q_lens = [n for _, n in ordered]
         ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
         tables = [s.block_table for s, _ in ordered]
-        filled = self.buffers.fill(ids, starts, q_lens, tables, self.block_size)
+        filled = self.buffers.fill(ids, starts, q_lens, tables, self.block_size, full_rows=decode_len is not None)
         positions, meta = build_metadata(starts, q_lens, num_decodes + pad, self.block_size,
                                          self.sliding_window, self.decode_kernel, filled, decode_len)
         ends = torch.cumsum(torch.tensor(q_lens), 0) - 1
@@ -172,7 +172,8 @@ class ForwardPass:
         is captured, or stateless, as a decode program is compiled. Writes nothing itself."""
         starts, q_lens = [0] * size, [1] * size
         if use_kv_cache:
-            filled = self.buffers.fill([0] * size, starts, q_lens, [[0]] * size, self.block_size)
+            filled = self.buffers.fill([0] * size, starts, q_lens, [[0]] * size, self.block_size,
+                                       full_rows=self.static_decode_len is not None)
             positions, meta = build_metadata(starts, q_lens, size, self.block_size, self.sliding_window,
                                              self.decode_kernel, filled, self.static_decode_len)
         else:

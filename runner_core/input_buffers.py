@@ -27,16 +27,17 @@ class InputBuffers:
                             if device.type != "cpu" else self.cpu)
 
     def fill(self, ids: list[int], starts: list[int], q_lens: list[int], block_tables: list[list[int]],
-             block_size: int) -> dict[str, torch.Tensor]:
+             block_size: int, full_rows: bool = False) -> dict[str, torch.Tensor]:
         """Write one step's inputs; returns CPU views {input_ids, positions, slot_mapping: [N],
-        block_tables: [B, width], block_tables_full: [B, max_blocks]}."""
+        block_tables: [B, width], block_tables_full: [B, max_blocks]}; the columns past `width` are
+        zeros only with `full_rows` (a static-length decode reads every column)."""
         n, b = len(ids), len(starts)
         width = max(map(len, block_tables))
         if n > self.max_tokens or b > self.max_seqs or width > self.max_blocks:
             raise ValueError(f"step of {n} tokens / {b} sequences / {width} blocks exceeds the input buffers "
                              f"({self.max_tokens} / {self.max_seqs} / {self.max_blocks})")
         ids_np, pos_np, slot_np = self.np["input_ids"][:n], self.np["positions"][:n], self.np["slot_mapping"][:n]
-        self.np["block_tables"][:b] = 0  # whole rows: a static-length decode reads every column
+        self.np["block_tables"][:b, : None if full_rows else width] = 0
         bt_np = self.np["block_tables"][:b, :width]
         ids_np[:] = ids
         start_np, qlen_np = np.asarray(starts), np.asarray(q_lens)
