@@ -102,10 +102,6 @@ class LinearBase(nn.Module):
         return self.matmul(x, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    """The whole weight on every rank."""
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across tensor-parallel ranks."""
 

@@ -79,23 +79,18 @@ class FirstFitAllocator:
         self._blocks: list[tuple[int, int, Hashable]] = []  # (start, size, key), same order
         self._by_key: dict[Hashable, tuple[int, int]] = {}  # key -> (start, size)
         self.reserved = 0  # slots held by live allocations
-        self.num_failures = 0  # allocate calls that found no hole
-        self.num_fragmented_failures = 0  # ... although the total free space would have sufficed
         self.peak_allocations = 0
 
     # ---- placing -------------------------------------------------------------------------
     def allocate(self, key: Hashable, size: int) -> bool:
         """Reserve `size` contiguous slots for `key` in the first hole that fits (lowest address).
-        False, counted in `num_failures`, when no hole is big enough."""
+        False when no hole is big enough (the tracker counts those)."""
         if key in self._by_key:
             raise ValueError(f"key {key!r} already holds an allocation")
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         start = self._first_fit(size)
         if start is None:
-            self.num_failures += 1
-            if size <= self.capacity - self.reserved:
-                self.num_fragmented_failures += 1
             return False
         i = bisect.bisect_left(self._starts, start)
         self._starts.insert(i, start)
@@ -193,7 +188,6 @@ class FragmentationTracker:
         self.allocator = FirstFitAllocator(capacity_slots)
         self._deferred: dict[Hashable, int] = {}  # request id -> reserve size, arrival order
         self._oversized: set[Hashable] = set()  # bigger than the whole pool: never placeable
-        self.num_admitted = 0
         self.num_failed = 0  # requests that could not be placed when admitted
         self.num_failed_fragmented = 0  # ... while enough slots were free in total
         self.num_oversized = 0  # requests bigger than the whole pool (never placeable)
@@ -214,7 +208,6 @@ class FragmentationTracker:
         if request_id in self._deferred or request_id in self._oversized:
             return False
         size = max(1, int(reserve_tokens))
-        self.num_admitted += 1
         if alloc.allocate(request_id, size):
             return True
         self.num_failed += 1
