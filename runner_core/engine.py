@@ -232,7 +232,14 @@ class LLMEngine:
             programs = CUDAGraphDecodePrograms(self.model, sizes)
         else:
             programs = PackedDecodePrograms(self.model, sizes, optimizer)
-        fp.decode_programs = programs.build(fp.dummy_decode)
+        programs.build(fp.dummy_decode)
+        if self.device.type == "cpu" and self.config.compile_sizes is None:  # the default: kept if it pays
+            faster, measured = programs.pays_off(fp.dummy_decode)
+            if not faster:
+                programs.release()
+                return None, f"device default [1] dropped: {measured}"
+            why = f"{why}; {measured}"
+        fp.decode_programs = programs
         return programs, why
 
     def compile_stats(self) -> dict:

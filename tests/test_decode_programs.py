@@ -149,3 +149,30 @@ def test_cuda_graph_reserve_follows_the_capture_plan(eager):
     for change in ({"compile_mode": "reduce-overhead"}, {"compile_sizes": []}, {"compile": False},
                    {"torch_device": torch.device("cpu")}, {"world_size": 2}):
         assert dp.cuda_graph_reserve_bytes(SimpleNamespace(**{**vars(cfg), **change}), hf, 2048) == 0, change
+
+
+def test_default_keeps_the_decode_program_only_when_it_pays(eager, monkeypatch):
+    """With compile_sizes unset the batch-1 program is timed against the general one at load and
+    kept only when it is at least 10% faster; dropped, its packed weights are released."""
+    from tests.test_compile import CACHE_DIR
+
+    eng = eager.engine
+    saved = eng.config
+    eng.config = saved.replace(compile_cache_dir=str(CACHE_DIR))  # test_compile's packages: cache hits
+    switch = lambda: eager.set_compile_mode(True, backend="inductor", mode="default", scope="layer")  # noqa: E731
+    try:
+        measured = switch()["decode_programs"]["reason"]  # whichever way this machine measures it
+        assert "ms per 1-token step vs" in measured and "for the general program" in measured
+        monkeypatch.setattr(dp.PackedDecodePrograms, "pays_off", lambda self, run, rounds=5: (False, "slower"))
+        stats = switch()
+        assert stats["decode_programs"] == {"sizes": [], "reason": "device default [1] dropped: slower"}
+        assert eng.forward_pass.decode_programs is None and eager.memory_stats()["decode_programs_bytes"] == 0
+        assert not any(n.endswith("packed_weight") for n, _ in eng.model.named_buffers())
+        monkeypatch.setattr(dp.PackedDecodePrograms, "pays_off", lambda self, run, rounds=5: (True, "faster"))
+        stats = switch()
+        assert stats["decode_programs"]["sizes"] == [1] and stats["decode_programs"]["reason"].endswith("; faster")
+        assert eager.memory_stats()["decode_programs_bytes"] > 0
+        assert [o.token_ids for o in eager.generate(_prompts()[3:4], GREEDY)][0]
+    finally:
+        eager.set_compile_mode(False)
+        eng.config = saved
