@@ -39,6 +39,7 @@ logger = logging.getLogger("runner_core")
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor captures its own CUDA graphs in these
 MIN_GAIN = 0.9  # the default CPU decode program is kept when it takes at most 90% of the general program's time
+GRAPH_MEMORY_FRACTION = 0.1  # decode CUDA graphs may hold at most this share of the device's memory
 
 
 def default_sizes(device_type: str, max_num_seqs: int) -> list[int]:
@@ -100,19 +101,32 @@ def _usable_sizes(configured: list[int] | None, device_type: str, max_num_seqs: 
     return [s for s in sizes if s <= max_num_seqs]
 
 
-def cuda_graph_reserve_bytes(config, hf_config, max_model_len: int) -> int:
-    """CUDA memory the KV-pool plan leaves for the decode graphs' private pool: the activation
-    peak of the largest capture size's static-length decode (the graphs share one pool, captured
-    largest first). 0 where no runner-level graphs will be captured."""
+def cuda_capture_plan(config, hf_config, max_model_len: int, total_bytes: int) -> tuple[list[int], int, str]:
+    """The CUDA capture sizes, the memory the KV-pool plan leaves for their graphs' private pool,
+    and why. The pool holds the activation peak of the largest size's static-length decode (the
+    graphs share it, captured largest first); sizes whose peak would exceed GRAPH_MEMORY_FRACTION
+    of the device's `total_bytes` are not captured (the keys of max_model_len tokens are gathered
+    per sequence: at 256 sequences x 4096 tokens that is gigabytes). ([], 0, why) where no
+    runner-level graphs will be captured."""
     from runner_core.memory.estimate import estimate_activation_peak
     from runner_core.memory.shapes import ModelShape
 
     settings = _compiled_settings(config, "cuda")
     sizes = _usable_sizes(config.compile_sizes, "cuda", config.max_num_seqs)
-    if settings is None or not sizes or (settings.backend == "inductor" and settings.mode in CUDA_GRAPH_MODES):
-        return 0
-    return estimate_activation_peak(ModelShape.from_hf_config(hf_config), num_tokens=max(sizes), num_seqs=max(sizes),
-                                    dtype=config.torch_dtype, context_len=max_model_len, decode_gather=True)
+    if settings is None or not sizes:
+        return [], 0, "not compiling on one CUDA device, or no capture sizes"
+    if settings.backend == "inductor" and settings.mode in CUDA_GRAPH_MODES:
+        return [], 0, f"compile_mode={settings.mode!r}: inductor captures its own CUDA graphs"
+    shape = ModelShape.from_hf_config(hf_config)
+    peaks = {s: estimate_activation_peak(shape, num_tokens=s, num_seqs=s, dtype=config.torch_dtype,
+                                         context_len=max_model_len, decode_gather=True) for s in sizes}
+    budget = int(total_bytes * GRAPH_MEMORY_FRACTION)
+    kept = [s for s in sizes if peaks[s] <= budget]
+    why = "configured" if config.compile_sizes is not None else "device default"
+    if len(kept) < len(sizes):
+        why += (f"; sizes {[s for s in sizes if s not in kept]} left out: their static-length decode would hold "
+                f"over {GRAPH_MEMORY_FRACTION:.0%} of the device ({budget / 2**30:.1f} GiB)")
+    return kept, (peaks[max(kept)] if kept else 0), why
 
 
 def plan_sizes(configured: list[int] | None, model: nn.Module, device: torch.device, dtype: torch.dtype,

@@ -15,7 +15,7 @@ import torch
 
 from runner_core.config import RunnerConfig
 from runner_core.compile_optimizer import CompileOptimizer, cuda_graphs_status
-from runner_core.decode_programs import CUDAGraphDecodePrograms, PackedDecodePrograms, plan_sizes
+from runner_core.decode_programs import CUDAGraphDecodePrograms, PackedDecodePrograms, cuda_capture_plan, plan_sizes
 from runner_core.errors import CompileError, ConfigError, EngineBusyError, InvalidRequestError, WorkerError
 from runner_core.forward_pass import ForwardPass
 from runner_core.input_buffers import InputBuffers
@@ -227,6 +227,10 @@ class LLMEngine:
             return None, why
         fp = self.forward_pass
         if self.device.type == "cuda":
+            sizes, _, why = cuda_capture_plan(self.config, self.hf_config, self.max_model_len,
+                                              torch.cuda.mem_get_info(self.device)[1])
+            if not sizes:
+                return None, why
             self.memory.reset_prefix_cache()  # the capture's warm-up writes dummy K/V into block 0
             fp.static_decode_len = fp.buffers.max_blocks * self.memory.block_size
             programs = CUDAGraphDecodePrograms(self.model, sizes)

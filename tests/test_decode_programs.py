@@ -134,21 +134,27 @@ def test_bad_compile_sizes_are_refused(tiny_llama_path):
         ModelRunner({"model": str(tiny_llama_path), "compile_sizes": "1,2"})
 
 
-def test_cuda_graph_reserve_follows_the_capture_plan(eager):
-    """What the KV-pool plan leaves free on CUDA for the decode graphs: the static-length decode
-    of the largest capture size; nothing when inductor captures its own graphs or none are made."""
+def test_cuda_capture_plan_bounds_graph_memory(eager):
+    """What the KV-pool plan leaves free on CUDA for the decode graphs (the static-length decode of
+    the largest capture size), and the sizes left out when that would exceed 10% of the device;
+    nothing when inductor captures its own graphs or none are made. Pure arithmetic: runs on CPU."""
     from types import SimpleNamespace
 
-    hf = eager.engine.hf_config
+    hf, big = eager.engine.hf_config, 1 << 50
     cfg = SimpleNamespace(compile=True, enforce_eager=False, torch_device=torch.device("cuda"), world_size=1,
                           compile_backend="inductor", compile_mode="default", compile_scope="model",
                           compile_sizes=None, max_num_seqs=64, torch_dtype=torch.float16)
-    full = dp.cuda_graph_reserve_bytes(cfg, hf, 2048)
-    assert full > dp.cuda_graph_reserve_bytes(SimpleNamespace(**{**vars(cfg), "compile_sizes": [1, 8]}), hf, 2048) > 0
-    assert full > dp.cuda_graph_reserve_bytes(cfg, hf, 256)  # the static key length is max_model_len
+    with_sizes = lambda sizes: SimpleNamespace(**{**vars(cfg), "compile_sizes": sizes})  # noqa: E731
+    sizes, reserve, why = dp.cuda_capture_plan(cfg, hf, 2048, big)
+    assert (sizes, why) == ([1, 2, 4, 8, 16, 32, 48, 64], "device default")
+    peak8 = dp.cuda_capture_plan(with_sizes([1, 8]), hf, 2048, big)[1]
+    assert reserve > peak8 > 0 and reserve > dp.cuda_capture_plan(cfg, hf, 256, big)[1]  # keys: max_model_len
+    sizes, reserve, why = dp.cuda_capture_plan(cfg, hf, 2048, 10 * peak8 + 10)  # room for size 8 at most
+    assert sizes == [1, 2, 4, 8] and reserve == peak8
+    assert "sizes [16, 32, 48, 64] left out" in why and "over 10% of the device" in why
     for change in ({"compile_mode": "reduce-overhead"}, {"compile_sizes": []}, {"compile": False},
                    {"torch_device": torch.device("cpu")}, {"world_size": 2}):
-        assert dp.cuda_graph_reserve_bytes(SimpleNamespace(**{**vars(cfg), **change}), hf, 2048) == 0, change
+        assert dp.cuda_capture_plan(SimpleNamespace(**{**vars(cfg), **change}), hf, 2048, big)[:2] == ([], 0), change
 
 
 def test_default_keeps_the_decode_program_only_when_it_pays(eager, monkeypatch):

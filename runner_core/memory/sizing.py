@@ -156,7 +156,7 @@ def plan_kv_pool(config, model: torch.nn.Module, hf_config, max_model_len: int, 
     `profile` is true (default: on CUDA when kv_cache_memory is unset, where it decides the
     pool size). Call it after the weights are on the device and before the pool exists.
     """
-    from runner_core.decode_programs import cuda_graph_reserve_bytes
+    from runner_core.decode_programs import cuda_capture_plan
     from runner_core.memory.estimate import estimate_activation_peak
     from runner_core.memory.shapes import ModelShape
 
@@ -178,7 +178,9 @@ def plan_kv_pool(config, model: torch.nn.Module, hf_config, max_model_len: int, 
         activation = max(activation, measured)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # hand the profile's cached blocks back before measuring what is left
-    graphs = cuda_graph_reserve_bytes(config, hf_config, max_model_len)
+    graphs = 0
+    if device.type == "cuda":
+        graphs = cuda_capture_plan(config, hf_config, max_model_len, torch.cuda.mem_get_info(device)[1])[1]
     if graphs:
         logger.info("leaving %.1f MiB for the decode CUDA graphs (estimated)", graphs / _MiB)
     return plan_pool(bytes_per_token=bytes_per_token, block_size=config.block_size, max_model_len=max_model_len,
