@@ -58,6 +58,7 @@ SCOPES = ("model", "layer", "mlp", "self_attn")
 AOTI_FAILED = "aoti.failed"  # AOTInductor failed for this key: later starts go straight to jit
 WARM_START_ENV = "RUNNER_CORE_WARM_START"  # "jit" forces the torch.compile route
 ROUTES = ("aoti", "jit")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor captures its own CUDA graphs in these
 
 
 def has_cxx_compiler() -> bool:
@@ -116,7 +117,7 @@ def cuda_graphs_status(device_type: str, mode: str, enabled: bool, programs=None
         return f"skipped: {device_type.upper()} device (CUDA graphs capture CUDA kernel launches; no CUDA device here)"
     if not enabled:
         return "off: compilation is off"
-    if mode in ("reduce-overhead", "max-autotune"):
+    if mode in CUDA_GRAPH_MODES:
         return f"by torch.compile mode={mode!r} (inductor CUDA graph trees); no runner-level capture sizes"
     if programs is not None and getattr(programs, "graphs", None):
         return (f"captured decode sizes {sorted(programs.graphs)} "

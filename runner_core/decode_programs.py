@@ -22,6 +22,7 @@ slot it writes and read what it reads; their outputs are dropped. No slot is res
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import os
 import time
@@ -32,12 +33,12 @@ import torch
 from torch import nn
 
 from runner_core.aoti_program import AOTICall, AOTIProgram
+from runner_core.compile_optimizer import CUDA_GRAPH_MODES, WARM_START_ENV, CompileSettings
 from runner_core.forward_context import set_forward_context
 from runner_core.layers.linear import LinearBase, pack_linear_weights, unpack_linear_weights
 
 logger = logging.getLogger("runner_core")
 
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor captures its own CUDA graphs in these
 MIN_GAIN = 0.9  # the default CPU decode program is kept when it takes at most 90% of the general program's time
 GRAPH_MEMORY_FRACTION = 0.1  # decode CUDA graphs may hold at most this share of the device's memory
 
@@ -51,11 +52,16 @@ def default_sizes(device_type: str, max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s <= max_num_seqs] or [1]
 
 
+@functools.lru_cache(maxsize=None)
+def _packed_size(shape: tuple[int, int]) -> int:
+    return torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(shape), 1).nbytes
+
+
 def packed_bytes(shapes: Counter) -> int:
     """MKL's packed size of float32 weights of these [out, in] shapes (with counts), measured by
-    packing one zero matrix of each shape: small matrices get a large minimum buffer."""
-    return sum(count * torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(shape), 1).nbytes
-               for shape, count in shapes.items())
+    packing one zero matrix of each shape (once per process): small matrices get a large minimum
+    buffer."""
+    return sum(count * _packed_size(tuple(shape)) for shape, count in shapes.items())
 
 
 def packed_weight_bytes(model: nn.Module) -> int:
@@ -66,8 +72,6 @@ def packed_weight_bytes(model: nn.Module) -> int:
 def _compiled_settings(config, device_type: str):
     """The resolved compile settings if `config` (a RunnerConfig) compiles on one `device_type`
     device, else None."""
-    from runner_core.compile_optimizer import CompileSettings
-
     device = config.torch_device
     if not config.compile or config.enforce_eager or device.type != device_type or config.world_size > 1:
         return None
@@ -78,8 +82,6 @@ def _compiled_settings(config, device_type: str):
 def cpu_programs_expected(config) -> bool:
     """Whether loading `config` builds the CPU decode programs, as far as the configuration tells:
     an upper bound (the memory rule in `plan_sizes` or, by default, `pays_off` may drop them)."""
-    from runner_core.compile_optimizer import WARM_START_ENV
-
     settings = _compiled_settings(config, "cpu")
     return (settings is not None and settings.backend == "inductor" and config.compile_sizes != []
             and config.torch_dtype == torch.float32 and torch.backends.mkl.is_available()
@@ -129,21 +131,19 @@ def cuda_capture_plan(config, hf_config, max_model_len: int, total_bytes: int) -
     return kept, (peaks[max(kept)] if kept else 0), why
 
 
-def plan_sizes(configured: list[int] | None, model: nn.Module, device: torch.device, dtype: torch.dtype,
-               max_num_seqs: int, settings, route: str) -> tuple[list[int], str]:
-    """The decode sizes to build and why (an empty list says why there are none)."""
-    if device.type == "cuda":
-        if settings.backend == "inductor" and settings.mode in CUDA_GRAPH_MODES:
-            return [], f"compile_mode={settings.mode!r}: inductor captures its own CUDA graphs"
-    elif route != "aoti":
+def plan_sizes(configured: list[int] | None, model: nn.Module, dtype: torch.dtype, max_num_seqs: int,
+               route: str) -> tuple[list[int], str]:
+    """The CPU decode sizes to build and why (an empty list says why there are none); CUDA's
+    are `cuda_capture_plan`'s."""
+    if route != "aoti":
         return [], f"the {route!r} route: CPU decode programs are AOTInductor packages"
-    elif not torch.backends.mkl.is_available() or dtype != torch.float32:
+    if not torch.backends.mkl.is_available() or dtype != torch.float32:
         return [], "MKL's packed GEMM needs float32 weights and a torch built with MKL"
-    usable = _usable_sizes(configured, device.type, max_num_seqs)
+    usable = _usable_sizes(configured, "cpu", max_num_seqs)
     if configured is not None and len(usable) < len(configured):
         logger.info("compile_sizes above max_num_seqs=%d are never used: %s", max_num_seqs,
                     [s for s in configured if s > max_num_seqs])
-    if usable and device.type == "cpu":
+    if usable:
         need, free = packed_weight_bytes(model), _available_memory()
         if free is not None and need > free // 2:
             return [], (f"prepacked weights ({need / 2**30:.1f} GiB) would take over half the available "
@@ -155,6 +155,7 @@ class DecodePrograms:
     """Static programs by decode batch size; `padded_size` routes a batch, `run` executes it."""
 
     kind = ""
+    static_decode_len: int | None = None  # the decodes' fixed key length (CUDA graphs); None: as needed
 
     def __init__(self, model: nn.Module, sizes: list[int]):
         self.model, self.sizes = model, sorted(sizes)
@@ -166,7 +167,8 @@ class DecodePrograms:
         i = bisect.bisect_left(self.sizes, num_decodes)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def build(self, run_dummy: Callable[[int], object]) -> "DecodePrograms":
+    def build(self, run_dummy: Callable[..., tuple]) -> "DecodePrograms":
+        """Build (or load) and warm up every size; `run_dummy` is ForwardPass.dummy_decode."""
         from tqdm.auto import tqdm
 
         for s in tqdm(self.sizes[::-1], desc=f"decode programs ({self.kind})", leave=False, disable=None):
@@ -215,7 +217,7 @@ class PackedDecodePrograms(DecodePrograms):
     def _build_size(self, size: int, run_dummy) -> None:
         """Export, compile and save the package on a cache miss (else it is loaded already), then
         run it once on a stateless dummy step (the pool is not touched)."""
-        ids, positions, meta = run_dummy(size, False)
+        ids, positions, meta = run_dummy(size)
         with torch.inference_mode(), set_forward_context(meta, False):
             self._run(size, ids, positions, meta)
 
@@ -228,7 +230,7 @@ class PackedDecodePrograms(DecodePrograms):
         The packed GEMM pays where the matmuls dominate (small-llama: 7.4 vs 9.7 ms); on tiny
         models it gains little (tiny-llama: 0.59 vs 0.63 ms) for 28x its weights in packed buffers."""
         size = self.sizes[0]
-        ids, positions, meta = run_dummy(size, False)
+        ids, positions, meta = run_dummy(size)
         runs = {"program": lambda: self._run(size, ids, positions, meta), "general": lambda: self.model(ids, positions)}
         best = dict.fromkeys(runs, float("inf"))
         with torch.inference_mode(), set_forward_context(meta, False):
@@ -237,8 +239,9 @@ class PackedDecodePrograms(DecodePrograms):
                     t = time.perf_counter()
                     fn()
                     best[name] = min(best[name], time.perf_counter() - t)
-        return best["program"] <= MIN_GAIN * best["general"], (f"measured {best['program'] * 1e3:.2f} ms per {size}-token "
-                                                   f"step vs {best['general'] * 1e3:.2f} ms for the general program")
+        figures = (f"measured {best['program'] * 1e3:.2f} ms per {size}-token step vs "
+                   f"{best['general'] * 1e3:.2f} ms for the general program")
+        return best["program"] <= MIN_GAIN * best["general"], figures
 
     def release(self) -> None:
         """Drop the packed weights (the programs are not to be used)."""
@@ -253,8 +256,9 @@ class PackedDecodePrograms(DecodePrograms):
 class CUDAGraphDecodePrograms(DecodePrograms):
     kind = "CUDA graphs"
 
-    def __init__(self, model: nn.Module, sizes: list[int]):
+    def __init__(self, model: nn.Module, sizes: list[int], static_decode_len: int):
         super().__init__(model, sizes)
+        self.static_decode_len = static_decode_len  # max_model_len in whole blocks
         self.graphs: dict[int, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.memory_bytes = 0
@@ -263,7 +267,7 @@ class CUDAGraphDecodePrograms(DecodePrograms):
         """Capture `size` tokens: warm up on a side stream, then record the model over the static
         tensors `run_dummy` leaves (ids, positions, metadata of a decode step of that size over
         block 0, which the warm-up runs write: the engine frees it of cached prefixes first)."""
-        ids, positions, meta = run_dummy(size, True)
+        ids, positions, meta = run_dummy(size, self.static_decode_len)
         before = torch.cuda.memory_reserved()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

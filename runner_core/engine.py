@@ -193,13 +193,13 @@ class LLMEngine:
         optimizer = CompileOptimizer.create(self.config, self.hf_config, self.device, self.dtype, enabled=enabled,
                                             backend=backend, mode=mode, scope=scope)
         fp = self.forward_pass
-        fp.decode_programs = fp.static_decode_len = None
+        fp.decode_programs = None
         try:
             optimizer.apply(self.model)
             optimizer.warm_up(self._warm_up_run, COMPILE_WARMUP_SIZES)
             optimizer.finish_warm_up(*self._build_decode_programs(optimizer))
         except Exception as e:
-            fp.decode_programs = fp.static_decode_len = None
+            fp.decode_programs = None
             optimizer.reset(self.model)
             if not self.config.compile_fallback:
                 raise CompileError(f"compiling with {optimizer.settings} failed: {type(e).__name__}: {e}") from e
@@ -221,10 +221,6 @@ class LLMEngine:
             return None, "compilation is off"
         if self.parallel is not None:
             return None, "parallel ranks run the general program"
-        sizes, why = plan_sizes(self.config.compile_sizes, self.model, self.device, self.dtype,
-                                self.config.max_num_seqs, optimizer.settings, optimizer.route)
-        if not sizes:
-            return None, why
         fp = self.forward_pass
         if self.device.type == "cuda":
             sizes, _, why = cuda_capture_plan(self.config, self.hf_config, self.max_model_len,
@@ -232,9 +228,12 @@ class LLMEngine:
             if not sizes:
                 return None, why
             self.memory.reset_prefix_cache()  # the capture's warm-up writes dummy K/V into block 0
-            fp.static_decode_len = fp.buffers.max_blocks * self.memory.block_size
-            programs = CUDAGraphDecodePrograms(self.model, sizes)
+            programs = CUDAGraphDecodePrograms(self.model, sizes, fp.buffers.max_blocks * self.memory.block_size)
         else:
+            sizes, why = plan_sizes(self.config.compile_sizes, self.model, self.dtype, self.config.max_num_seqs,
+                                    optimizer.route)
+            if not sizes:
+                return None, why
             programs = PackedDecodePrograms(self.model, sizes, optimizer)
         programs.build(fp.dummy_decode)
         if self.device.type == "cpu" and self.config.compile_sizes is None:  # the default: kept if it pays

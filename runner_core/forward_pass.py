@@ -111,7 +111,6 @@ class ForwardPass:
         self.sliding_window = getattr(model, "sliding_window", None)
         self.decode_kernel = kv_cache is not None and device.type == "cpu" and cpu_kernels_available()
         self.decode_programs = None  # DecodePrograms for pure-decode steps (set when compiling)
-        self.static_decode_len: int | None = None  # the decodes' fixed key length under CUDA graphs
 
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         if self.device.type == "cpu":
@@ -131,7 +130,7 @@ class ForwardPass:
         if self.decode_programs is not None and num_decodes == len(scheduled):
             size = self.decode_programs.padded_size(num_decodes)
             if size is not None:
-                pad, decode_len = size - num_decodes, self.static_decode_len
+                pad, decode_len = size - num_decodes, self.decode_programs.static_decode_len
                 ordered += [ordered[0]] * pad
         starts = [s.num_computed_tokens for s, _ in ordered]
         q_lens = [n for _, n in ordered]
@@ -166,16 +165,16 @@ class ForwardPass:
         return self.model.compute_logits(hidden[inp.logits_indices]).float()
 
     @torch.inference_mode()
-    def dummy_decode(self, size: int, use_kv_cache: bool):
+    def dummy_decode(self, size: int, decode_len: int | None = None):
         """(input ids, positions, metadata) on the device for a decode step of `size` dummy rows
-        (token 0 at position 0): over the pool (block 0, the static key length), as a CUDA graph
-        is captured, or stateless, as a decode program is compiled. Writes nothing itself."""
+        (token 0 at position 0): with `decode_len`, over the pool (block 0, that static key
+        length), as a CUDA graph is captured; else stateless, as a decode program is compiled.
+        Writes nothing itself."""
         starts, q_lens = [0] * size, [1] * size
-        if use_kv_cache:
-            filled = self.buffers.fill([0] * size, starts, q_lens, [[0]] * size, self.block_size,
-                                       full_rows=self.static_decode_len is not None)
+        if decode_len is not None:
+            filled = self.buffers.fill([0] * size, starts, q_lens, [[0]] * size, self.block_size, full_rows=True)
             positions, meta = build_metadata(starts, q_lens, size, self.block_size, self.sliding_window,
-                                             self.decode_kernel, filled, self.static_decode_len)
+                                             self.decode_kernel, filled, decode_len)
         else:
             self.buffers.np["input_ids"][:size] = self.buffers.np["positions"][:size] = 0
             _, meta = build_metadata(starts, q_lens, size, self.block_size, self.sliding_window)

@@ -96,33 +96,31 @@ def test_static_length_decode_metadata_matches(eager):
     reference = _run(eager, _prompts()[:3])
     fp = eager.engine.forward_pass
     programs = _EagerAtSizes(eager.engine.model, [4])
-    fp.decode_programs, fp.static_decode_len, kernel = programs, fp.buffers.max_blocks * fp.block_size, fp.decode_kernel
+    programs.static_decode_len = fp.buffers.max_blocks * fp.block_size
+    fp.decode_programs, kernel = programs, fp.decode_kernel
     fp.decode_kernel = False
     engine = eager.engine
     try:
         seqs = [engine.add_request(p, GREEDY) for p in _prompts()[:3]]
         engine.step()  # their prefills, on the general path
         inp = fp.prepare([(s, 1) for s in seqs])
-        assert inp.num_pad_tokens == 1 and tuple(inp.meta.decode_kv_idx.shape) == (4, fp.static_decode_len)
+        assert inp.num_pad_tokens == 1 and tuple(inp.meta.decode_kv_idx.shape) == (4, programs.static_decode_len)
         for s in seqs:
             engine.abort_request(s.request_id)
         _assert_same(_run(eager, _prompts()[:3]), reference)
         assert programs.runs[4] >= 11 and programs.padded_rows >= 11
     finally:
-        fp.decode_programs, fp.static_decode_len, fp.decode_kernel = None, None, kernel
+        fp.decode_programs, fp.decode_kernel = None, kernel
 
 
 def test_plan_says_why_there_are_none(eager, monkeypatch):
-    model, cpu = eager.engine.model, torch.device("cpu")
-    from runner_core.compile_optimizer import CompileSettings
-
-    s = CompileSettings(True, "inductor", "default", "model")
-    assert plan_sizes(None, model, cpu, torch.float32, 8, s, "aoti") == ([1], "device default")
-    assert plan_sizes([2, 16], model, cpu, torch.float32, 8, s, "aoti") == ([2], "configured")
-    assert plan_sizes(None, model, cpu, torch.float32, 8, s, "jit")[1].startswith("the 'jit' route")
-    assert "float32" in plan_sizes(None, model, cpu, torch.bfloat16, 8, s, "aoti")[1]
+    model = eager.engine.model
+    assert plan_sizes(None, model, torch.float32, 8, "aoti") == ([1], "device default")
+    assert plan_sizes([2, 16], model, torch.float32, 8, "aoti") == ([2], "configured")
+    assert plan_sizes(None, model, torch.float32, 8, "jit")[1].startswith("the 'jit' route")
+    assert "float32" in plan_sizes(None, model, torch.bfloat16, 8, "aoti")[1]
     monkeypatch.setattr(dp, "_available_memory", lambda: 1 << 20)
-    sizes, why = plan_sizes(None, model, cpu, torch.float32, 8, s, "aoti")
+    sizes, why = plan_sizes(None, model, torch.float32, 8, "aoti")
     assert sizes == [] and "over half the available memory" in why
     assert dp.default_sizes("cuda", 40) == [1, 2, 4, 8, 16, 32]
 

@@ -93,7 +93,7 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # (dynamo cannot trace a ContextVar; its graphs never use the packed weights)
-        if not torch.compiler.is_dynamo_compiling() and _PACKED_IN_USE.get() and "packed_weight" in self._buffers:
+        if "packed_weight" in self._buffers and not torch.compiler.is_dynamo_compiling() and _PACKED_IN_USE.get():
             y = packed_linear(x, self._buffers["packed_weight"], self.weight)
             return y if bias is None else y + bias
         return F.linear(x, self.weight, bias)
