@@ -20,9 +20,16 @@ from runner_core.errors import ConfigError
 
 logger = logging.getLogger("runner_core")
 
+# ---- shared constants: the one home of the choices config, compile, memory and the dashboard offer
 # Token budget per step when unset: on the CPU, smaller chunks keep the GEMMs cache-friendly
 # (benchmarks/throughput.py measured 256-1024 ahead of 2048 on the 2-core test machine).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512}
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # the common ones; any registered dynamo backend is accepted
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "auto")
+COMPILE_SCOPES = ("model", "layer", "mlp", "self_attn")  # whole model, each decoder layer, module kinds
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor captures its own CUDA graphs in these
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 _DTYPES = {
     "auto": "auto",
@@ -30,11 +37,6 @@ _DTYPES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float32": "float32", "float": "float32", "fp32": "float32",
 }
-_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-_COMMON_BACKENDS = ("inductor", "aot_eager", "eager")
-_COMPILE_SCOPES = ("model", "layer", "mlp", "self_attn")  # whole model, each decoder layer, module kinds
-_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "auto")
-_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 _CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
 
 
@@ -73,9 +75,10 @@ def _check_str(name: str, value: Any, optional: bool = False) -> Optional[str]:
     return value
 
 
-def _normalise_dtype(value: Any) -> str:
+def normalise_dtype(value: Any) -> str:
+    """The canonical name ('float32', 'bfloat16', 'float16' or 'auto') of a dtype given by name or torch.dtype."""
     if isinstance(value, torch.dtype):
-        for name, dtype in _TORCH_DTYPES.items():
+        for name, dtype in TORCH_DTYPES.items():
             if value == dtype:
                 return name
     elif isinstance(value, str) and value.lower() in _DTYPES:
@@ -113,11 +116,11 @@ def _resolve_device(device: Union[int, str]) -> torch.device:
 
 
 def _check_backend(value: Any) -> str:
-    if value in _COMMON_BACKENDS:
+    if value in COMPILE_BACKENDS:
         return value
     import torch._dynamo
 
-    known = sorted(set(_COMMON_BACKENDS) | set(torch._dynamo.list_backends()))
+    known = sorted(set(COMPILE_BACKENDS) | set(torch._dynamo.list_backends()))
     if not isinstance(value, str) or value not in known:
         raise _bad("compile_backend", value, "one of " + ", ".join(map(repr, known)))
     return value
@@ -219,13 +222,13 @@ class RunnerConfig:
     def _validate(self) -> None:
         self.model = _check_str("model", self.model)
         self.tokenizer = _check_str("tokenizer", self.tokenizer, optional=True)
-        self.dtype = _normalise_dtype(self.dtype)
+        self.dtype = normalise_dtype(self.dtype)
         self.device = _normalise_device(self.device)
         self.compile = _check_bool("compile", self.compile)
         self.compile_backend = _check_backend(self.compile_backend)
-        self.compile_mode = _check_choice("compile_mode", self.compile_mode, _COMPILE_MODES)
+        self.compile_mode = _check_choice("compile_mode", self.compile_mode, COMPILE_MODES)
         self.compile_cache_dir = _check_str("compile_cache_dir", self.compile_cache_dir)
-        self.compile_scope = _check_choice("compile_scope", self.compile_scope, _COMPILE_SCOPES)
+        self.compile_scope = _check_choice("compile_scope", self.compile_scope, COMPILE_SCOPES)
         self.compile_fallback = _check_bool("compile_fallback", self.compile_fallback)
         self.compile_sizes = _check_sizes(self.compile_sizes)
         self.tensor_parallel_size = _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
@@ -238,7 +241,7 @@ class RunnerConfig:
         self.max_num_seqs = _check_int("max_num_seqs", self.max_num_seqs, 1)
         self.max_num_batched_tokens = _check_int(
             "max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
-        self.block_size = _check_choice("block_size", self.block_size, _BLOCK_SIZES)
+        self.block_size = _check_choice("block_size", self.block_size, BLOCK_SIZES)
         self.kv_cache_memory = _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
         self.enable_prefix_caching = _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         self.enforce_eager = _check_bool("enforce_eager", self.enforce_eager)
@@ -280,7 +283,7 @@ class RunnerConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.float16 if self._torch_device.type == "cuda" else torch.float32
-        return _TORCH_DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
     @property
     def effective_max_num_batched_tokens(self) -> int:

@@ -185,10 +185,6 @@ class ModelRunner:
             raise InvalidRequestError(f"got {len(sampling_params)} sampling params for {n} prompts; give one, or one per prompt")
         return list(sampling_params)
 
-    def _error_output(self, prompt, message: str) -> RequestOutput:
-        text = prompt if isinstance(prompt, str) else None
-        return RequestOutput("rejected", text, [], [], "", [], "", True, "error", None, message, None, {})
-
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  max_new_tokens: int | None = None, attention_mask: torch.Tensor | None = None, **kwargs):
         """Generate for one prompt or a batch.
@@ -218,7 +214,7 @@ class ModelRunner:
                 if single:
                     raise
                 logger.warning("request %d refused: %s", i, e)
-                results[i] = self._error_output(prompt, str(e))
+                results[i] = RequestOutput.failed("rejected", prompt, str(e))
         try:
             while pending:
                 if not engine.has_unfinished_requests():

@@ -133,9 +133,9 @@ class MemoryEstimate:
 
 
 def _dtype_name(dtype: str | torch.dtype, device: str) -> str:
-    from runner_core.config import _normalise_dtype
+    from runner_core.config import normalise_dtype
 
-    name = _normalise_dtype(dtype)
+    name = normalise_dtype(dtype)
     if name == "auto":
         return "float16" if device.startswith("cuda") else "float32"
     return name
