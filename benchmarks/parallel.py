@@ -25,7 +25,7 @@ import time
 import torch
 
 from runner_core import ModelRunner, SamplingParams
-from runner_core.parallel_state import COMM_STATS
+from runner_core.parallel.state import COMM_STATS
 
 LAYOUTS = {"tp1": (1, 1), "tp1-1thread": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
 

@@ -5,9 +5,9 @@ from runner_core.errors import (CompileError, ConfigError, EngineBusyError, Engi
                                  ModelLoadError, RunnerError, WorkerError)
 from runner_core.memory import MemoryEstimate, estimate_memory
 from runner_core.model_runner import ModelRunner, StreamDelta
-from runner_core.parallel_plan import ParallelSuggestion, suggest_parallel_config
-from runner_core.sampling import SamplingParams
-from runner_core.sequence import RequestOutput
+from runner_core.parallel.plan import ParallelSuggestion, suggest_parallel_config
+from runner_core.sampling_params import SamplingParams
+from runner_core.engine.sequence import RequestOutput
 
 __version__ = "0.1.0"
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from runner_core.config import RunnerConfig
-from runner_core.engine import LLMEngine
+from runner_core.engine.engine import LLMEngine
 from runner_core.errors import EngineNotReadyError, InvalidRequestError
 from runner_core.memory import check_config_fits
 from runner_core.model_loader import ModelLoader
-from runner_core.sampling import SamplingParams
-from runner_core.sequence import RequestOutput
+from runner_core.sampling_params import SamplingParams
+from runner_core.engine.sequence import RequestOutput
 
 logger = logging.getLogger("runner_core")
 
@@ -56,9 +56,9 @@ class ModelRunner:
         rank's shard in step. Under torchrun, ranks > 0 serve rank 0 inside this call and exit
         the process when rank 0 shuts down."""
         from runner_core.model_loader import read_hf_config, resolve_model_path
-        from runner_core.parallel_manager import ParallelManager
-        from runner_core.parallel_plan import validate_parallel_config
-        from runner_core.worker import report_error, serve
+        from runner_core.parallel.manager import ParallelManager
+        from runner_core.parallel.plan import validate_parallel_config
+        from runner_core.parallel.worker_proc import report_error, serve
 
         self.shutdown()
         config = self.config

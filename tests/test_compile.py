@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from runner_core import CompileError, ConfigError, EngineBusyError, ModelRunner, SamplingParams
-from runner_core import aoti_program, compile_cache
-from runner_core import compile_optimizer as co
+from runner_core.compile import aoti_program, compile_cache
+from runner_core.compile import compile_optimizer as co
 from tests.conftest import REPO
 
 CACHE_DIR = REPO / "test-output" / "compile-cache"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from runner_core import ConfigError, ModelRunner, SamplingParams
-from runner_core.decode_programs import DecodePrograms, plan_sizes
-from runner_core import decode_programs as dp
+from runner_core.compile.decode_programs import DecodePrograms, plan_sizes
+from runner_core.compile import decode_programs as dp
 from tests.test_compile import COMPILED, GREEDY, _prompts
 
 LOGPROBS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -23,7 +23,7 @@ import torch
 
 from runner_core import ConfigError, ModelRunner, SamplingParams, WorkerError, suggest_parallel_config
 from runner_core.memory import estimate_memory
-from runner_core.parallel_manager import shutdown_all
+from runner_core.parallel.manager import shutdown_all
 from tests.helpers import make_tiny_hf_model
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from runner_core.errors import InvalidRequestError
 from runner_core.layers.sampler import Sampler, SamplingMetadata
-from runner_core.sampling import SamplingParams
+from runner_core.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- SamplingParams
 

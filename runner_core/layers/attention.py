@@ -5,17 +5,23 @@ chunks. K/V of every token are written into the KV pool at `slot_mapping`; queri
 then read their sequence's keys through gather indices derived from block tables
 (built once per step by ForwardPass and shared by all layers through the forward context).
 Under torch.compile the whole of it is one custom op, opaque to the graph.
+
+The forward context (the step's metadata, and whether the KV pool is used) is set by ForwardPass
+around a model call and read here; keeping it out of the model's arguments lets the model's
+forward be compiled as a graph over plain tensors (input ids, positions), as vLLM does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner_core.forward_context import get_forward_context
 from runner_core.kernels import paged_decode_attention
 
 
@@ -44,6 +50,33 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [D]
     block_size: int = 0
     sliding_window: int | None = None
+
+
+# ---- the forward context: the step's metadata, set by ForwardPass around a model call -----------
+@dataclass
+class ForwardContext:
+    meta: AttentionMetadata
+    use_kv_cache: bool  # False for a stateless forward (no pool: attend over the step's own tokens)
+
+
+# per thread (and task): runners stepping on different threads never see each other's step
+_CONTEXT: ContextVar[ForwardContext | None] = ContextVar("runner_core_forward_context", default=None)
+
+
+@contextmanager
+def set_forward_context(meta, use_kv_cache: bool) -> Iterator[None]:
+    token = _CONTEXT.set(ForwardContext(meta, use_kv_cache))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        raise RuntimeError("attention ran outside a forward context; call the model through ForwardPass")
+    return ctx
 
 
 def _decode(q, k, v, bias, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:

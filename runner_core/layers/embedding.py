@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner_core.layers.linear import default_weight_loader
-from runner_core.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from runner_core.parallel.state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner_core.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from runner_core.parallel.state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
 def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor) -> None:

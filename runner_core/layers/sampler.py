@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from runner_core.sampling import SamplingParams
+from runner_core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -234,7 +234,7 @@ def _packed_decode_bytes(shape: ModelShape) -> int:
     """The runner's fused linear weights (qkv, o, gate_up, down per layer) as MKL packs them."""
     from collections import Counter
 
-    from runner_core.decode_programs import packed_bytes
+    from runner_core.compile.decode_programs import packed_bytes
 
     h, i, d, n = shape.hidden_size, shape.intermediate_size, shape.head_dim, shape.num_layers
     q, kv = shape.num_heads * d, shape.num_kv_heads * d

@@ -91,7 +91,7 @@ def check_fits(estimate: MemoryEstimate, available_bytes: int, *, gpu_memory_uti
 def check_config_fits(config, available_bytes: int | None = None) -> MemoryEstimate:
     """Estimate `config` (a RunnerConfig) and refuse it with ConfigError if it cannot fit on its
     device (`available_bytes` defaults to `sizing.usable_memory_bytes`). Returns the estimate."""
-    from runner_core.decode_programs import cpu_programs_expected
+    from runner_core.compile.decode_programs import cpu_programs_expected
     from runner_core.memory.sizing import usable_memory_bytes
 
     device = config.torch_device

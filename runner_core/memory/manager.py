@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 
 from runner_core.memory.block_pool import BlockPool, hash_block
-from runner_core.sequence import Sequence
+from runner_core.engine.sequence import Sequence
 
 logger = logging.getLogger("runner_core")
 

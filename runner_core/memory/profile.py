@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from runner_core.forward_pass import ForwardPass
+from runner_core.engine.forward_pass import ForwardPass
 
 logger = logging.getLogger("runner_core")
 

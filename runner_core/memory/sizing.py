@@ -156,7 +156,7 @@ def plan_kv_pool(config, model: torch.nn.Module, hf_config, max_model_len: int, 
     `profile` is true (default: on CUDA when kv_cache_memory is unset, where it decides the
     pool size). Call it after the weights are on the device and before the pool exists.
     """
-    from runner_core.decode_programs import cuda_capture_plan
+    from runner_core.compile.decode_programs import cuda_capture_plan
     from runner_core.memory.estimate import estimate_activation_peak
     from runner_core.memory.shapes import ModelShape
 

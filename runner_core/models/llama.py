@@ -25,7 +25,7 @@ from runner_core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runner_core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
 from runner_core.layers.norm import RMSNorm
 from runner_core.layers.rotary import RotaryEmbedding
-from runner_core.parallel_state import get_pp_stage, pp_recv, pp_send
+from runner_core.parallel.state import get_pp_stage, pp_recv, pp_send
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 STACKED_PARAMS = (

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runner_core.errors import ConfigError
-from runner_core.parallel_state import stage_layer_ranges
+from runner_core.parallel.state import stage_layer_ranges
 
 _GiB = 2**30
 

@@ -56,7 +56,7 @@ class WorkerSupervisor:
         """Start ranks 1.. on the spawn context (they join the store at host:port), then the monitor."""
         import torch.multiprocessing as mp
 
-        from runner_core.worker import worker_main
+        from runner_core.parallel.worker_proc import worker_main
 
         device, threads = config.torch_device, 0
         if device.type == "cpu":  # share the cores: every rank computes at the same time

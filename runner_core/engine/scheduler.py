@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from runner_core.memory import MemoryManager
-from runner_core.sequence import Sequence, SequenceStatus
+from runner_core.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

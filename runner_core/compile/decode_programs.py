@@ -32,9 +32,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from runner_core.aoti_program import AOTICall, AOTIProgram
-from runner_core.compile_optimizer import CUDA_GRAPH_MODES, WARM_START_ENV, CompileSettings
-from runner_core.forward_context import set_forward_context
+from runner_core.compile.aoti_program import AOTICall, AOTIProgram
+from runner_core.compile.compile_optimizer import CUDA_GRAPH_MODES, WARM_START_ENV, CompileSettings
+from runner_core.layers.attention import set_forward_context
 from runner_core.layers.linear import LinearBase, pack_linear_weights, unpack_linear_weights
 
 logger = logging.getLogger("runner_core")

@@ -26,14 +26,13 @@ logger = logging.getLogger("runner_core")
 
 # the modules whose source is traced into compiled programs: any edit invalidates the cache
 TRACED_SOURCES = ("models/llama.py", "layers/linear.py", "layers/embedding.py", "layers/norm.py",
-                  "layers/rotary.py", "layers/activation.py", "layers/attention.py", "forward_context.py",
-                  "aoti_program.py")
+                  "layers/rotary.py", "layers/activation.py", "layers/attention.py", "compile/aoti_program.py")
 ARTIFACTS = "artifacts.bin"  # jit route: torch.compiler.save_cache_artifacts
 META = "meta.json"
 
 
 def source_digest() -> str:
-    root = Path(__file__).parent
+    root = Path(__file__).parents[1]  # runner_core/
     h = hashlib.sha256()
     for rel in TRACED_SOURCES:
         h.update((root / rel).read_bytes())

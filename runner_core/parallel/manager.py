@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from runner_core.errors import ConfigError, EngineBusyError, RunnerError, WorkerError
-from runner_core.parallel_state import COMM_STATS, PipelineStage, parallel_context, pp_recv, pp_send
-from runner_core.worker_supervisor import WorkerSupervisor
+from runner_core.parallel.state import COMM_STATS, PipelineStage, parallel_context, pp_recv, pp_send
+from runner_core.parallel.supervisor import WorkerSupervisor
 
 logger = logging.getLogger("runner_core")
 _CONTROL_TIMEOUT = timedelta(days=7)  # idle workers wait this long for rank 0's next command
@@ -148,7 +148,7 @@ class ParallelManager:
 
     def build_engine(self):
         """Load this rank's shard and build its engine, in step with the other ranks."""
-        from runner_core.engine import LLMEngine
+        from runner_core.engine.engine import LLMEngine
         from runner_core.model_loader import ModelLoader
 
         try:
@@ -184,7 +184,7 @@ class ParallelManager:
         return plan if int(n) == plan.num_blocks else dataclasses.replace(plan, num_blocks=int(n))
 
     def make_forward_pass(self, model, kv_cache, block_size, device, buffers):
-        from runner_core.worker import DistributedForwardPass
+        from runner_core.parallel.worker_proc import DistributedForwardPass
 
         return DistributedForwardPass(model, kv_cache, block_size, device, buffers, self)
 
@@ -282,7 +282,7 @@ class ParallelManager:
         """Defragment rank 0's block pool, then move every rank's KV the same way. The slot moves
         are recorded by running the pool's defragmentation on a probe tensor of slot indices."""
         from runner_core.layers.attention import bind_kv_cache
-        from runner_core.worker import apply_slot_mapping
+        from runner_core.parallel.worker_proc import apply_slot_mapping
 
         memory, real = engine.memory, engine.memory.kv_cache
         slots = real.shape[3]

@@ -19,7 +19,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from runner_core.forward_pass import ForwardPass, ModelInput
+from runner_core.engine.forward_pass import ForwardPass, ModelInput
 
 logger = logging.getLogger("runner_core")
 
@@ -167,7 +167,7 @@ def worker_main(rank: int, world_size: int, host: str, port: int, config: dict, 
     if num_threads:
         torch.set_num_threads(num_threads)
     from runner_core.config import RunnerConfig
-    from runner_core.parallel_manager import ParallelManager
+    from runner_core.parallel.manager import ParallelManager
 
     pm, code = None, 0
     try:

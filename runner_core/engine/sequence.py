@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runner_core.sampling import SamplingParams
+from runner_core.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

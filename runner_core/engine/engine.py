@@ -14,18 +14,18 @@ from dataclasses import dataclass
 import torch
 
 from runner_core.config import RunnerConfig
-from runner_core.compile_optimizer import CompileOptimizer, cuda_graphs_status
-from runner_core.decode_programs import CUDAGraphDecodePrograms, PackedDecodePrograms, cuda_capture_plan, plan_sizes
+from runner_core.compile.compile_optimizer import CompileOptimizer, cuda_graphs_status
+from runner_core.compile.decode_programs import CUDAGraphDecodePrograms, PackedDecodePrograms, cuda_capture_plan, plan_sizes
 from runner_core.errors import CompileError, ConfigError, EngineBusyError, InvalidRequestError, WorkerError
-from runner_core.forward_pass import ForwardPass
-from runner_core.input_buffers import InputBuffers
+from runner_core.engine.forward_pass import ForwardPass
+from runner_core.engine.input_buffers import InputBuffers
 from runner_core.layers.attention import bind_kv_cache
 from runner_core.layers.sampler import Sampler, SamplingMetadata
 from runner_core.memory import FragmentationTracker, MemoryManager, plan_kv_pool
-from runner_core.output_processor import OutputProcessor
-from runner_core.sampling import SamplingParams
-from runner_core.scheduler import Scheduler
-from runner_core.sequence import RequestOutput, Sequence
+from runner_core.engine.output_processor import OutputProcessor
+from runner_core.sampling_params import SamplingParams
+from runner_core.engine.scheduler import Scheduler
+from runner_core.engine.sequence import RequestOutput, Sequence
 from runner_core.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("runner_core")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from runner_core.sequence import RequestOutput, Sequence
+from runner_core.engine.sequence import RequestOutput, Sequence
 
 
 class OutputProcessor:

@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runner_core.aoti_program import AOTICall, AOTIProgram
-from runner_core.compile_cache import (ARTIFACTS, META, cache_key, cache_key_factors, load_verified, locked,
+from runner_core.compile.aoti_program import AOTICall, AOTIProgram
+from runner_core.compile.compile_cache import (ARTIFACTS, META, cache_key, cache_key_factors, load_verified, locked,
                                        model_layout, prime_vec_isa, vec_isa_list, write_atomic)
 from runner_core.layers.linear import unpack_linear_weights
 

@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runner_core.compile_cache import load_verified, locked, vec_isa_list, write_atomic
+from runner_core.compile.compile_cache import load_verified, locked, vec_isa_list, write_atomic
 from runner_core.layers.linear import packed_weights_in_use
 
 logger = logging.getLogger("runner_core")

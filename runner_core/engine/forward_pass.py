@@ -12,11 +12,11 @@ from itertools import chain
 
 import torch
 
-from runner_core.forward_context import set_forward_context
-from runner_core.input_buffers import InputBuffers
+from runner_core.layers.attention import set_forward_context
+from runner_core.engine.input_buffers import InputBuffers
 from runner_core.kernels import cpu_kernels_available
 from runner_core.layers.attention import AttentionMetadata
-from runner_core.sequence import Sequence
+from runner_core.engine.sequence import Sequence
 
 
 @dataclass
