@@ -28,8 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from runner_core import ModelRunner, RunnerConfig, SamplingParams
-from runner_core.sequence import RequestOutput
+from runner_core import ModelRunner, RequestOutput, RunnerConfig, SamplingParams
 
 from workbench.handles import GenerationError, NoModelError, RequestHandle, SessionBusyError, SessionError
 from workbench.metrics import MetricsSeries, StepAccumulator
