@@ -52,7 +52,7 @@ def test_current_is_one_per_process():
     assert Session.current() is a
     a.close()
     b = Session.current()
-    assert b is not a and not b._closed
+    assert b is not a and not b.closed and a.closed
     b.close()
 
 

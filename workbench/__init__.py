@@ -5,7 +5,8 @@
 """
 
 from workbench.handles import GenerationError, NoModelError, RequestHandle, SessionBusyError, SessionError
-from workbench.session import ModelEntry, Session
+from workbench.loaded_models import ModelEntry
+from workbench.session import Session
 
 __all__ = ["GenerationError", "ModelEntry", "NoModelError", "RequestHandle", "Session", "SessionBusyError",
            "SessionError"]
