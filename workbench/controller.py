@@ -12,6 +12,26 @@ from pathlib import Path
 from workbench.handles import RequestHandle
 from workbench.session import Session
 
+# What the views (and `serve --model`) load with unless told otherwise: a small KV pool keeps
+# the block map readable and the load fast on a laptop CPU.
+DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 1024}
+
+
+def load_config(dtype: str, device: str, kv_cache_memory_mib: int | None, max_model_len: int | None) -> dict:
+    """RunnerConfig fields from the load controls (0 or None means automatic)."""
+    config = {"dtype": dtype, "device": device}
+    if kv_cache_memory_mib:
+        config["kv_cache_memory"] = int(kv_cache_memory_mib) << 20
+    if max_model_len:
+        config["max_model_len"] = int(max_model_len)
+    return config
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def model_choice(preset: str, path: str) -> str:
     """The model to load: a typed local path wins over the preset picker."""
@@ -20,6 +40,8 @@ def model_choice(preset: str, path: str) -> str:
 
 
 class ViewController:
+    """The base of a view over `session` (default: `Session.current()`)."""
+
     def __init__(self, session: Session | None = None):
         self.session = session or Session.current()
         self.handle: RequestHandle | None = None

@@ -1,7 +1,7 @@
 """`Session`: one long-lived object per kernel (`Session.current()`), the façade over its parts:
 the engine thread (engine_thread.py), the loaded models and their compile switch
 (loaded_models.py), request routing (routing.py), the metrics series (metrics.py) and the demo
-workload (workload.py).
+workload (workload.py). It does not know its views; a view takes a session.
 
 runner_core is not thread-safe, so every call into a runner happens on the engine thread:
 public methods either post a command to it (and wait for the answer when asked to) or read
@@ -255,20 +255,6 @@ class Session:
                 return False
             if not self.inflight():
                 return True
-
-    # ---- views ------------------------------------------------------------------------------------
-    def dashboard(self, inline_resources: bool = True, **kwargs):
-        """The Panel dashboard of this session, displayable inline in JupyterLab (its JavaScript
-        embedded, so it works offline; inline_resources=False loads it from a CDN)."""
-        from workbench.panel_app import Dashboard
-
-        return Dashboard(self, **kwargs).inline(inline_resources)
-
-    def widgets(self, **kwargs):
-        """Compact ipywidgets controls and live plotly charts for a notebook cell."""
-        from workbench.widgets import WorkbenchWidgets
-
-        return WorkbenchWidgets(self, **kwargs)
 
     # ---- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """ipywidgets controls with live plotly FigureWidgets (through anywidget) for a notebook cell:
 a thin view over a `Session`, like the Panel dashboard but compact.
 
-    w = session.widgets()      # display it: the last expression of a cell
+    w = SessionWidgets(session)      # display it: the last expression of a cell
     w.prompt.value = "Hello"; w.generate_button.click(); w.wait(); w.output.value
 
 Refreshing runs as a task on the kernel's event loop (between cell executions), or on a
@@ -18,10 +18,10 @@ import weakref
 import ipywidgets as W
 import plotly.graph_objects as go
 
+from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES
 from runner_core.models import preset_names
 from workbench import charts
-from workbench.controller import ViewController, model_choice
-from workbench.panel_app import COMPILE_BACKENDS, COMPILE_MODES, DEFAULT_LOAD, _default_device, load_config
+from workbench.controller import DEFAULT_LOAD, ViewController, default_device, load_config, model_choice
 from workbench.session import Session
 
 FIGURES = ("throughput", "memory", "blocks", "block_map")
@@ -29,7 +29,7 @@ CHART_HISTORY = 600
 FIGURE_WIDTH = 470  # two side by side in a notebook cell
 
 
-class WorkbenchWidgets(ViewController, W.VBox):
+class SessionWidgets(ViewController, W.VBox):
     """Load/unload, compile mode, prompt and sampling, workload, status and live charts."""
 
     def __init__(self, session: Session | None = None, *, auto_refresh: bool = True, interval: float = 0.5,
@@ -47,8 +47,8 @@ class WorkbenchWidgets(ViewController, W.VBox):
         self.unload_button = W.Button(description="Unload", icon="eject")
         self.active = W.Dropdown(options=[], description="Active")
         self.compile = W.Checkbox(value=False, description="torch.compile", indent=False)
-        self.compile_backend = W.Dropdown(options=COMPILE_BACKENDS, value="inductor", description="backend")
-        self.compile_mode = W.Dropdown(options=COMPILE_MODES, value="default", description="mode")
+        self.compile_backend = W.Dropdown(options=list(COMPILE_BACKENDS), value="inductor", description="backend")
+        self.compile_mode = W.Dropdown(options=list(COMPILE_MODES), value="default", description="mode")
         self.compile_button = W.Button(description="Apply compile mode")
         self.prompt = W.Textarea(value="Once upon a time", placeholder="Prompt", layout=W.Layout(width="98%"))
         self.max_tokens = W.IntText(value=48, description="max tokens")
@@ -96,7 +96,7 @@ class WorkbenchWidgets(ViewController, W.VBox):
 
     # ---- actions ----------------------------------------------------------------------------------
     def on_load(self) -> None:
-        config = load_config(DEFAULT_LOAD["dtype"], _default_device(), DEFAULT_LOAD["kv_cache_memory_mib"],
+        config = load_config(DEFAULT_LOAD["dtype"], default_device(), DEFAULT_LOAD["kv_cache_memory_mib"],
                              DEFAULT_LOAD["max_model_len"])
         self.load(model_choice(self.model.value, self.model_path.value), config)
 
@@ -146,7 +146,7 @@ class WorkbenchWidgets(ViewController, W.VBox):
             for name, widget in self.figures.items():
                 _update_figure(widget, new[name])
 
-    def wait(self, timeout: float = 120.0) -> "WorkbenchWidgets":
+    def wait(self, timeout: float = 120.0) -> "SessionWidgets":
         """Wait for pending loads/unloads/compiles and running requests, then refresh."""
         for _, fut in list(self.jobs):
             try:
