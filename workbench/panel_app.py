@@ -22,7 +22,6 @@ from workbench.session import Session
 logger = logging.getLogger("workbench")
 
 REFRESH_MS = 500
-CHART_HISTORY = 600  # rows (at 0.1 s each while work runs)
 CHART_NAMES = ("throughput", "memory", "blocks", "waste", "block_map", "compile")
 
 
@@ -34,7 +33,6 @@ class SessionDashboard(ViewController):
         self.refresh_ms = refresh_ms
         self._chart_version = -1
         self._chart_model = None
-        self._syncing = False
         self._build()
         self.refresh()
 
@@ -91,13 +89,8 @@ class SessionDashboard(ViewController):
                                             config={"displaylogo": False, "responsive": True})
                        for name, fig in charts.all_figures([]).items()}
 
-        self.load_button.on_click(lambda e: self.on_load())
-        self.unload_button.on_click(lambda e: self.on_unload())
-        self.compile_button.on_click(lambda e: self.on_compile())
-        self.generate_button.on_click(lambda e: self.on_generate())
-        self.cancel_button.on_click(lambda e: self.on_cancel())
-        self.workload_button.on_click(lambda e: self.on_workload())
-        self.active_select.param.watch(self._on_active, "value")
+        self.wire_buttons()
+        self.active_select.param.watch(lambda event: self.on_active(event.new), "value")
 
         sidebar = pn.Column(
             "### Model", self.model_select, self.model_path, pn.Row(self.dtype, self.device),
@@ -142,9 +135,6 @@ class SessionDashboard(ViewController):
             self.show_info(f"{model} is already loaded; it is the active model now" if already
                            else f"Loading {model}…")
 
-    def on_unload(self) -> None:
-        self.unload()
-
     def on_compile(self) -> None:
         if self.set_compile(self.compile_on.value, self.compile_backend.value, self.compile_mode.value,
                             self.compile_scope.value) is not None:
@@ -157,16 +147,6 @@ class SessionDashboard(ViewController):
                          ignore_eos=self.ignore_eos.value) is not None:
             self.answer.object = _pre("")
             self.answer_stats.object = "_generating…_"
-
-    def on_cancel(self) -> None:
-        self.cancel()
-
-    def on_workload(self) -> None:
-        self.start_workload(self.workload_n.value)
-
-    def _on_active(self, event) -> None:
-        if not self._syncing and event.new:
-            self.use(event.new)
 
     # ---- the periodic refresh ---------------------------------------------------------------------
     def refresh(self) -> None:
@@ -185,7 +165,8 @@ class SessionDashboard(ViewController):
         for label, exc, result in self.finished_jobs():
             if exc is None:
                 self.show_info(f"{label}: done" + _describe(result))
-        self._sync_models(s.models)
+        self.sync_active(self.active_select)
+        self._show_models(s.models)
         if self.handle is not None:
             self.answer.object = _pre(self.handle.text)
             self.answer_stats.object = self.answer_stats_text()
@@ -194,21 +175,10 @@ class SessionDashboard(ViewController):
         version = s.metrics.version
         if version != self._chart_version or s.active != self._chart_model:
             self._chart_version, self._chart_model = version, s.active
-            rows = s.metrics.rows(model=s.active, last=CHART_HISTORY) if s.active else []
-            figures = charts.all_figures(rows, s.metrics.events(), s.block_map())
-            for name, fig in figures.items():
+            for name, fig in self.chart_figures().items():
                 self.charts[name].object = fig
 
-    def _sync_models(self, models: dict) -> None:
-        names = list(models)
-        self._syncing = True
-        try:
-            if self.active_select.options != names:
-                self.active_select.options = names
-            if self.session.active != self.active_select.value:
-                self.active_select.value = self.session.active
-        finally:
-            self._syncing = False
+    def _show_models(self, models: dict) -> None:
         lines = [f"- **{e.name}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB, "
                  f"KV {e.kv_pool_bytes / 2**20:.1f} MiB, "
                  f"{'compiled ' + str(e.compile.get('backend')) if e.compile.get('enabled') else 'eager'}"

@@ -25,7 +25,6 @@ from workbench.controller import DEFAULT_LOAD, ViewController, default_device, l
 from workbench.session import Session
 
 FIGURES = ("throughput", "memory", "blocks", "block_map")
-CHART_HISTORY = 600
 FIGURE_WIDTH = 470  # two side by side in a notebook cell
 
 
@@ -37,7 +36,6 @@ class SessionWidgets(ViewController, W.VBox):
         ViewController.__init__(self, session)
         self.interval = interval
         self._chart_version = -1
-        self._syncing = False
         self._closed = False
         layout = W.Layout(width="auto")
         presets = preset_names()
@@ -64,13 +62,8 @@ class SessionWidgets(ViewController, W.VBox):
         empty = charts.all_figures([])
         self.figures = {name: go.FigureWidget(empty[name].update_layout(width=FIGURE_WIDTH)) for name in figures}
 
-        self.load_button.on_click(lambda _: self.on_load())
-        self.unload_button.on_click(lambda _: self.on_unload())
-        self.compile_button.on_click(lambda _: self.on_compile())
-        self.generate_button.on_click(lambda _: self.on_generate())
-        self.cancel_button.on_click(lambda _: self.on_cancel())
-        self.workload_button.on_click(lambda _: self.on_workload())
-        self.active.observe(self._on_active, names="value")
+        self.wire_buttons()
+        self.active.observe(lambda change: self.on_active(change["new"]), names="value")
 
         controls = W.VBox([
             W.HBox([self.model, self.model_path]),
@@ -100,9 +93,6 @@ class SessionWidgets(ViewController, W.VBox):
                              DEFAULT_LOAD["max_model_len"])
         self.load(model_choice(self.model.value, self.model_path.value), config)
 
-    def on_unload(self) -> None:
-        self.unload()
-
     def on_compile(self) -> None:
         self.set_compile(self.compile.value, self.compile_backend.value, self.compile_mode.value)
 
@@ -111,38 +101,19 @@ class SessionWidgets(ViewController, W.VBox):
                          temperature=self.temperature.value) is not None:
             self.output.value = ""
 
-    def on_cancel(self) -> None:
-        self.cancel()
-
-    def on_workload(self) -> None:
-        self.start_workload(self.workload_n.value)
-
-    def _on_active(self, change) -> None:
-        if not self._syncing and change["new"]:
-            self.use(change["new"])
-
     # ---- refresh --------------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Copy the session's state into the widgets and charts."""
         s = self.session
         self.status.value = f"<b>{html.escape(s.status)}</b>"
         self.finished_jobs()
-        self._syncing = True
-        try:
-            names = list(s.models)
-            if list(self.active.options) != names:
-                self.active.options = names
-            if s.active != self.active.value:
-                self.active.value = s.active
-        finally:
-            self._syncing = False
+        self.sync_active(self.active)
         if self.handle is not None:
             self.output.value = self.handle.text
             self.stats.value = self.answer_stats_text()
         if s.metrics.version != self._chart_version:
             self._chart_version = s.metrics.version
-            rows = s.metrics.rows(model=s.active, last=CHART_HISTORY) if s.active else []
-            new = charts.all_figures(rows, s.metrics.events(), s.block_map())
+            new = self.chart_figures()
             for name, widget in self.figures.items():
                 _update_figure(widget, new[name])
 
