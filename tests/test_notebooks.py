@@ -41,5 +41,5 @@ def test_notebook_runs(path, tiny_llama_path, monkeypatch):
         outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
         kinds = {k for o in outputs for k in o.get("data", {})}
         assert "application/vnd.plotly.v1+json" in kinds  # the charts
-        assert "application/vnd.jupyter.widget-view+json" in kinds  # session.widgets()
-        assert "application/vnd.holoviews_exec.v0+json" in kinds  # session.dashboard()
+        assert "application/vnd.jupyter.widget-view+json" in kinds  # SessionWidgets(session)
+        assert "application/vnd.holoviews_exec.v0+json" in kinds  # SessionDashboard(session).inline()

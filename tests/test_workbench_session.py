@@ -52,7 +52,7 @@ def test_current_is_one_per_process():
     assert Session.current() is a
     a.close()
     b = Session.current()
-    assert b is not a and not b._closed
+    assert b is not a and not b.closed and a.closed
     b.close()
 
 
@@ -228,3 +228,14 @@ def test_metrics_series_is_bounded_and_pollable(tiny_llama_path):
 def test_workload_size_is_checked(session):
     with pytest.raises(SessionError, match="workload size"):
         session.run_workload(0)
+
+
+def test_the_session_does_not_know_its_views():
+    import subprocess
+    import sys
+
+    code = ("import sys, workbench; s = workbench.Session(); s.close(); "
+            "print(sorted(m for m in ('panel', 'plotly', 'ipywidgets', 'bokeh') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert not hasattr(Session, "dashboard") and not hasattr(Session, "widgets")

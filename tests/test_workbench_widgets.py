@@ -1,18 +1,19 @@
-"""session.widgets(): drive the ipywidgets controls with .value and .click() and check the session."""
+"""SessionWidgets(session): drive the ipywidgets controls with .value and .click() and check the session."""
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
 import pytest
 
+import workbench
 from workbench import Session
-from workbench.widgets import WorkbenchWidgets
+from workbench.widgets import SessionWidgets
 
 
 @pytest.fixture(scope="module")
 def ui(tiny_llama_path):
     s = Session()
-    w = WorkbenchWidgets(s, auto_refresh=False)
+    w = SessionWidgets(s, auto_refresh=False)
     yield w
     w.close()
     s.close()
@@ -20,7 +21,7 @@ def ui(tiny_llama_path):
 
 def test_widgets_drive_the_session(ui):
     s = ui.session
-    assert isinstance(s.widgets(auto_refresh=False), WorkbenchWidgets)  # what the notebook calls
+    assert workbench.SessionWidgets is SessionWidgets  # what the notebook imports
     assert all(isinstance(f, go.FigureWidget) for f in ui.figures.values())
 
     ui.generate_button.click()  # nothing loaded yet: a message, not an exception

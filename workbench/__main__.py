@@ -27,12 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("bokeh").setLevel(logging.WARNING)
-    from workbench.panel_app import DEFAULT_LOAD, _default_device, load_config, serve
+    from workbench.controller import DEFAULT_LOAD, default_device, load_config
+    from workbench.panel_app import serve
     from workbench.session import Session
 
     session = Session.current()
     if args.model:
-        config = load_config(args.dtype or DEFAULT_LOAD["dtype"], args.device or _default_device(),
+        config = load_config(args.dtype or DEFAULT_LOAD["dtype"], args.device or default_device(),
                              DEFAULT_LOAD["kv_cache_memory_mib"], DEFAULT_LOAD["max_model_len"])
         try:
             entry = session.load_model(args.model, **config)

@@ -1,7 +1,8 @@
 """What the two views (the Panel dashboard and the ipywidgets panel) share: each user action is
 one Session call whose error becomes the view's message, background jobs (load, unload, compile
-switch) are tracked until they finish, and the streamed answer and workload are summarised for
-display. A view supplies `show_error` / `clear_messages` and its widgets; no engine logic here.
+switch) are tracked until they finish, the buttons are wired to the actions, and the streamed
+answer, the workload and the charts are prepared for display. A view supplies `show_error` /
+`clear_messages`, `on_load` / `on_compile` / `on_generate` and its widgets; no engine logic here.
 """
 
 from __future__ import annotations
@@ -9,8 +10,30 @@ from __future__ import annotations
 from concurrent.futures import Future
 from pathlib import Path
 
+from workbench import charts
 from workbench.handles import RequestHandle
 from workbench.session import Session
+
+# What the views (and `serve --model`) load with unless told otherwise: a small KV pool keeps
+# the block map readable and the load fast on a laptop CPU.
+DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 1024}
+CHART_HISTORY = 600  # rows (at 0.1 s each while work runs)
+
+
+def load_config(dtype: str, device: str, kv_cache_memory_mib: int | None, max_model_len: int | None) -> dict:
+    """RunnerConfig fields from the load controls (0 or None means automatic)."""
+    config = {"dtype": dtype, "device": device}
+    if kv_cache_memory_mib:
+        config["kv_cache_memory"] = int(kv_cache_memory_mib) << 20
+    if max_model_len:
+        config["max_model_len"] = int(max_model_len)
+    return config
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def model_choice(preset: str, path: str) -> str:
@@ -20,12 +43,18 @@ def model_choice(preset: str, path: str) -> str:
 
 
 class ViewController:
+    """The base of a view over `session` (default: `Session.current()`). The view's widgets
+    include the buttons `load_button`, `unload_button`, `compile_button`, `generate_button`,
+    `cancel_button`, `workload_button` (each with `.on_click(callback(event))`) and the
+    `workload_n` number input."""
+
     def __init__(self, session: Session | None = None):
         self.session = session or Session.current()
         self.handle: RequestHandle | None = None
         self.workload: list[RequestHandle] = []
         self.jobs: list[tuple[str, Future]] = []
         self._error_shown_for: RequestHandle | None = None
+        self._syncing = False  # set while the view copies the session's active model into its picker
 
     # ---- supplied by the view ---------------------------------------------------------------
     def show_error(self, message: str) -> None:
@@ -33,6 +62,49 @@ class ViewController:
 
     def clear_messages(self) -> None:
         raise NotImplementedError
+
+    def on_load(self) -> None:
+        raise NotImplementedError
+
+    def on_compile(self) -> None:
+        raise NotImplementedError
+
+    def on_generate(self) -> None:
+        raise NotImplementedError
+
+    # ---- wiring -----------------------------------------------------------------------------
+    def wire_buttons(self) -> None:
+        """Each button's click runs its action (Panel and ipywidgets buttons alike)."""
+        for button, action in ((self.load_button, self.on_load), (self.unload_button, self.on_unload),
+                               (self.compile_button, self.on_compile), (self.generate_button, self.on_generate),
+                               (self.cancel_button, self.on_cancel), (self.workload_button, self.on_workload)):
+            button.on_click(lambda _event, action=action: action())
+
+    def on_unload(self) -> None:
+        self.unload()
+
+    def on_cancel(self) -> None:
+        self.cancel()
+
+    def on_workload(self) -> None:
+        self.start_workload(self.workload_n.value)
+
+    def on_active(self, name: str | None) -> None:
+        """The user picked another active model (ignored while the view syncs the picker)."""
+        if not self._syncing and name:
+            self.use(name)
+
+    def sync_active(self, picker) -> None:
+        """Make `picker` (a select widget: `.options`, `.value`) show the loaded models and the active one."""
+        names = list(self.session.models)
+        self._syncing = True
+        try:
+            if list(picker.options) != names:
+                picker.options = names
+            if self.session.active != picker.value:
+                picker.value = self.session.active
+        finally:
+            self._syncing = False
 
     # ---- actions ----------------------------------------------------------------------------
     def guard(self, action: str, fn):
@@ -106,6 +178,12 @@ class ViewController:
                 self._error_shown_for = h
                 self.show_error(f"Generate: {h.exception}")
         return " · ".join(parts)
+
+    def chart_figures(self) -> dict:
+        """Every chart of the active model's recent rows, the events and its block map."""
+        s = self.session
+        rows = s.metrics.rows(model=s.active, last=CHART_HISTORY) if s.active else []
+        return charts.all_figures(rows, s.metrics.events(), s.block_map())
 
     def workload_summary(self) -> str:
         if not self.workload:

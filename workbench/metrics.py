@@ -1,9 +1,10 @@
 """The session's bounded metrics time series, filled by the engine thread and polled by views.
 
-Steps are folded into rows of at most `interval` seconds each (a fast model may run hundreds
-of steps a second), so a bounded deque holds minutes of history and polling stays cheap.
-Every row is a flat dict of numbers (see `StepAccumulator.flush`); events (loads, unloads,
-compile switches, errors) go to a second, smaller deque.
+Steps are folded into rows of at most `sample_interval` seconds each (a fast model may run
+hundreds of steps a second), so a bounded deque holds minutes of history and polling stays
+cheap. Every row is a flat dict of numbers (see `StepAccumulator.flush`); events (loads,
+unloads, compile switches, errors) go to a second, smaller deque. `Telemetry` is what the
+engine thread publishes: the series, each model's latest KV block map and the last error.
 """
 
 from __future__ import annotations
@@ -134,3 +135,56 @@ class StepAccumulator:
         row.update({k: memory[k] for k in MEMORY_FIELDS if k in memory})
         self.reset(now)
         return row
+
+
+class Telemetry:
+    """The metrics series, the latest KV block map of each model and the last error message:
+    written by the engine thread, read from any thread. The `entry` arguments are the session's
+    `ModelEntry`s (a runner, a `StepAccumulator` `acc`, and `read_memory()`)."""
+
+    def __init__(self, *, history: int = 3000, sample_interval: float = 0.1):
+        self.series = MetricsSeries(maxlen=history)
+        self.sample_interval = sample_interval
+        self.last_error: str | None = None
+        self._block_maps: dict[str, dict] = {}
+
+    def accumulator(self, model: str) -> StepAccumulator:
+        return StepAccumulator(model, self.series.t0)
+
+    def event(self, kind: str, **fields: Any) -> dict:
+        return self.series.add_event(kind, **fields)
+
+    def note_error(self, message: str) -> None:
+        self.last_error = message
+
+    def block_map(self, model: str) -> dict | None:
+        return self._block_maps.get(model)
+
+    def forget(self, model: str) -> None:
+        self._block_maps.pop(model, None)
+
+    def begin_step(self, entry: Any) -> None:
+        if entry.acc.steps == 0:  # a row covers busy time only, not the idle time before it
+            entry.acc.start = time.perf_counter()
+
+    def end_step(self, entry: Any) -> None:
+        """Fold the step just run in; write a row once the interval is full or the model is idle."""
+        runner = entry.runner
+        metrics = runner.step_metrics
+        if metrics:
+            entry.acc.add(metrics[-1])
+        now = time.perf_counter()
+        if now - entry.acc.start >= self.sample_interval or not runner.has_unfinished_requests():
+            self.record(entry, now)
+
+    def record(self, entry: Any, now: float | None = None) -> None:
+        """Flush the step accumulator into a metrics row, with fresh memory figures, and take a
+        snapshot of the model's block map."""
+        now = time.perf_counter() if now is None else now
+        memory = entry.read_memory(now)
+        self.series.append(entry.acc.flush(now, memory))
+        snap = entry.runner.kv_block_map()
+        snap["blocks_cached"] = memory.get("blocks_cached", 0)
+        snap["t"] = time.time() - self.series.t0
+        snap["model"] = entry.name
+        self._block_maps[entry.name] = snap

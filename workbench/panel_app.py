@@ -1,6 +1,7 @@
 """The Panel dashboard: a thin view over a `Session` (load/unload, compile mode, generation,
-a workload button, live charts). `python -m workbench serve` serves it; `session.dashboard()`
-shows it inline in JupyterLab. Every action calls a Session method; nothing here touches a runner.
+a workload button, live charts). `python -m workbench serve` serves it;
+`SessionDashboard(session).inline()` shows it in JupyterLab. Every action calls a Session
+method; nothing here touches a runner.
 """
 
 from __future__ import annotations
@@ -11,41 +12,20 @@ import socket
 
 import panel as pn
 
+from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, COMPILE_SCOPES
 from runner_core.models import preset_names
 from workbench import charts
-from workbench.controller import ViewController, model_choice
+from workbench.controller import DEFAULT_LOAD, ViewController, default_device, load_config, model_choice
+from workbench.loaded_models import ModelEntry
 from workbench.session import Session
 
 logger = logging.getLogger("workbench")
 
-# What the dashboard (and `serve --model`) loads with unless told otherwise: a small KV pool
-# keeps the block map readable and the load fast on a laptop CPU.
-DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 1024}
-COMPILE_BACKENDS = ["inductor", "aot_eager", "eager"]
-COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "auto"]
-COMPILE_SCOPES = ["model", "layer", "mlp", "self_attn"]  # whole model, each decoder layer, module kinds
 REFRESH_MS = 500
-CHART_HISTORY = 600  # rows (at 0.1 s each while work runs)
 CHART_NAMES = ("throughput", "memory", "blocks", "waste", "block_map", "compile")
 
 
-def load_config(dtype: str, device: str, kv_cache_memory_mib: int | None, max_model_len: int | None) -> dict:
-    """RunnerConfig fields from the dashboard's load controls (0 or None means automatic)."""
-    config = {"dtype": dtype, "device": device}
-    if kv_cache_memory_mib:
-        config["kv_cache_memory"] = int(kv_cache_memory_mib) << 20
-    if max_model_len:
-        config["max_model_len"] = int(max_model_len)
-    return config
-
-
-def _default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-class Dashboard(ViewController):
+class SessionDashboard(ViewController):
     """One dashboard per browser session (or notebook cell) over a shared Session."""
 
     def __init__(self, session: Session | None = None, refresh_ms: int = REFRESH_MS):
@@ -53,7 +33,6 @@ class Dashboard(ViewController):
         self.refresh_ms = refresh_ms
         self._chart_version = -1
         self._chart_model = None
-        self._syncing = False
         self._build()
         self.refresh()
 
@@ -66,8 +45,8 @@ class Dashboard(ViewController):
                                       css_classes=["wb-model-path"])
         self.dtype = w.Select(name="dtype", options=["float32", "bfloat16", "float16", "auto"],
                               value=DEFAULT_LOAD["dtype"], width=120)
-        device_options = ["cpu"] + (["cuda"] if _default_device() == "cuda" else [])
-        self.device = w.Select(name="device", options=device_options, value=_default_device(), width=120)
+        device_options = ["cpu"] + (["cuda"] if default_device() == "cuda" else [])
+        self.device = w.Select(name="device", options=device_options, value=default_device(), width=120)
         self.kv_mib = w.IntInput(name="KV cache MiB (0 = auto)", value=DEFAULT_LOAD["kv_cache_memory_mib"], start=0,
                                  width=120)
         self.max_len = w.IntInput(name="max_model_len (0 = model's)", value=DEFAULT_LOAD["max_model_len"], start=0,
@@ -76,9 +55,9 @@ class Dashboard(ViewController):
         self.unload_button = w.Button(name="Unload", button_type="default", css_classes=["wb-unload"])
         self.active_select = w.Select(name="Active model", options=[], css_classes=["wb-active"])
         self.compile_on = w.Checkbox(name="torch.compile", value=False, css_classes=["wb-compile"])
-        self.compile_backend = w.Select(name="backend", options=COMPILE_BACKENDS, value="inductor", width=120)
-        self.compile_mode = w.Select(name="mode", options=COMPILE_MODES, value="default", width=120)
-        self.compile_scope = w.Select(name="scope", options=COMPILE_SCOPES, value="model", width=120)
+        self.compile_backend = w.Select(name="backend", options=list(COMPILE_BACKENDS), value="inductor", width=120)
+        self.compile_mode = w.Select(name="mode", options=list(COMPILE_MODES), value="default", width=120)
+        self.compile_scope = w.Select(name="scope", options=list(COMPILE_SCOPES), value="model", width=120)
         self.compile_button = w.Button(name="Apply compile mode", css_classes=["wb-apply-compile"])
         self.spinner = pn.indicators.LoadingSpinner(value=False, size=22, name="")
         self.status = pn.pane.Markdown("", css_classes=["wb-status"], margin=(0, 10))
@@ -110,13 +89,8 @@ class Dashboard(ViewController):
                                             config={"displaylogo": False, "responsive": True})
                        for name, fig in charts.all_figures([]).items()}
 
-        self.load_button.on_click(lambda e: self.on_load())
-        self.unload_button.on_click(lambda e: self.on_unload())
-        self.compile_button.on_click(lambda e: self.on_compile())
-        self.generate_button.on_click(lambda e: self.on_generate())
-        self.cancel_button.on_click(lambda e: self.on_cancel())
-        self.workload_button.on_click(lambda e: self.on_workload())
-        self.active_select.param.watch(self._on_active, "value")
+        self.wire_buttons()
+        self.active_select.param.watch(lambda event: self.on_active(event.new), "value")
 
         sidebar = pn.Column(
             "### Model", self.model_select, self.model_path, pn.Row(self.dtype, self.device),
@@ -161,9 +135,6 @@ class Dashboard(ViewController):
             self.show_info(f"{model} is already loaded; it is the active model now" if already
                            else f"Loading {model}…")
 
-    def on_unload(self) -> None:
-        self.unload()
-
     def on_compile(self) -> None:
         if self.set_compile(self.compile_on.value, self.compile_backend.value, self.compile_mode.value,
                             self.compile_scope.value) is not None:
@@ -176,16 +147,6 @@ class Dashboard(ViewController):
                          ignore_eos=self.ignore_eos.value) is not None:
             self.answer.object = _pre("")
             self.answer_stats.object = "_generating…_"
-
-    def on_cancel(self) -> None:
-        self.cancel()
-
-    def on_workload(self) -> None:
-        self.start_workload(self.workload_n.value)
-
-    def _on_active(self, event) -> None:
-        if not self._syncing and event.new:
-            self.use(event.new)
 
     # ---- the periodic refresh ---------------------------------------------------------------------
     def refresh(self) -> None:
@@ -204,7 +165,8 @@ class Dashboard(ViewController):
         for label, exc, result in self.finished_jobs():
             if exc is None:
                 self.show_info(f"{label}: done" + _describe(result))
-        self._sync_models(s.models)
+        self.sync_active(self.active_select)
+        self._show_models(s.models)
         if self.handle is not None:
             self.answer.object = _pre(self.handle.text)
             self.answer_stats.object = self.answer_stats_text()
@@ -213,21 +175,10 @@ class Dashboard(ViewController):
         version = s.metrics.version
         if version != self._chart_version or s.active != self._chart_model:
             self._chart_version, self._chart_model = version, s.active
-            rows = s.metrics.rows(model=s.active, last=CHART_HISTORY) if s.active else []
-            figures = charts.all_figures(rows, s.metrics.events(), s.block_map())
-            for name, fig in figures.items():
+            for name, fig in self.chart_figures().items():
                 self.charts[name].object = fig
 
-    def _sync_models(self, models: dict) -> None:
-        names = list(models)
-        self._syncing = True
-        try:
-            if self.active_select.options != names:
-                self.active_select.options = names
-            if self.session.active != self.active_select.value:
-                self.active_select.value = self.session.active
-        finally:
-            self._syncing = False
+    def _show_models(self, models: dict) -> None:
         lines = [f"- **{e.name}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB, "
                  f"KV {e.kv_pool_bytes / 2**20:.1f} MiB, "
                  f"{'compiled ' + str(e.compile.get('backend')) if e.compile.get('enabled') else 'eager'}"
@@ -237,7 +188,7 @@ class Dashboard(ViewController):
             self.models_md.object = text
 
     # ---- display -----------------------------------------------------------------------------------
-    def start(self) -> "Dashboard":
+    def start(self) -> "SessionDashboard":
         """Attach the periodic refresh to the current document (a browser session or notebook)."""
         pn.state.add_periodic_callback(self.refresh, period=self.refresh_ms)
         return self
@@ -268,7 +219,7 @@ def _describe(result) -> str:
             return f" (eager{': ' + str(result['reason']) if result.get('reason') else ''})"
         return (f" ({result.get('backend')}/{result.get('mode')}, scope {result.get('scope')}, "
                 f"cache {result.get('cache')})")
-    if hasattr(result, "load_seconds") and result.load_seconds is not None:
+    if isinstance(result, ModelEntry) and result.load_seconds is not None:
         return f" ({result.name} in {result.load_seconds:.1f} s)"
     return ""
 
@@ -281,7 +232,7 @@ def free_port(address: str = "127.0.0.1") -> int:
 
 def serve(session: Session | None = None, *, port: int = 0, address: str = "127.0.0.1", show: bool = False,
           threaded: bool = False, **kwargs):
-    """Serve the dashboard (one Dashboard per browser tab, one shared Session). Binds loopback
+    """Serve the dashboard (one SessionDashboard per browser tab, one shared Session). Binds loopback
     unless `address` says otherwise. Returns the server (a stoppable thread with threaded=True)."""
     session = session or Session.current()
     port = port or free_port(address)
@@ -290,7 +241,7 @@ def serve(session: Session | None = None, *, port: int = 0, address: str = "127.
     pn.extension("plotly")
 
     def app():
-        return Dashboard(session).servable()
+        return SessionDashboard(session).servable()
 
     server = pn.serve(app, port=port, address=address, websocket_origin=origins, show=show, threaded=threaded,
                       title="runner-workbench", verbose=False, start=threaded, **kwargs)

@@ -1,7 +1,7 @@
 """ipywidgets controls with live plotly FigureWidgets (through anywidget) for a notebook cell:
 a thin view over a `Session`, like the Panel dashboard but compact.
 
-    w = session.widgets()      # display it: the last expression of a cell
+    w = SessionWidgets(session)      # display it: the last expression of a cell
     w.prompt.value = "Hello"; w.generate_button.click(); w.wait(); w.output.value
 
 Refreshing runs as a task on the kernel's event loop (between cell executions), or on a
@@ -18,18 +18,17 @@ import weakref
 import ipywidgets as W
 import plotly.graph_objects as go
 
+from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES
 from runner_core.models import preset_names
 from workbench import charts
-from workbench.controller import ViewController, model_choice
-from workbench.panel_app import COMPILE_BACKENDS, COMPILE_MODES, DEFAULT_LOAD, _default_device, load_config
+from workbench.controller import DEFAULT_LOAD, ViewController, default_device, load_config, model_choice
 from workbench.session import Session
 
 FIGURES = ("throughput", "memory", "blocks", "block_map")
-CHART_HISTORY = 600
 FIGURE_WIDTH = 470  # two side by side in a notebook cell
 
 
-class WorkbenchWidgets(ViewController, W.VBox):
+class SessionWidgets(ViewController, W.VBox):
     """Load/unload, compile mode, prompt and sampling, workload, status and live charts."""
 
     def __init__(self, session: Session | None = None, *, auto_refresh: bool = True, interval: float = 0.5,
@@ -37,7 +36,6 @@ class WorkbenchWidgets(ViewController, W.VBox):
         ViewController.__init__(self, session)
         self.interval = interval
         self._chart_version = -1
-        self._syncing = False
         self._closed = False
         layout = W.Layout(width="auto")
         presets = preset_names()
@@ -47,8 +45,8 @@ class WorkbenchWidgets(ViewController, W.VBox):
         self.unload_button = W.Button(description="Unload", icon="eject")
         self.active = W.Dropdown(options=[], description="Active")
         self.compile = W.Checkbox(value=False, description="torch.compile", indent=False)
-        self.compile_backend = W.Dropdown(options=COMPILE_BACKENDS, value="inductor", description="backend")
-        self.compile_mode = W.Dropdown(options=COMPILE_MODES, value="default", description="mode")
+        self.compile_backend = W.Dropdown(options=list(COMPILE_BACKENDS), value="inductor", description="backend")
+        self.compile_mode = W.Dropdown(options=list(COMPILE_MODES), value="default", description="mode")
         self.compile_button = W.Button(description="Apply compile mode")
         self.prompt = W.Textarea(value="Once upon a time", placeholder="Prompt", layout=W.Layout(width="98%"))
         self.max_tokens = W.IntText(value=48, description="max tokens")
@@ -64,13 +62,8 @@ class WorkbenchWidgets(ViewController, W.VBox):
         empty = charts.all_figures([])
         self.figures = {name: go.FigureWidget(empty[name].update_layout(width=FIGURE_WIDTH)) for name in figures}
 
-        self.load_button.on_click(lambda _: self.on_load())
-        self.unload_button.on_click(lambda _: self.on_unload())
-        self.compile_button.on_click(lambda _: self.on_compile())
-        self.generate_button.on_click(lambda _: self.on_generate())
-        self.cancel_button.on_click(lambda _: self.on_cancel())
-        self.workload_button.on_click(lambda _: self.on_workload())
-        self.active.observe(self._on_active, names="value")
+        self.wire_buttons()
+        self.active.observe(lambda change: self.on_active(change["new"]), names="value")
 
         controls = W.VBox([
             W.HBox([self.model, self.model_path]),
@@ -96,12 +89,9 @@ class WorkbenchWidgets(ViewController, W.VBox):
 
     # ---- actions ----------------------------------------------------------------------------------
     def on_load(self) -> None:
-        config = load_config(DEFAULT_LOAD["dtype"], _default_device(), DEFAULT_LOAD["kv_cache_memory_mib"],
+        config = load_config(DEFAULT_LOAD["dtype"], default_device(), DEFAULT_LOAD["kv_cache_memory_mib"],
                              DEFAULT_LOAD["max_model_len"])
         self.load(model_choice(self.model.value, self.model_path.value), config)
-
-    def on_unload(self) -> None:
-        self.unload()
 
     def on_compile(self) -> None:
         self.set_compile(self.compile.value, self.compile_backend.value, self.compile_mode.value)
@@ -111,42 +101,23 @@ class WorkbenchWidgets(ViewController, W.VBox):
                          temperature=self.temperature.value) is not None:
             self.output.value = ""
 
-    def on_cancel(self) -> None:
-        self.cancel()
-
-    def on_workload(self) -> None:
-        self.start_workload(self.workload_n.value)
-
-    def _on_active(self, change) -> None:
-        if not self._syncing and change["new"]:
-            self.use(change["new"])
-
     # ---- refresh --------------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Copy the session's state into the widgets and charts."""
         s = self.session
         self.status.value = f"<b>{html.escape(s.status)}</b>"
         self.finished_jobs()
-        self._syncing = True
-        try:
-            names = list(s.models)
-            if list(self.active.options) != names:
-                self.active.options = names
-            if s.active != self.active.value:
-                self.active.value = s.active
-        finally:
-            self._syncing = False
+        self.sync_active(self.active)
         if self.handle is not None:
             self.output.value = self.handle.text
             self.stats.value = self.answer_stats_text()
         if s.metrics.version != self._chart_version:
             self._chart_version = s.metrics.version
-            rows = s.metrics.rows(model=s.active, last=CHART_HISTORY) if s.active else []
-            new = charts.all_figures(rows, s.metrics.events(), s.block_map())
+            new = self.chart_figures()
             for name, widget in self.figures.items():
                 _update_figure(widget, new[name])
 
-    def wait(self, timeout: float = 120.0) -> "WorkbenchWidgets":
+    def wait(self, timeout: float = 120.0) -> "SessionWidgets":
         """Wait for pending loads/unloads/compiles and running requests, then refresh."""
         for _, fut in list(self.jobs):
             try:
