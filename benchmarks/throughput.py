@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from runner_core import ModelRunner, SamplingParams
+from runner_core.model_loader import resolve_model_path
 
 try:
     from workload import Request, fixed_workload, make_workload, useful_tokens
@@ -160,7 +161,7 @@ def main() -> None:
     rows = {}  # name -> (requests, seconds, useful tok/s)
     secs, ours = best_of(args.repeats, run_ours, runner, reqs)
     rows["ours"] = (n, secs, useful_tokens(reqs) / secs)
-    model_path = runner.loaded.model_path
+    model_path = resolve_model_path(args.model)
     del runner
 
     from transformers import AutoModelForCausalLM

@@ -1,18 +1,24 @@
-"""runner_core: a paged-KV, continuously batched LLM engine behind the ModelRunner API."""
+"""runner_core: a paged-KV, continuously batched LLM engine behind the ModelRunner API.
 
-from runner_core.config import RunnerConfig
+The folders are the boxes of the article it is built from: `model_runner` (ModelRunner, the
+façade), `model_loader` (ModelLoader), `engine/` (ForwardPass and the step loop), `compile/`
+(CompileOptimizer), `memory/` (MemoryManager), `parallel/` (ParallelManager), `models/`
+(ModelAdapterRegistry); `layers/` and `kernels/` are their building blocks. ARCHITECTURE.md maps them.
+"""
+
+from runner_core.config import RunnerConfig, project_version
+from runner_core.engine import RequestOutput
 from runner_core.errors import (CompileError, ConfigError, EngineBusyError, EngineNotReadyError, InvalidRequestError,
-                                 ModelLoadError, RunnerError, WorkerError)
+                                ModelLoadError, RunnerError, WorkerError)
 from runner_core.memory import MemoryEstimate, estimate_memory
 from runner_core.model_runner import ModelRunner, StreamDelta
 from runner_core.parallel.plan import ParallelSuggestion, suggest_parallel_config
 from runner_core.sampling_params import SamplingParams
-from runner_core.engine.sequence import RequestOutput
 
-__version__ = "0.1.0"
+__version__ = project_version()
 
 __all__ = [
-    "CompileError", "MemoryEstimate", "estimate_memory", "ConfigError", "EngineBusyError", "EngineNotReadyError", "InvalidRequestError", "ModelLoadError", "ModelRunner",
-    "ParallelSuggestion", "RequestOutput", "RunnerConfig", "RunnerError", "SamplingParams", "StreamDelta",
-    "WorkerError", "suggest_parallel_config",
+    "CompileError", "ConfigError", "EngineBusyError", "EngineNotReadyError", "InvalidRequestError", "MemoryEstimate",
+    "ModelLoadError", "ModelRunner", "ParallelSuggestion", "RequestOutput", "RunnerConfig", "RunnerError",
+    "SamplingParams", "StreamDelta", "WorkerError", "estimate_memory", "suggest_parallel_config",
 ]

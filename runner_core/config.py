@@ -8,10 +8,12 @@ Change a field through `replace()`, which validates again.
 from __future__ import annotations
 
 import difflib
+import importlib.metadata
 import logging
 import os
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -38,6 +40,36 @@ _DTYPES = {
     "float32": "float32", "float": "float32", "fp32": "float32",
 }
 _CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
+
+
+def project_version() -> str:
+    """The installed runner-workbench distribution's version ("0+unknown" for a bare source tree)."""
+    try:
+        return importlib.metadata.version("runner-workbench")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def cache_root() -> Path:
+    """Where presets and native kernels are built and cached: $RUNNER_WORKBENCH_CACHE, default
+    ~/.cache/runner-workbench."""
+    return Path(os.environ.get("RUNNER_WORKBENCH_CACHE") or "~/.cache/runner-workbench").expanduser()
+
+
+def dtype_bytes(dtype: Union[str, torch.dtype]) -> int:
+    """Bytes per element of a dtype given by name ('auto' is not a dtype: resolve it first) or torch.dtype."""
+    if not isinstance(dtype, torch.dtype):
+        dtype = TORCH_DTYPES[normalise_dtype(dtype)]
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def resolve_max_model_len(requested: Optional[int], max_position_embeddings: int) -> int:
+    """`max_model_len` for a model: as requested (at most the model's positions), else the model's."""
+    wanted = requested or max_position_embeddings
+    if wanted > max_position_embeddings:
+        raise ConfigError(f"max_model_len={wanted} exceeds the model's max_position_embeddings="
+                          f"{max_position_embeddings}; use max_model_len <= {max_position_embeddings}")
+    return wanted
 
 
 def _bad(name: str, value: Any, allowed: str) -> ConfigError:

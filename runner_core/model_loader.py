@@ -42,7 +42,8 @@ class LoadedModel:
     hf_config: PretrainedConfig
     model_path: Path
     load_seconds: float
-    weight_bytes: int
+    weight_bytes: int  # the model's unique parameters (tied weights once), counted here once
+    buffer_bytes: int  # its buffers (rotary tables)
     bytes_read: int = 0  # checkpoint bytes read from the safetensors files
 
 
@@ -66,8 +67,9 @@ class ModelLoader:
                 "with tokenizer.json or tokenizer_config.json, or leave tokenizer unset to use the model's"
             )
         tokenizer = load_tokenizer(tokenizer_path, hf_config, cfg.trust_remote_code)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        return LoadedModel(model, tokenizer, hf_config, path, time.perf_counter() - start, weight_bytes, bytes_read)
+        return LoadedModel(model=model, tokenizer=tokenizer, hf_config=hf_config, model_path=path,
+                           load_seconds=time.perf_counter() - start, weight_bytes=_nbytes(model.parameters()),
+                           buffer_bytes=_nbytes(model.buffers()), bytes_read=bytes_read)
 
     def _build(self, hf_config) -> nn.Module:
         cls = MODEL_REGISTRY.resolve(hf_config)
@@ -86,8 +88,7 @@ class ModelLoader:
 
     def _load_weights(self, model: nn.Module, path: Path) -> int:
         cfg = self.config
-        world = cfg.tensor_parallel_size * getattr(cfg, "pipeline_parallel_size", 1)
-        weights = SafetensorsWeights(path, lazy=world > 1)
+        weights = SafetensorsWeights(path, lazy=cfg.world_size > 1)
         try:
             with torch.no_grad():
                 loaded = model.load_weights(iter(weights))
@@ -107,6 +108,10 @@ class ModelLoader:
                 f"{', '.join(missing[:5])}{more}"
             )
         return weights.bytes_read
+
+
+def _nbytes(tensors: Iterator[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)  # parameters()/buffers() yield shared ones once
 
 
 class SafetensorsWeights:

@@ -9,18 +9,20 @@ from dataclasses import dataclass
 
 import torch
 
+from runner_core.compile import cpu_programs_expected
 from runner_core.config import RunnerConfig
-from runner_core.engine.engine import LLMEngine
+from runner_core.engine import LLMEngine, LocalExecutor, RequestOutput, Worker
 from runner_core.errors import EngineNotReadyError, InvalidRequestError
-from runner_core.memory import check_config_fits
-from runner_core.model_loader import ModelLoader
+from runner_core.memory import MemoryEstimate, check_config_fits
+from runner_core.model_loader import ModelLoader, read_hf_config, resolve_model_path
+from runner_core.parallel.plan import validate_parallel_config
+from runner_core.parallel.worker_proc import launch
 from runner_core.sampling_params import SamplingParams
-from runner_core.engine.sequence import RequestOutput
 
 logger = logging.getLogger("runner_core")
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamDelta:
     """A piece of a streamed generation: new text and token ids; the last one has `finished` set."""
 
@@ -39,65 +41,40 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig | dict | None = None, **overrides):
         self.config = RunnerConfig.coerce(config, **overrides)
         self.engine: LLMEngine | None = None
-        self.loaded = None
-        self.parallel = None  # the ParallelManager when tensor_parallel_size x pipeline_parallel_size > 1
+        self.memory_estimate: MemoryEstimate | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
     def load_model(self) -> "ModelRunner":
-        if self.config.world_size > 1:
-            return self._load_parallel()
-        self.memory_estimate = check_config_fits(self.config)  # refuse before reading any weight
-        self.loaded = ModelLoader(self.config).load()
-        self.engine = LLMEngine(self.config, self.loaded)
-        return self
-
-    def _load_parallel(self) -> "ModelRunner":
-        """Start the ranks (spawned here, or this process's rank under torchrun) and build every
-        rank's shard in step. Under torchrun, ranks > 0 serve rank 0 inside this call and exit
-        the process when rank 0 shuts down."""
-        from runner_core.model_loader import read_hf_config, resolve_model_path
-        from runner_core.parallel.manager import ParallelManager
-        from runner_core.parallel.plan import validate_parallel_config
-        from runner_core.parallel.worker_proc import report_error, serve
-
+        """Load the model and build the engine. A configuration that cannot fit is refused before any
+        weight is read (and a parallel layout the model does not allow, before any process starts).
+        With tensor_parallel_size x pipeline_parallel_size > 1 the ranks are spawned here (or joined
+        under torchrun, where ranks > 0 serve rank 0 inside this call and exit with it)."""
         self.shutdown()
         config = self.config
-        if config.pipeline_parallel_size > 1 and config.compile and config.compile_scope == "model":
-            logger.warning("pipeline parallelism compiles each decoder layer (compile_scope='layer'): the stage "
-                           "boundaries send and receive outside compiled graphs")
-            config = config.replace(compile_scope="layer")
-        stages = validate_parallel_config(config, read_hf_config(resolve_model_path(config.model),
-                                                                 config.trust_remote_code))
-        self.memory_estimate = check_config_fits(config)  # per device; before any process starts
-        pm = ParallelManager.launch(config, stages)
-        try:
-            self.loaded, self.engine = pm.build_engine()
-        except BaseException:
-            if not pm.is_driver:
-                report_error(pm, pm.rank)
-            raise
-        self.parallel = pm
-        if not pm.is_driver:  # torchrun rank > 0
-            try:
-                serve(pm, self.engine)
-            except BaseException:
-                report_error(pm, pm.rank)
-                raise
-            pm.shutdown()
-            raise SystemExit(0)
+        stages = None
+        if config.world_size > 1:
+            hf_config = read_hf_config(resolve_model_path(config.model), config.trust_remote_code)
+            stages = validate_parallel_config(config, hf_config)
+        self.memory_estimate = check_config_fits(config, packed_decode_weights=cpu_programs_expected(config))
+        if stages is not None:
+            executor, loaded = launch(config, stages)
+            worker = executor.worker
+        else:
+            loaded = ModelLoader(config).load()
+            worker = Worker(config, loaded)
+            executor = LocalExecutor(worker)
+        self.engine = LLMEngine(config, loaded, worker, executor)
         return self
 
     def parallel_info(self) -> dict | None:
         """Ranks (pid, host, device, layers, weight and KV bytes), stage split and rank 0's
         communication figures of a parallel runner; None in one process."""
-        return None if self.parallel is None else self.parallel.info()
+        return None if self.engine is None else self.engine.executor.info()
 
     def shutdown(self) -> None:
-        if self.parallel is not None:
-            self.parallel.shutdown()
-            self.parallel = None
+        if self.engine is not None:
+            self.engine.shutdown()
         self.engine = None
-        self.loaded = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -119,7 +96,7 @@ class ModelRunner:
 
     @property
     def model(self) -> torch.nn.Module:
-        return self._engine().model
+        return self._engine().worker.model
 
     # ---- stateless forward ----------------------------------------------------------------
     def forward(self, input_ids, attention_mask: torch.Tensor | None = None) -> dict:
@@ -142,12 +119,7 @@ class ModelRunner:
         if max(map(len, rows)) > engine.max_model_len:
             raise InvalidRequestError(f"input has {max(map(len, rows))} tokens, more than max_model_len="
                                       f"{engine.max_model_len}")
-        if self.parallel is not None:
-            hidden, logits = self.parallel.forward_stateless(engine, rows)
-        else:
-            hidden = engine.forward_pass.run_stateless(rows)
-            with torch.inference_mode():
-                logits = engine.model.compute_logits(hidden)
+        hidden, logits = engine.forward_stateless(rows)
         with torch.inference_mode():
             full_h = hidden.new_zeros(*ids.shape, hidden.shape[-1])
             full_l = logits.new_zeros(*ids.shape, logits.shape[-1])
@@ -264,27 +236,12 @@ class ModelRunner:
             if not finished:
                 engine.abort_request(rid)
 
-    # ---- figures ----------------------------------------------------------------------------
+    # ---- figures and operations ------------------------------------------------------------
     def memory_stats(self) -> dict:
-        engine = self._engine()
-        weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in engine.model.parameters()}.values())
-        kv = engine.memory.kv_cache
-        stats = {
-            "device": str(engine.device),
-            "weights_bytes": weights,
-            "kv_pool_bytes": kv.numel() * kv.element_size(),
-            "kv_bytes_per_token": engine.bytes_per_token,
-            "activation_peak_bytes": engine.pool_plan.activation_peak_bytes,
-            # CPU: the decode programs' prepacked weights; CUDA: their graphs' memory pool
-            "decode_programs_bytes": getattr(engine.forward_pass.decode_programs, "memory_bytes", 0),
-            "max_model_len": engine.max_model_len,
-            **engine.memory_figures(),
-        }
-        if engine.device.type == "cuda":
-            cuda = torch.cuda.memory_stats(engine.device)
-            stats["cuda_reserved_bytes"] = cuda.get("reserved_bytes.all.current", 0)
-            stats["cuda_allocated_bytes"] = cuda.get("allocated_bytes.all.current", 0)
-        return stats
+        """Weights, KV pool, activation peak and decode-program bytes; blocks total/used/free/cached,
+        KV utilization, internal fragmentation, prefix-cache hit rate; what a static reservation and
+        a first-fit allocator would waste for the same requests; on CUDA torch's reserved/allocated."""
+        return self._engine().memory_stats()
 
     def compile_model(self) -> dict:
         """Compile with the configured backend, mode and scope (Appendix A's `compile`)."""
@@ -293,30 +250,18 @@ class ModelRunner:
     def set_compile_mode(self, compile: bool = True, *, backend: str | None = None, mode: str | None = None,
                          scope: str | None = None) -> dict:
         """Switch compilation on a loaded runner (no weight reload); returns compile_stats()."""
-        engine = self._engine()
-        if self.parallel is not None:  # every rank compiles and warms up in step
-            return self.parallel.set_compile_mode(engine, compile, backend=backend, mode=mode, scope=scope)
-        return engine.set_compile_mode(compile, backend=backend, mode=mode, scope=scope)
+        return self._engine().set_compile_mode(compile, backend=backend, mode=mode, scope=scope)
 
     def compile_stats(self) -> dict:
         return self._engine().compile_stats()
 
     def defragment(self, shrink_to_blocks: int | None = None) -> dict:
         """Move live KV blocks to the lowest ids and optionally shrink the pool (see MemoryManager)."""
-        if self.parallel is not None:  # every rank moves its KV shard the same way
-            return self.parallel.defragment(self._engine(), shrink_to_blocks)
         return self._engine().defragment(shrink_to_blocks)
 
     def kv_block_map(self) -> dict:
         """Which request owns which KV block, and which free blocks still hold a cached prefix."""
-        engine = self._engine()
-        pool = engine.memory.pool
-        return {
-            "num_blocks": pool.num_blocks,
-            "block_size": engine.memory.block_size,
-            "owners": {rid: list(seq.block_table) for rid, seq in engine.requests.items() if seq.block_table},
-            "cached_block_ids": [i for i in pool.free_queue if pool.blocks[i].block_hash is not None],
-        }
+        return self._engine().kv_block_map()
 
     def reset_prefix_cache(self) -> int:
         return self._engine().memory.reset_prefix_cache()

@@ -55,7 +55,7 @@ def test_engine_tokens_equal_with_and_without_kernel(tiny_llama_path):
     runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 22}).load_model()
     prompts = [[5] * 3, list(range(3, 70)), [9, 8, 7]]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    assert runner.engine.forward_pass.decode_kernel
+    assert runner.engine.worker.forward_pass.decode_kernel
     with_kernel = [o.token_ids for o in runner.generate(prompts, params)]
-    runner.engine.forward_pass.decode_kernel = False
+    runner.engine.worker.forward_pass.decode_kernel = False
     assert [o.token_ids for o in runner.generate(prompts, params)] == with_kernel

@@ -146,10 +146,10 @@ def test_compile_error_falls_back_to_eager_or_raises(eager, monkeypatch, caplog)
     assert not stats["enabled"] and "fell back to eager" in stats["reason"]
     assert "running eager instead" in caplog.text
     assert eager.generate("still fine", GREEDY)[0].finish_reason == "length"
-    eager.engine.config = eager.engine.config.replace(compile_fallback=False)
+    eager.engine.worker.config = eager.engine.worker.config.replace(compile_fallback=False)
     with pytest.raises(CompileError, match="simulated inductor failure"):
         eager.set_compile_mode(True, backend="eager")
-    eager.engine.config = eager.engine.config.replace(compile_fallback=True)
+    eager.engine.worker.config = eager.engine.worker.config.replace(compile_fallback=True)
 
 
 def test_auto_mode_picks_from_the_device(monkeypatch):
@@ -188,7 +188,7 @@ def test_warm_start_loads_the_package_without_tracing(compiled, tiny_llama_path)
 
 def test_package_input_checks(compiled):
     """Without dynamo guards the package checks what it was built for; anything else runs eager."""
-    prog = compiled.engine.compiler._program
+    prog = compiled.engine.worker.compiler._program
     h = compiled.engine.hf_config.hidden_size
     pos, hid = torch.arange(5), torch.randn(5, h)
     assert prog.matches((pos, hid, torch.zeros(5, h))) and prog.matches((pos[:1], hid[:1], hid[:1]))
@@ -218,8 +218,8 @@ def test_package_failure_falls_back_to_jit_and_is_remembered(eager, tmp_path, mo
     monkeypatch.setattr(co.CompileSettings, "options", property(lambda s: {"backend": "eager", "dynamic": True,
                                                                            "fullgraph": True}))
     eng = eager.engine
-    saved = eng.config
-    eng.config = saved.replace(compile_cache_dir=str(tmp_path))
+    saved = eng.worker.config
+    eng.worker.config = saved.replace(compile_cache_dir=str(tmp_path))
     reference = [o.token_ids for o in eager.generate(_prompts()[:2], GREEDY)]
     try:
         stats = eager.set_compile_mode(True, backend="inductor", mode="default", scope="layer")
@@ -232,7 +232,7 @@ def test_package_failure_falls_back_to_jit_and_is_remembered(eager, tmp_path, mo
         assert again["warm_start"] == "jit" and "failed for this key before" in again["warm_start_reason"]
     finally:
         eager.set_compile_mode(False)
-        eng.config = saved
+        eng.worker.config = saved
 
 
 def test_cuda_graphs_are_skipped_on_cpu(compiled, eager):

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from runner_core import ConfigError, ModelRunner, SamplingParams
-from runner_core.compile.decode_programs import DecodePrograms, plan_sizes
-from runner_core.compile import decode_programs as dp
+from runner_core.compile import DecodePrograms, plan_sizes
+from runner_core.engine import StepBatch
+from runner_core.compile import decode_plan as dp
 from tests.test_compile import COMPILED, GREEDY, _prompts
 
 LOGPROBS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -43,7 +44,7 @@ def _assert_same(a, b):
 def test_padded_decode_batches_equal_eager(compiled, eager):
     """Three sequences decode at size 4 (one pad row repeating the first), one at size 1:
     tokens equal eager's and log-probabilities close; five sequences use the general program."""
-    programs = compiled.engine.forward_pass.decode_programs
+    programs = compiled.engine.worker.forward_pass.decode_programs
     assert programs.sizes == [1, 4] and compiled.compile_stats()["decode_programs"]["cache"]
     before = dict(programs.runs), programs.padded_rows
     for prompts in (_prompts()[:3], _prompts()[3:4], _prompts()):
@@ -65,7 +66,7 @@ def test_decode_program_reads_a_rebound_pool(compiled, eager):
 
 def test_prepacked_weights_are_reported_and_dropped(compiled):
     stats = compiled.memory_stats()
-    packed = [n for n, _ in compiled.engine.model.named_buffers() if n.endswith("packed_weight")]
+    packed = [n for n, _ in compiled.model.named_buffers() if n.endswith("packed_weight")]
     assert stats["decode_programs_bytes"] == compiled.compile_stats()["decode_programs"]["memory_bytes"] > 0
     estimate = compiled.memory_estimate  # predicted before loading, from config.json alone
     assert estimate.decode_programs_bytes == stats["decode_programs_bytes"]
@@ -75,7 +76,7 @@ def test_prepacked_weights_are_reported_and_dropped(compiled):
     compiled.set_compile_mode(False)
     try:
         assert compiled.memory_stats()["decode_programs_bytes"] == 0
-        assert not any(n.endswith("packed_weight") for n, _ in compiled.engine.model.named_buffers())
+        assert not any(n.endswith("packed_weight") for n, _ in compiled.model.named_buffers())
     finally:
         stats = compiled.set_compile_mode(True)
     assert stats["cache"] == "hit" and set(stats["decode_programs"]["cache"].values()) == {"hit"}
@@ -94,8 +95,8 @@ def test_static_length_decode_metadata_matches(eager):
     """The CUDA-graph data path on the CPU: decodes padded to size 4 with the gather-based
     attention over a fixed key length (every block-table column, masked past each context)."""
     reference = _run(eager, _prompts()[:3])
-    fp = eager.engine.forward_pass
-    programs = _EagerAtSizes(eager.engine.model, [4])
+    fp = eager.engine.worker.forward_pass
+    programs = _EagerAtSizes(eager.model, [4])
     programs.static_decode_len = fp.buffers.max_blocks * fp.block_size
     fp.decode_programs, kernel = programs, fp.decode_kernel
     fp.decode_kernel = False
@@ -103,7 +104,7 @@ def test_static_length_decode_metadata_matches(eager):
     try:
         seqs = [engine.add_request(p, GREEDY) for p in _prompts()[:3]]
         engine.step()  # their prefills, on the general path
-        inp = fp.prepare([(s, 1) for s in seqs])
+        inp = fp.prepare(StepBatch.build([(s, 1) for s in seqs])[0])
         assert inp.num_pad_tokens == 1 and tuple(inp.meta.decode_kv_idx.shape) == (4, programs.static_decode_len)
         for s in seqs:
             engine.abort_request(s.request_id)
@@ -114,12 +115,12 @@ def test_static_length_decode_metadata_matches(eager):
 
 
 def test_plan_says_why_there_are_none(eager, monkeypatch):
-    model = eager.engine.model
+    model = eager.model
     assert plan_sizes(None, model, torch.float32, 8, "aoti") == ([1], "device default")
     assert plan_sizes([2, 16], model, torch.float32, 8, "aoti") == ([2], "configured")
     assert plan_sizes(None, model, torch.float32, 8, "jit")[1].startswith("the 'jit' route")
     assert "float32" in plan_sizes(None, model, torch.bfloat16, 8, "aoti")[1]
-    monkeypatch.setattr(dp, "_available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(dp, "available_memory_bytes", lambda device: 1 << 20)
     sizes, why = plan_sizes(None, model, torch.float32, 8, "aoti")
     assert sizes == [] and "over half the available memory" in why
     assert dp.default_sizes("cuda", 40) == [1, 2, 4, 8, 16, 32]
@@ -161,8 +162,8 @@ def test_default_keeps_the_decode_program_only_when_it_pays(eager, monkeypatch):
     from tests.test_compile import CACHE_DIR
 
     eng = eager.engine
-    saved = eng.config
-    eng.config = saved.replace(compile_cache_dir=str(CACHE_DIR))  # test_compile's packages: cache hits
+    saved = eng.worker.config
+    eng.worker.config = saved.replace(compile_cache_dir=str(CACHE_DIR))  # test_compile's packages: cache hits
     switch = lambda: eager.set_compile_mode(True, backend="inductor", mode="default", scope="layer")  # noqa: E731
     try:
         measured = switch()["decode_programs"]["reason"]  # whichever way this machine measures it
@@ -170,8 +171,8 @@ def test_default_keeps_the_decode_program_only_when_it_pays(eager, monkeypatch):
         monkeypatch.setattr(dp.PackedDecodePrograms, "pays_off", lambda self, run, rounds=5: (False, "slower"))
         stats = switch()
         assert stats["decode_programs"] == {"sizes": [], "reason": "device default [1] dropped: slower"}
-        assert eng.forward_pass.decode_programs is None and eager.memory_stats()["decode_programs_bytes"] == 0
-        assert not any(n.endswith("packed_weight") for n, _ in eng.model.named_buffers())
+        assert eng.worker.forward_pass.decode_programs is None and eager.memory_stats()["decode_programs_bytes"] == 0
+        assert not any(n.endswith("packed_weight") for n, _ in eng.worker.model.named_buffers())
         monkeypatch.setattr(dp.PackedDecodePrograms, "pays_off", lambda self, run, rounds=5: (True, "faster"))
         stats = switch()
         assert stats["decode_programs"]["sizes"] == [1] and stats["decode_programs"]["reason"].endswith("; faster")
@@ -179,4 +180,4 @@ def test_default_keeps_the_decode_program_only_when_it_pays(eager, monkeypatch):
         assert [o.token_ids for o in eager.generate(_prompts()[3:4], GREEDY)][0]
     finally:
         eager.set_compile_mode(False)
-        eng.config = saved
+        eng.worker.config = saved

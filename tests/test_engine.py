@@ -166,7 +166,7 @@ def test_output_metrics(tiny_llama_path):
 
 def test_step_inputs_live_in_reused_buffers(tiny_llama_path):
     runner = _runner(tiny_llama_path)
-    fp = runner.engine.forward_pass
+    fp = runner.engine.worker.forward_pass
     seen = []
     original = fp.execute
 

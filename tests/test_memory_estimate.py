@@ -11,7 +11,8 @@ import torch
 from runner_core import ConfigError, ModelRunner, RunnerConfig
 from runner_core.memory.estimate import estimate_memory
 from runner_core.memory.fit import check_config_fits, check_fits, required_bytes
-from runner_core.memory.profile import dummy_batch, profile_activation_peak
+from runner_core.memory import ModelShape, kv_bytes_per_token
+from runner_core.memory.profile import dummy_batch
 from runner_core.memory.sizing import CPU_KV_CAP_BYTES, CPU_KV_FRACTION, plan_kv_pool, plan_pool
 from runner_core.model_loader import read_hf_config
 
@@ -40,11 +41,10 @@ def test_prediction_matches_measurement(loaded):
     name, runner = loaded
     est = estimate_memory(name, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=8,
                           max_num_batched_tokens=TOKENS, kv_cache_memory=KV_MEMORY)
-    model = runner.engine.model
-    assert _close(est.weights_bytes, _unique_param_bytes(model))
+    assert _close(est.weights_bytes, _unique_param_bytes(runner.model))
     kv = runner.engine.memory.kv_cache
     assert _close(est.kv_pool_bytes, kv.numel() * kv.element_size())
-    measured = profile_activation_peak(model, TOKENS, 8, "cpu")
+    measured = runner.engine.worker.measure_activation_peak(TOKENS, 8)
     assert _close(est.activation_peak_bytes, measured), (est.activation_peak_bytes, measured)
     assert est.total_per_device_bytes == (est.weights_bytes + est.kv_pool_bytes + est.activation_peak_bytes
                                           + est.buffers_bytes)
@@ -57,7 +57,9 @@ def test_pool_without_kv_cache_memory_is_max_num_seqs_sequences(tiny_llama_path)
     kv = runner.engine.memory.kv_cache
     assert est.kv_pool_tokens == 304  # 3 x 100 rounded up to 16-token blocks
     assert est.kv_pool_bytes == kv.numel() * kv.element_size()
-    plan = plan_kv_pool(runner.config, runner.engine.model, runner.engine.hf_config, 100)
+    shape, model = ModelShape.from_hf_config(runner.engine.hf_config), runner.model
+    bytes_per_token = kv_bytes_per_token(shape.num_layers, model.num_kv_heads, model.head_dim, torch.float32)
+    plan = plan_kv_pool(runner.config, shape, 100, bytes_per_token=bytes_per_token, weights_bytes=0)
     assert plan.num_tokens == 304 and plan.num_bytes == est.kv_pool_bytes
     runner.shutdown()
 
@@ -65,7 +67,7 @@ def test_pool_without_kv_cache_memory_is_max_num_seqs_sequences(tiny_llama_path)
 def test_profile_grows_linearly_with_tokens(tiny_llama_path):
     runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": KV_MEMORY,
                           "max_model_len": MAX_LEN}).load_model()
-    small, large = (profile_activation_peak(runner.engine.model, n, 4, "cpu") for n in (128, 512))
+    small, large = (runner.engine.worker.measure_activation_peak(n, 4) for n in (128, 512))
     assert 0.9 * 4 < large / small < 1.1 * 4
     assert 1 << 20 < large < 16 << 20  # a few MB for 512 tokens of tiny-llama
 
@@ -120,6 +122,23 @@ def test_pipeline_parallel_per_device(tiny_llama_path):
     tp_pp = estimate_memory(tiny_llama_path, dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2,
                             max_model_len=256)
     assert tp_pp.num_devices == 4 and tp_pp.weights_bytes < est.weights_bytes
+
+
+def test_pipeline_stage_layers_are_honoured(tiny_llama_path):
+    """A configured uneven split puts 3 layers (and the embedding) on stage 0: the per-device maximum is
+    that stage's weights and its 3 layers' KV, not the even split's 2."""
+    even = estimate_memory(tiny_llama_path, dtype="float32", pipeline_parallel_size=2, max_model_len=256)
+    split = estimate_memory(tiny_llama_path, dtype="float32", pipeline_parallel_size=2, pipeline_stage_layers=[3, 1],
+                            max_model_len=256)
+    one = estimate_memory(tiny_llama_path, dtype="float32", max_model_len=256)
+    cfg = read_hf_config(tiny_llama_path)
+    embed = cfg.vocab_size * cfg.hidden_size * 4
+    layer = (one.weights_bytes - 2 * embed - cfg.hidden_size * 4) // cfg.num_hidden_layers
+    assert split.weights_bytes == embed + 3 * layer  # stage 1: one layer + norm + LM head is smaller
+    assert split.kv_bytes_per_token == one.kv_bytes_per_token * 3 // 4 > even.kv_bytes_per_token
+    assert split.total_per_device_bytes > even.total_per_device_bytes
+    with pytest.raises(ConfigError, match=r"pipeline_stage_layers=\[2, 1\] adds up to 3 layers but the model has 4"):
+        estimate_memory(tiny_llama_path, pipeline_parallel_size=2, pipeline_stage_layers=[2, 1])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

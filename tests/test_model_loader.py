@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
 from helpers import make_tiny_hf_model
+from runner_core.config import RunnerConfig
 from runner_core.errors import InvalidRequestError, ModelLoadError
 from runner_core.model_loader import ModelLoader, resolve_model_path
 from runner_core.models import MODEL_REGISTRY, ModelAdapterRegistry, presets
@@ -56,10 +57,8 @@ def edit_config(path: Path, **changes) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def runner_config(model, **overrides) -> SimpleNamespace:
-    fields = dict(model=str(model), tokenizer=None, trust_remote_code=False, torch_dtype=torch.float32,
-                  torch_device=torch.device("cpu"), tensor_parallel_size=1)
-    return SimpleNamespace(**{**fields, **overrides})
+def runner_config(model, **overrides) -> RunnerConfig:
+    return RunnerConfig({"model": str(model), "dtype": "float32", "device": "cpu", **overrides})
 
 
 def assert_same_weights(model: torch.nn.Module, path: Path) -> None:
@@ -83,7 +82,7 @@ def test_single_file(tmp_path, stand_in):
 
 
 def test_target_dtype_and_default_dtype_restored(tmp_path, stand_in):
-    loaded = ModelLoader(runner_config(stand_in_model(tmp_path), torch_dtype=torch.bfloat16)).load()
+    loaded = ModelLoader(runner_config(stand_in_model(tmp_path), dtype="bfloat16")).load()
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     assert torch.get_default_dtype() == torch.float32
 

@@ -90,7 +90,7 @@ def reference(models):
         ids, mask = _padded(PROMPTS[:3])
         fwd = runner.forward(ids, attention_mask=mask)
         out[name] = ([o.token_ids for o in runner.generate(PROMPTS, GREEDY)], fwd["logits"], fwd["hidden_states"],
-                     runner.loaded.weight_bytes)
+                     runner.memory_stats()["weights_bytes"])
         runner.shutdown()
     return out
 

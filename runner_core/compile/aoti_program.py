@@ -4,52 +4,8 @@ what the package assumes (there are no dynamo guards at run time).
 
 One program serves every target module of a scope (all one class: their tensors are inputs), for
 any token count >= 1; with `size`, a static decode program of exactly that many tokens exported
-with the layers' prepacked weights (layers/linear.py, decode_programs.py).
-
-Why aoti. Measured on small-llama (fp32, 2 shared CPU cores: noisy), seconds from "compile
-requested" to "warm-up done" in a fresh process; cold = empty compile_cache_dir and empty
-TORCHINDUCTOR_CACHE_DIR, warm = the same folders again. benchmarks/compile.py, final code:
-
-    scope   route                          cold s   warm s   warm/cold
-    model   aoti (kept)                     24.3     0.53      2.2%
-    model   jit: torch.compile + mega-cache 27.0     5.85     21.7%
-    layer   aoti (kept)                     16.7     0.51      3.1%
-    layer   jit: torch.compile + mega-cache 15.2     3.00     19.8%
-
-(an earlier run: 26.0/0.58, 29.3/7.14, 17.4/0.55, 16.0/2.96). Same run, aoti route, eager ->
-compiled tok/s: decode batch 1 75.9 -> 85.3 (model) / 74.7 -> 85.0 (layer), batch 32 1027 -> 1134
-/ 1031 -> 1117, mixed workload 512 -> 572 / 545 -> 564; greedy tokens equal 64/64; 0 recompiles.
-
-Tried on the way (experiment scripts, same machine, busier, so cold/warm are higher):
-  * `torch.compile(fn, fullgraph=True, dynamic=True).aot_compile(((module, *args), {}))` per
-    graph (N=1 and dynamic), saved with `save_compiled_function`, loaded with
-    `torch.compiler.load_compiled_function`: correct tokens, zero recompiles; warm 4.1 s (layer)
-    / 2.6 s (model) vs the mega-cache's 5.4 / 10.1 in the same session. But its artifacts still
-    need inductor's kernel cache (with an empty TORCHINDUCTOR_CACHE_DIR the warm start was 14.0 s:
-    every kernel is rebuilt), it must be loaded under the inference mode it was traced in
-    (dispatch-key guards), needs `specialize_float=True` (else TensorifyScalarRestartAnalysis),
-    pays ~1.4 s importing dynamo plus ~1 s of inductor's vector-ISA probe, and checks guards in
-    Python on every call.
-  * `TORCH_CACHING_PRECOMPILE=1` (dynamo's own cache inside the mega-cache): the warm load failed
-    ("Name '__builtins_dict___2' already exists in scope").
-  * AOTInductor with two packages (N=1 specialised + dynamic N>=2): warm 3.3 s / 2.7 s through
-    `aoti_load_package` (which imports inductor and runs the ISA probe), 7.7 s with an empty
-    inductor cache, but cold 49 s / 48 s. An N=1-specialised package was no faster at N=1 than the
-    dynamic one (9.06 vs 9.12 ms per forward), so one dynamic package (cold 17.7 s, layer) loaded
-    by the C++ loader directly: ~5 ms to load; the rest of the warm figure is the warm-up runs and
-    the import of dynamo that torch.library's custom-op wrapper does on the op's first call.
-  * Steady state (min of 30 forwards, layer scope, ms at N=1 / 32 / 256): eager 10.3/19.3/104,
-    jit 10.2/19.8/-, aot_compile 9.7/18.8/81.7, AOTInductor 9.1/17.4/81.7 (quiet machine later:
-    eager 11.1/20.1/48.8@128, aoti 9.7/18.6/46.8@128). The mm's are extern BLAS calls on both
-    sides, so compiled decode is ~1.1x eager here (1.08-1.14x), short of the 1.3x target.
-  * Inductor's `freezing` (weights as constants), re-measured (ms per forward, N = 1 / 8 / 32;
-    eager 10.3 / 13.3 / 20.1): jit route, static N, 7.2 / 15.1 / 22.0; AOTInductor, static N,
-    8.6 / 9.9 / 16.9; AOTInductor, dynamic N, 10.2 / - / 17.9. The N=1 gain of the jit route is
-    MKL's packed GEMM, which inductor uses only for a static batch size and never in AOT mode (the
-    packed buffer cannot move); a static N=1 package whose layers call it on weights packed at
-    load (passed as inputs) ran at 7.0 ms and warm-starts as a package load: that is
-    decode_programs.py. A jit-route frozen program warm-started in 7.6 s (dynamo traces, and its
-    FX graph is not in the mega-cache), and it makes the KV pool a constant unless passed as input.
+with the layers' prepacked weights (layers/linear.py, decode_programs.py). Why this route, with the
+measurements and what else was tried: the README's "Compilation" section.
 """
 
 from __future__ import annotations

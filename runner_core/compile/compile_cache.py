@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runner_core.config import project_version
+
 logger = logging.getLogger("runner_core")
 
 # the modules whose source is traced into compiled programs: any edit invalidates the cache
@@ -71,8 +73,6 @@ def _config_digest(hf_config) -> str:
 
 def cache_key_factors(hf_config, dtype: torch.dtype, device: torch.device, settings,
                       model: nn.Module | None = None) -> dict:
-    from runner_core import __version__
-
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     factors = {
         "model_config": _config_digest(hf_config),
@@ -84,7 +84,7 @@ def cache_key_factors(hf_config, dtype: torch.dtype, device: torch.device, setti
         "mode": settings.mode,
         "scope": settings.scope,
         "torch": torch.__version__,
-        "runner_core": __version__,
+        "runner_core": project_version(),
         "sources": source_digest()[:16],
     }
     if model is not None:

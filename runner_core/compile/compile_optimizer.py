@@ -28,8 +28,8 @@ Two routes, chosen per optimizer (`compile_stats()["warm_start"]` says which and
   process before compiling (inductor's vector-ISA probe is skipped when the CPU claims the ISAs
   recorded at compile time); dynamo still traces at every start.
 
-Why aoti, and what else was tried: aoti_program.py. The cache key and the folder's files:
-compile_cache.py. Static decode programs built after the warm-up: decode_programs.py.
+Why aoti, and what else was tried: the README's "Compilation" section. The cache key and the
+folder's files: compile_cache.py. Static decode programs built after the warm-up: decode_plan.py.
 """
 
 from __future__ import annotations
@@ -49,16 +49,16 @@ from torch import nn
 
 from runner_core.compile.aoti_program import AOTICall, AOTIProgram
 from runner_core.compile.compile_cache import (ARTIFACTS, META, cache_key, cache_key_factors, load_verified, locked,
-                                       model_layout, prime_vec_isa, vec_isa_list, write_atomic)
+                                               model_layout, prime_vec_isa, vec_isa_list, write_atomic)
+from runner_core.config import COMPILE_SCOPES, CUDA_GRAPH_MODES
 from runner_core.layers.linear import unpack_linear_weights
 
 logger = logging.getLogger("runner_core")
 
-SCOPES = ("model", "layer", "mlp", "self_attn")
 AOTI_FAILED = "aoti.failed"  # AOTInductor failed for this key: later starts go straight to jit
 WARM_START_ENV = "RUNNER_CORE_WARM_START"  # "jit" forces the torch.compile route
 ROUTES = ("aoti", "jit")
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor captures its own CUDA graphs in these
+WARMUP_SIZES = (1, 16)  # token counts run at a switch: 1 is specialised by dynamo; any other runs the dynamic graph
 
 
 def has_cxx_compiler() -> bool:
@@ -77,8 +77,8 @@ class CompileSettings:
     def resolve(cls, enabled: bool, backend: str, mode: str, scope: str, device: torch.device) -> "CompileSettings":
         """Apply `mode="auto"`: CUDA -> inductor with CUDA graphs; CPU with a C++ compiler ->
         inductor; no compiler -> eager (nothing compiled)."""
-        if scope not in SCOPES:
-            raise ValueError(f"compile scope {scope!r} is not one of {', '.join(SCOPES)}")
+        if scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile scope {scope!r} is not one of {', '.join(COMPILE_SCOPES)}")
         if mode != "auto":
             return cls(enabled, backend, mode, scope, "as configured")
         if device.type == "cuda":
@@ -112,14 +112,14 @@ def _dynamo_counters() -> tuple[int, int]:
     return sum(counters["stats"].get(k, 0) for k in ("unique_graphs",)), sum(counters["graph_break"].values())
 
 
-def cuda_graphs_status(device_type: str, mode: str, enabled: bool, programs=None) -> str:
+def cuda_graphs_status(device_type: str, mode: str | None, enabled: bool, programs=None) -> str:
     if device_type != "cuda":
         return f"skipped: {device_type.upper()} device (CUDA graphs capture CUDA kernel launches; no CUDA device here)"
     if not enabled:
         return "off: compilation is off"
     if mode in CUDA_GRAPH_MODES:
         return f"by torch.compile mode={mode!r} (inductor CUDA graph trees); no runner-level capture sizes"
-    if programs is not None and getattr(programs, "graphs", None):
+    if programs is not None and programs.graphs:  # CUDA: CUDAGraphDecodePrograms
         return (f"captured decode sizes {sorted(programs.graphs)} "
                 f"({programs.memory_bytes / 2**20:.1f} MiB of graph memory)")
     return "off: no capture sizes (compile_sizes=[])"
@@ -139,23 +139,29 @@ class CompileOptimizer:
     world_size: int = 1
     load_seconds: float = 0.0
     artifacts_cache: str = "off"  # the jit route's inductor artifacts: hit, miss or rebuilt
-    decode_programs: object | None = None  # DecodePrograms, attached by finish_warm_up
-    decode_reason: str = ""
+    decode_reason: str = ""  # why the decode programs are what they are (they live on the ForwardPass)
     _compiled: list[nn.Module] = field(default_factory=list)
     _graphs_after_warmup: int | None = None
     _program: AOTIProgram | None = None
     _model: nn.Module | None = None
 
     @classmethod
-    def create(cls, config, hf_config, device: torch.device, dtype: torch.dtype, *, enabled: bool | None = None,
-               backend: str | None = None, mode: str | None = None, scope: str | None = None) -> "CompileOptimizer":
+    def create(cls, config, hf_config, *, enabled: bool | None = None, backend: str | None = None,
+               mode: str | None = None, scope: str | None = None) -> "CompileOptimizer":
+        """The optimizer for `config` (a RunnerConfig) with these overrides. Under pipeline
+        parallelism the "model" scope compiles each decoder layer instead: the stage boundaries
+        send and receive outside compiled graphs."""
+        device = config.torch_device
+        scope = scope or config.compile_scope
+        staged = config.pipeline_parallel_size > 1 and scope == "model"
         settings = CompileSettings.resolve(config.compile if enabled is None else enabled,
                                            backend or config.compile_backend, mode or config.compile_mode,
-                                           scope or config.compile_scope, device)
-        factors = cache_key_factors(hf_config, dtype, device, settings)
-        world = getattr(config, "tensor_parallel_size", 1) * getattr(config, "pipeline_parallel_size", 1)
+                                           "layer" if staged else scope, device)
+        if staged:
+            settings.reason += "; pipeline parallelism compiles each decoder layer (scope 'layer')"
+        factors = cache_key_factors(hf_config, config.torch_dtype, device, settings)
         return cls(settings, Path(config.compile_cache_dir).expanduser(), factors, cache_key(factors),
-                   world_size=world)
+                   world_size=config.world_size)
 
     @property
     def folder(self) -> Path:
@@ -202,7 +208,7 @@ class CompileOptimizer:
         return [getattr(layer, self.settings.scope) for layer in model.model.layers]
 
     def _choose_route(self, targets: list[nn.Module]) -> tuple[str, str]:
-        s, device = self.settings, self.factors.get("device", "cpu")
+        s, device = self.settings, self.factors["device"]
         forced = os.environ.get(WARM_START_ENV, "").strip().lower()
         if forced and forced not in ROUTES:
             logger.warning("%s=%r is not one of %s; ignoring it", WARM_START_ENV, forced, ", ".join(ROUTES))
@@ -252,7 +258,7 @@ class CompileOptimizer:
         """Undo an earlier `apply` (back to eager), dropping the decode programs' packed weights."""
         unpack_linear_weights(model)
         for module in model.modules():
-            if getattr(module, "_compiled_call_impl", None) is not None:
+            if module._compiled_call_impl is not None:
                 module._compiled_call_impl = None
         self._compiled = []
 
@@ -279,10 +285,10 @@ class CompileOptimizer:
             self._apply_jit(self._targets(self._model))
             self._run_sizes(run, sizes)
 
-    def finish_warm_up(self, decode_programs, reason: str) -> None:
+    def finish_warm_up(self, decode_reason: str) -> None:
         """After the warm-up and the decode programs' builds: note the graph count and (jit route)
         save the inductor artifacts unless they were loaded from the cache."""
-        self.decode_programs, self.decode_reason = decode_programs, reason
+        self.decode_reason = decode_reason
         self._graphs_after_warmup = _dynamo_counters()[0]
         if self.settings.enabled and self.route == "jit" and self.artifacts_cache != "hit":
             self.save_cache()
@@ -296,7 +302,9 @@ class CompileOptimizer:
             run(n)
             self.compile_seconds[n] = time.perf_counter() - t
 
-    def stats(self) -> dict:
+    def stats(self, decode_programs=None) -> dict:
+        """compile_stats(): settings, route, cache, timings, recompiles, and `decode_programs` (the
+        forward pass's) with the reason for them."""
         graphs, breaks = _dynamo_counters()
         # dynamo's counters are per process: graphs any compiled code made since the warm-up (the
         # jit route, the decode programs); the AOTInductor package counts the inputs it refused
@@ -318,8 +326,8 @@ class CompileOptimizer:
             "compile_seconds": dict(self.compile_seconds),
             "recompiles_after_warmup": recompiles,
             "graph_breaks": breaks,
-            "cuda_graphs": cuda_graphs_status(self.factors.get("device", "cpu"), self.settings.mode,
-                                              self.settings.enabled, self.decode_programs),
-            "decode_programs": {**(self.decode_programs.stats() if self.decode_programs else {"sizes": []}),
+            "cuda_graphs": cuda_graphs_status(self.factors["device"], self.settings.mode, self.settings.enabled,
+                                              decode_programs),
+            "decode_programs": {**(decode_programs.stats() if decode_programs else {"sizes": []}),
                                 "reason": self.decode_reason},
         }

@@ -1,31 +1,64 @@
-"""ForwardPass: turns a scheduled batch into flat tensors once per step and runs the model.
+"""ForwardPass: turns a step's batch into flat tensors once per step and runs the model.
 
-Layout: decode sequences (one new token) first, then prefill chunks. Everything the
-attention layers need (slot mapping, gather indices, masks) is derived here with
-tensor operations from per-sequence (start, length, block table); no per-token loops.
+Layout: decode sequences (one new token) first, then prefill chunks. A `StepBatch` says, per
+sequence, where its new tokens start, how many there are, those tokens and its block table;
+everything the attention layers need (slot mapping, gather indices, masks) is derived from it
+with tensor operations; no per-token loops. Every rank of a parallel runner prepares the same
+batch over its own KV shard.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
-from runner_core.layers.attention import set_forward_context
 from runner_core.engine.input_buffers import InputBuffers
 from runner_core.kernels import cpu_kernels_available
-from runner_core.layers.attention import AttentionMetadata
-from runner_core.engine.sequence import Sequence
+from runner_core.layers.attention import AttentionMetadata, set_forward_context
+
+if TYPE_CHECKING:
+    from runner_core.engine.sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
+class StepBatch:
+    """One step's scheduled work as plain lists, decodes (one new token) first: what `prepare` reads
+    (and, in a parallel runner, what rank 0 broadcasts to every rank)."""
+
+    starts: list[int]  # first new position of each sequence (the tokens before it are in the KV pool)
+    num_new_tokens: list[int]
+    token_ids: list[int]  # the new tokens of every sequence, concatenated
+    block_tables: list[list[int]]
+    num_decodes: int
+    sample_rows: list[int]  # sequences whose prompt is complete after this step: they sample a token
+
+    @classmethod
+    def build(cls, scheduled: Seq[tuple[Sequence, int]]) -> tuple["StepBatch", list[Sequence]]:
+        """The batch of (sequence, new tokens) pairs, and the sequences in the batch's order."""
+        ordered = [x for x in scheduled if x[1] == 1] + [x for x in scheduled if x[1] > 1]
+        starts = [s.num_computed_tokens for s, _ in ordered]
+        counts = [n for _, n in ordered]
+        ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
+        sample = [i for i, (s, n) in enumerate(ordered) if s.num_computed_tokens + n == s.num_tokens]
+        batch = cls(starts=starts, num_new_tokens=counts, token_ids=ids, block_tables=[s.block_table for s, _ in ordered],
+                    num_decodes=sum(1 for n in counts if n == 1), sample_rows=sample)
+        return batch, [s for s, _ in ordered]
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return len(self.token_ids) - self.num_decodes
+
+
+@dataclass(slots=True)
 class ModelInput:
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S] flat index of the last token of each sampling sequence
-    sampling_seqs: list[Sequence]  # in the order of logits_indices
     num_prefill_tokens: int
     num_decode_tokens: int
     num_pad_tokens: int = 0  # rows added to reach a decode program's size (repeats of the first row)
@@ -104,12 +137,13 @@ def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block
 
 
 class ForwardPass:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor | None, block_size: int, device: torch.device,
-                 buffers: InputBuffers | None = None):
-        self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
-        self.buffers = buffers
-        self.sliding_window = getattr(model, "sliding_window", None)
-        self.decode_kernel = kv_cache is not None and device.type == "cpu" and cpu_kernels_available()
+    """Prepares and runs steps of `model` over the KV pool its attention layers are bound to, and
+    stateless forwards without the pool. Holds the decode programs (set by a compile switch)."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, buffers: InputBuffers):
+        self.model, self.block_size, self.device, self.buffers = model, block_size, device, buffers
+        self.sliding_window = model.sliding_window
+        self.decode_kernel = device.type == "cpu" and cpu_kernels_available()
         self.decode_programs = None  # DecodePrograms for pure-decode steps (set when compiling)
 
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
@@ -117,39 +151,32 @@ class ForwardPass:
             return meta
         for name, value in vars(meta).items():
             if isinstance(value, torch.Tensor):
-                if name == "slot_mapping" and self.buffers is not None:
+                if name == "slot_mapping":
                     setattr(meta, name, self.buffers.to_device(name, value))
                 else:
                     setattr(meta, name, value.to(self.device, non_blocking=True))
         return meta
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> ModelInput:
-        ordered = [x for x in scheduled if x[1] == 1] + [x for x in scheduled if x[1] > 1]
-        num_decodes = len(scheduled) - sum(1 for _, n in scheduled if n > 1)
-        pad, decode_len = 0, None
-        if self.decode_programs is not None and num_decodes == len(scheduled):
-            size = self.decode_programs.padded_size(num_decodes)
-            if size is not None:
-                pad, decode_len = size - num_decodes, self.decode_programs.static_decode_len
-                ordered += [ordered[0]] * pad
-        starts = [s.num_computed_tokens for s, _ in ordered]
-        q_lens = [n for _, n in ordered]
-        ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
-        tables = [s.block_table for s, _ in ordered]
-        filled = self.buffers.fill(ids, starts, q_lens, tables, self.block_size, full_rows=decode_len is not None)
-        positions, meta = build_metadata(starts, q_lens, num_decodes + pad, self.block_size,
-                                         self.sliding_window, self.decode_kernel, filled, decode_len)
-        ends = torch.cumsum(torch.tensor(q_lens), 0) - 1
-        sampling = [i for i, (s, n) in enumerate(ordered[:len(scheduled)])
-                    if s.num_computed_tokens + n == s.num_tokens]
+    def prepare(self, batch: StepBatch) -> ModelInput:
+        starts, counts, ids, tables = batch.starts, batch.num_new_tokens, batch.token_ids, batch.block_tables
+        d, pad, decode_len = batch.num_decodes, 0, None
+        if self.decode_programs is not None and d == len(starts):
+            size = self.decode_programs.padded_size(d)
+            if size is not None:  # pad rows repeat the first row
+                pad, decode_len = size - d, self.decode_programs.static_decode_len
+                starts, counts = starts + [starts[0]] * pad, counts + [1] * pad
+                ids, tables = ids + [ids[0]] * pad, tables + [tables[0]] * pad
+        filled = self.buffers.fill(ids, starts, counts, tables, self.block_size, full_rows=decode_len is not None)
+        positions, meta = build_metadata(starts, counts, d + pad, self.block_size, self.sliding_window,
+                                         self.decode_kernel, filled, decode_len)
+        ends = torch.cumsum(torch.tensor(counts), 0) - 1
         return ModelInput(
             input_ids=self.buffers.to_device("input_ids", filled["input_ids"]),
             positions=self.buffers.to_device("positions", positions),
             meta=self._to_device(meta),
-            logits_indices=ends[sampling].to(self.device),
-            sampling_seqs=[ordered[i][0] for i in sampling],
-            num_prefill_tokens=sum(q_lens[num_decodes + pad:]),
-            num_decode_tokens=num_decodes,
+            logits_indices=ends[batch.sample_rows].to(self.device),
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decode_tokens=d,
             num_pad_tokens=pad,
         )
 

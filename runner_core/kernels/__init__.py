@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from runner_core.config import cache_root
+
 logger = logging.getLogger("runner_core")
 _SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
 _lock = threading.Lock()
@@ -24,8 +26,6 @@ _state: dict[str, object] = {}
 
 
 def _build_dir() -> Path:
-    from runner_core.models.presets import cache_root
-
     # -march=native: the build is only valid for this CPU, so its flags are part of the key
     cpu = platform.machine() + "".join(line for line in _cpuinfo().splitlines() if line.startswith("flags"))[:4096]
     tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + cpu.encode()).hexdigest()[:12]

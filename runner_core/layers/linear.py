@@ -13,6 +13,8 @@ program *input* made in this process, never a constant stored in a package.
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -55,6 +57,23 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -
 @packed_linear.register_fake
 def _(x, packed, weight):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_size(shape: tuple[int, int]) -> int:
+    return torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(shape), 1).nbytes
+
+
+def packed_bytes(shapes: Counter) -> int:
+    """MKL's packed size of float32 weights of these [out, in] shapes (with counts), measured by
+    packing one zero matrix of each shape (once per process): small matrices get a large minimum
+    buffer."""
+    return sum(count * _packed_size(tuple(shape)) for shape, count in shapes.items())
+
+
+def packed_weight_bytes(model: nn.Module) -> int:
+    """What `pack_linear_weights` will take for `model`."""
+    return packed_bytes(Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, LinearBase)))
 
 
 def pack_linear_weights(model: nn.Module, batch_size: int) -> int:

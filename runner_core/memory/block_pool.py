@@ -29,6 +29,7 @@ class BlockPool:
         # free blocks, eviction order first: uncached blocks and the least recently used cached ones
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        self.num_cached_free = 0  # free blocks still holding a cached prefix (kept as blocks move)
 
     @property
     def num_blocks(self) -> int:
@@ -38,15 +39,13 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free_queue)
 
-    @property
-    def num_cached_free(self) -> int:
-        return sum(1 for i in self.free_queue if self.blocks[i].block_hash is not None)
-
     def allocate(self) -> KVBlock:
         """Hand out the first free block, evicting its cached prefix if it holds one."""
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
-        self._uncache(block)
+        if block.block_hash is not None:
+            self.num_cached_free -= 1
+            self._uncache(block)
         block.ref_count = 1
         return block
 
@@ -61,6 +60,7 @@ class BlockPool:
         """Share a cached block with one more sequence."""
         if block.ref_count == 0:
             del self.free_queue[block.block_id]
+            self.num_cached_free -= 1  # a lookup only finds cached blocks
         block.ref_count += 1
 
     def release(self, block: KVBlock) -> None:
@@ -69,6 +69,8 @@ class BlockPool:
             self.free_queue[block.block_id] = None
             if block.block_hash is None:  # nothing worth keeping: reuse it first
                 self.free_queue.move_to_end(block.block_id, last=False)
+            else:
+                self.num_cached_free += 1
 
     def cache(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
         if block.block_hash is not None:
@@ -83,6 +85,19 @@ class BlockPool:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
             block.block_hash = block.token_ids = None
+
+    def evict_cached_free(self) -> int:
+        """Forget the prefixes of every free cached block (they are reused first from now on);
+        returns how many there were."""
+        dropped = 0
+        for block_id in list(self.free_queue):
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._uncache(block)
+                self.free_queue.move_to_end(block_id, last=False)
+                dropped += 1
+        self.num_cached_free = 0
+        return dropped
 
     def swap_ids(self, pairs: dict[int, int]) -> None:
         """Exchange block ids pairwise (a defragmentation move: live block `src` becomes `dst`,

@@ -8,19 +8,18 @@ devices; the per-device weight rules live in `shapes`, the fit checks in `fit`.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from runner_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, dtype_bytes, normalise_dtype, resolve_max_model_len
 from runner_core.errors import ConfigError
-from runner_core.memory.shapes import ModelShape, _MiB, _stage_layers, _weights_per_stage, read_safetensors_shapes
-from runner_core.memory.sizing import kv_bytes_per_token
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Token budget per step when max_num_batched_tokens is unset (RunnerConfig.effective_max_num_batched_tokens)
-_DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512}
+from runner_core.layers.linear import packed_bytes
+from runner_core.memory.shapes import (ModelShape, _MiB, kv_bytes_per_token, read_safetensors_shapes, stage_layer_ranges,
+                                       weights_per_stage)
 
 
 # ---- activations --------------------------------------------------------------------------
@@ -45,7 +44,7 @@ def estimate_activation_peak(shape: ModelShape, *, num_tokens: int, num_seqs: in
     CUDA here) every decode row gathers its whole context too, with a float32 bias and an
     int64 index of rows x context for the whole step.
     """
-    b = _dtype_bytes(dtype)
+    b = dtype_bytes(dtype)
     tp = tensor_parallel_size
     t = num_tokens
     rows = min(num_seqs, num_tokens)
@@ -133,18 +132,10 @@ class MemoryEstimate:
 
 
 def _dtype_name(dtype: str | torch.dtype, device: str) -> str:
-    from runner_core.config import normalise_dtype
-
     name = normalise_dtype(dtype)
     if name == "auto":
         return "float16" if device.startswith("cuda") else "float32"
     return name
-
-
-def _dtype_bytes(dtype: str | torch.dtype) -> int:
-    if isinstance(dtype, torch.dtype):
-        return torch.empty((), dtype=dtype).element_size()
-    return _DTYPE_BYTES[_dtype_name(dtype, "cpu")]
 
 
 @dataclass(frozen=True)
@@ -157,7 +148,8 @@ class _Inputs:
 
 
 def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", tensor_parallel_size: int = 1,
-                    pipeline_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 256,
+                    pipeline_parallel_size: int = 1, pipeline_stage_layers: list[int] | None = None,
+                    max_model_len: int | None = None, max_num_seqs: int = 256,
                     max_num_batched_tokens: int | None = None, block_size: int = 16,
                     kv_cache_memory: int | None = None, device: str | torch.device = "cpu",
                     trust_remote_code: bool = False, packed_decode_weights: bool = False) -> MemoryEstimate:
@@ -167,7 +159,8 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
     in the local cache). Weights come from the safetensors headers, cast to the target dtype,
     or from config.json alone (Llama-family layout) when there are no safetensors files.
     The KV pool is `kv_cache_memory` (bytes per device) if given, else room for `max_num_seqs`
-    sequences of `max_model_len` tokens (default: max_position_embeddings). With
+    sequences of `max_model_len` tokens (default: max_position_embeddings). Pipeline stages hold
+    `pipeline_stage_layers` decoder layers each (default: an even split). With
     `packed_decode_weights` (a compiled single-device float32 CPU runner), the CPU decode programs'
     MKL-prepacked copies of the linear weights are counted too.
     """
@@ -180,7 +173,8 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
         tensors = shape.checkpoint_tensors()
     device = str(torch.device(device)) if isinstance(device, torch.device) else device
     args = dict(dtype=_dtype_name(dtype, device), tensor_parallel_size=tensor_parallel_size,
-                pipeline_parallel_size=pipeline_parallel_size, max_model_len=max_model_len,
+                pipeline_parallel_size=pipeline_parallel_size, pipeline_stage_layers=pipeline_stage_layers,
+                max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 block_size=block_size, kv_cache_memory=kv_cache_memory, device=device, model=str(model),
                 packed_decode_weights=packed_decode_weights)
@@ -193,23 +187,19 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size", "max_num_seqs"):
         if not isinstance(a[name], int) or a[name] < 1:
             raise ConfigError(f"{name} must be an int >= 1, got {a[name]!r}")
-    if pp > shape.num_layers:
-        raise ConfigError(f"pipeline_parallel_size={pp} exceeds the model's {shape.num_layers} layers")
+    stages = stage_layer_ranges(shape.num_layers, pp, a["pipeline_stage_layers"])
     limit = shape.max_position_embeddings
-    max_len = a["max_model_len"] or limit
-    if max_len > limit:
-        raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={limit}; "
-                          f"use max_model_len <= {limit}")
+    max_len = resolve_max_model_len(a["max_model_len"], limit)
     device = a["device"]
     dev_type = "cuda" if device.startswith("cuda") else "cpu"
     dtype = a["dtype"]
-    b = _DTYPE_BYTES[dtype]
-    tokens = a["max_num_batched_tokens"] or max(a["max_num_seqs"], _DEFAULT_BATCHED_TOKENS[dev_type])
+    b = dtype_bytes(dtype)
+    tokens = a["max_num_batched_tokens"] or max(a["max_num_seqs"], DEFAULT_MAX_NUM_BATCHED_TOKENS[dev_type])
 
-    weights = [n * b for n in _weights_per_stage(inputs.tensors, shape, tp, pp)]
-    layers = [len(r) for r in _stage_layers(shape.num_layers, pp)]
+    weights = [n * b for n in weights_per_stage(inputs.tensors, shape, tp, stages)]
+    layers = [len(r) for r in stages]
     kv_heads = shape.kv_heads_per_device(tp)
-    per_token = [kv_bytes_per_token(n, kv_heads, shape.head_dim, _torch_dtype(dtype)) for n in layers]
+    per_token = [kv_bytes_per_token(n, kv_heads, shape.head_dim, dtype) for n in layers]
     bpt = max(per_token)
     if a["kv_cache_memory"] is not None:
         pool_tokens = a["kv_cache_memory"] // (bpt * bs) * bs
@@ -232,14 +222,6 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
 
 def _packed_decode_bytes(shape: ModelShape) -> int:
     """The runner's fused linear weights (qkv, o, gate_up, down per layer) as MKL packs them."""
-    from collections import Counter
-
-    from runner_core.compile.decode_programs import packed_bytes
-
     h, i, d, n = shape.hidden_size, shape.intermediate_size, shape.head_dim, shape.num_layers
     q, kv = shape.num_heads * d, shape.num_kv_heads * d
     return packed_bytes(Counter({(q + 2 * kv, h): n, (h, q): n, (2 * i, h): n, (h, i): n}))
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

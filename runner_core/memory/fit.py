@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from runner_core.errors import ConfigError
 from runner_core.memory.estimate import MemoryEstimate, _estimate, estimate_memory
-from runner_core.memory.shapes import ModelShape, _MiB
+from runner_core.memory.shapes import _MiB
+from runner_core.memory.sizing import usable_memory_bytes
 
 _GiB = 2**30
 
@@ -22,11 +23,6 @@ def required_bytes(estimate: MemoryEstimate) -> int:
     return estimate.fixed_bytes + pool
 
 
-def _valid_tp(shape: ModelShape, tp: int) -> bool:
-    kv_ok = shape.num_kv_heads % tp == 0 if shape.num_kv_heads >= tp else tp % shape.num_kv_heads == 0
-    return shape.num_heads % tp == 0 and shape.intermediate_size % tp == 0 and kv_ok
-
-
 def fit_suggestions(estimate: MemoryEstimate, available_bytes: int) -> list[str]:
     """Single changes that would make `estimate` fit in `available_bytes` per device."""
     inputs = estimate._inputs
@@ -39,7 +35,7 @@ def fit_suggestions(estimate: MemoryEstimate, available_bytes: int) -> list[str]
         out.append(f"dtype='bfloat16' or 'float16' (needs {_fmt(required_bytes(half))}: {verdict})")
     tp = estimate.tensor_parallel_size * 2
     while tp <= max(64, estimate.tensor_parallel_size * 2):
-        if _valid_tp(inputs.shape, tp):
+        if inputs.shape.tp_problem(tp) is None:
             more = _estimate(inputs, tensor_parallel_size=tp)
             if required_bytes(more) <= available_bytes:
                 out.append(f"tensor_parallel_size={tp} (needs {_fmt(required_bytes(more))} per device)")
@@ -88,19 +84,20 @@ def check_fits(estimate: MemoryEstimate, available_bytes: int, *, gpu_memory_uti
     raise ConfigError(msg)
 
 
-def check_config_fits(config, available_bytes: int | None = None) -> MemoryEstimate:
+def check_config_fits(config, available_bytes: int | None = None, *,
+                      packed_decode_weights: bool = False) -> MemoryEstimate:
     """Estimate `config` (a RunnerConfig) and refuse it with ConfigError if it cannot fit on its
-    device (`available_bytes` defaults to `sizing.usable_memory_bytes`). Returns the estimate."""
-    from runner_core.compile.decode_programs import cpu_programs_expected
-    from runner_core.memory.sizing import usable_memory_bytes
-
+    device (`available_bytes` defaults to `sizing.usable_memory_bytes`). With `packed_decode_weights`
+    (the configuration builds CPU decode programs) their prepacked weights are counted, unless they
+    would take over half the memory (the runner does not build them then). Returns the estimate."""
     device = config.torch_device
     estimate = estimate_memory(
         config.model, dtype=config.torch_dtype, tensor_parallel_size=config.tensor_parallel_size,
-        pipeline_parallel_size=config.pipeline_parallel_size, max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.effective_max_num_batched_tokens,
-        block_size=config.block_size, kv_cache_memory=config.kv_cache_memory, device=str(device),
-        trust_remote_code=config.trust_remote_code, packed_decode_weights=cpu_programs_expected(config))
+        pipeline_parallel_size=config.pipeline_parallel_size, pipeline_stage_layers=config.pipeline_stage_layers,
+        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.effective_max_num_batched_tokens, block_size=config.block_size,
+        kv_cache_memory=config.kv_cache_memory, device=str(device), trust_remote_code=config.trust_remote_code,
+        packed_decode_weights=packed_decode_weights)
     if available_bytes is None:
         available_bytes = usable_memory_bytes(device, config.gpu_memory_utilization)
     if estimate.decode_programs_bytes > available_bytes // 2:  # the runner will not pack them (plan_sizes)

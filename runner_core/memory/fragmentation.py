@@ -12,8 +12,9 @@ Three ways to hold the same live requests' KV, in the same number of slots:
   that fits. It wastes the reserved-but-unfilled tail and the holes between reservations
   (external fragmentation), and it refuses requests when no single hole is big enough.
 
-Everything here is plain Python over small lists: `FragmentationTracker.snapshot` is meant
-to run every engine step and costs microseconds for tens of sequences. No torch.
+Everything here is plain Python over small lists: the engine's step observer calls
+`FragmentationTracker.contiguous_figures` every step, microseconds for tens of sequences
+(benchmarks/throughput.py measures the observer's cost per step). No torch.
 """
 
 from __future__ import annotations
@@ -231,26 +232,30 @@ class FragmentationTracker:
             for rid in placed:
                 del self._deferred[rid]
 
-    def snapshot(self, live: Iterable[tuple[Hashable, int, int]], block_size: int, max_model_len: int) -> dict:
-        """All figures for the live sequences, given as (request_id, tokens in KV, blocks owned)."""
-        ids, tokens, blocks = [], [], []
-        for rid, t, b in live:
-            ids.append(rid)
-            tokens.append(t)
-            blocks.append(b)
-        out = paged_figures(tokens, blocks, block_size)
+    def contiguous_figures(self, tokens: Mapping[Hashable, int], max_model_len: int) -> dict:
+        """What the contiguous allocators make of the live requests (`tokens`: request id -> tokens
+        in KV): a static max_model_len reservation's waste, and the first-fit simulation's."""
         alloc = self.allocator
-        out.update({
-            "num_live": len(ids),
-            "static_reservation_waste": static_reservation_waste(tokens, max_model_len),
+        return {
+            "static_reservation_waste": static_reservation_waste(list(tokens.values()), max_model_len),
             "static_max_concurrency": alloc.capacity // max_model_len,
             "firstfit_reserved_slots": alloc.reserved,
-            "firstfit_reserved_waste": alloc.waste(dict(zip(ids, tokens))),
+            "firstfit_reserved_waste": alloc.waste(tokens),
             "firstfit_external_fragmentation": alloc.external_fragmentation(),
             "firstfit_num_allocations": len(alloc),
             "firstfit_peak_allocations": alloc.peak_allocations,
             "firstfit_num_deferred": len(self._deferred),
             "firstfit_failed": self.num_failed,
             "firstfit_failed_fragmented": self.num_failed_fragmented,
-        })
-        return out
+        }
+
+    def snapshot(self, live: Iterable[tuple[Hashable, int, int]], block_size: int, max_model_len: int) -> dict:
+        """All figures for the live sequences, given as (request_id, tokens in KV, blocks owned): the
+        paged pool's (`paged_figures`) and the contiguous allocators' (`contiguous_figures`)."""
+        ids, tokens, blocks = [], [], []
+        for rid, t, b in live:
+            ids.append(rid)
+            tokens.append(t)
+            blocks.append(b)
+        return {**paged_figures(tokens, blocks, block_size), "num_live": len(ids),
+                **self.contiguous_figures(dict(zip(ids, tokens)), max_model_len)}

@@ -1,16 +1,26 @@
-"""MemoryManager: the KV pool tensor and the blocks of every sequence — allocation, prefix
-caching (hash-chained full blocks shared by reference count, evicted least recently used),
-defragmentation and shrinking, and the pool's utilization figures."""
+"""MemoryManager: the KV pool tensor (the one owner: it allocates it, binds every attention layer
+to its slice, moves and shrinks it) and the blocks of every sequence — allocation, prefix caching
+(hash-chained full blocks shared by reference count, evicted least recently used), compaction,
+and the pool's utilization figures.
+
+In a parallel runner every rank holds a MemoryManager for its KV shard; rank 0's block
+bookkeeping decides, and every rank moves its tensor the same way (`move_blocks`, `shrink`).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from runner_core.layers.attention import bind_kv_cache
 from runner_core.memory.block_pool import BlockPool, hash_block
-from runner_core.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from runner_core.engine.sequence import Sequence
 
 logger = logging.getLogger("runner_core")
 
@@ -21,19 +31,29 @@ class MemoryManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.kv_cache: torch.Tensor | None = None
+        self._model: nn.Module | None = None  # whose attention layers view the tensor
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
     # ---- the pool tensor --------------------------------------------------------------------
-    def allocate_kv_cache(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                          dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """[layers, 2 (K, V), kv_heads, slots, head_dim], slot = block_id * block_size + offset.
+    def allocate_kv_cache(self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype, device: torch.device) -> None:
+        """[layers, 2 (K, V), kv_heads, slots, head_dim], slot = block_id * block_size + offset,
+        bound to `model`'s attention layers (one layer slice each).
 
         Heads outermost, so gathering a batch's slots yields [kv_heads, batch, keys, head_dim],
         which the attention matmuls consume without another copy."""
-        self.kv_cache = torch.zeros(num_layers, 2, num_kv_heads, self.num_blocks * self.block_size, head_dim,
-                                    dtype=dtype, device=device)
-        return self.kv_cache
+        self._model = model
+        self._bind(torch.zeros(num_layers, 2, num_kv_heads, self.num_blocks * self.block_size, head_dim,
+                               dtype=dtype, device=device))
+
+    def _bind(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        bind_kv_cache(self._model, kv_cache)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.kv_cache is None else self.kv_cache.numel() * self.kv_cache.element_size()
 
     @property
     def num_blocks(self) -> int:
@@ -117,49 +137,50 @@ class MemoryManager:
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block that no sequence uses; returns how many were dropped."""
-        dropped = 0
-        for block_id in list(self.pool.free_queue):
-            block = self.pool.blocks[block_id]
-            if block.block_hash is not None:
-                self.pool._uncache(block)
-                self.pool.free_queue.move_to_end(block_id, last=False)
-                dropped += 1
-        return dropped
+        return self.pool.evict_cached_free()
 
     # ---- defragmentation --------------------------------------------------------------------
-    def defragment(self, seqs: Iterable[Sequence]) -> int:
-        """Move every occupied block (in use or cached) to the lowest block ids: copy its K/V,
-        rewrite the block tables of `seqs` (all sequences holding blocks). Returns blocks moved."""
+    @property
+    def num_occupied_blocks(self) -> int:
+        """Blocks in use or holding a cached prefix (what compaction keeps)."""
+        return self.num_blocks - self.pool.num_free + self.pool.num_cached_free
+
+    def compact(self, seqs: Iterable[Sequence]) -> dict[int, int]:
+        """Renumber every occupied block (in use or cached) to the lowest block ids and rewrite the
+        block tables of `seqs` (all sequences holding blocks). Bookkeeping only: returns the moves
+        {old id: new id} for `move_blocks`, which copies the K/V on every rank."""
         blocks = self.pool.blocks
         occupied = [b.block_id for b in blocks if b.ref_count or b.block_hash is not None]
         k = len(occupied)
         sources = [i for i in occupied if i >= k]
         holes = [i for i in range(k) if not (blocks[i].ref_count or blocks[i].block_hash is not None)]
-        pairs = dict(zip(sources, holes))
-        if not pairs:
-            return 0
-        if self.kv_cache is not None:
-            bs = self.block_size
-            offsets = torch.arange(bs)
-            src = (torch.tensor(list(pairs)).unsqueeze(1) * bs + offsets).flatten().to(self.kv_cache.device)
-            dst = (torch.tensor(list(pairs.values())).unsqueeze(1) * bs + offsets).flatten().to(self.kv_cache.device)
-            self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
-        self.pool.swap_ids(pairs)
-        for seq in seqs:
-            seq.block_table = [pairs.get(b, b) for b in seq.block_table]
-        logger.info("defragmented the KV pool: moved %d blocks; occupied blocks now 0..%d", len(pairs), k - 1)
-        return len(pairs)
+        moves = dict(zip(sources, holes))
+        if moves:
+            self.pool.swap_ids(moves)
+            for seq in seqs:
+                seq.block_table = [moves.get(b, b) for b in seq.block_table]
+            logger.info("defragmented the KV pool: moved %d blocks; occupied blocks now 0..%d", len(moves), k - 1)
+        return moves
 
-    def shrink(self, num_blocks: int) -> torch.Tensor | None:
-        """Cut the pool to `num_blocks` blocks (after `defragment`), releasing the memory beyond.
-        Returns the new pool tensor (callers holding the old one must switch)."""
+    def move_blocks(self, moves: dict[int, int]) -> None:
+        """Copy the K/V of block `src` into block `dst` for every move (in this rank's tensor)."""
+        if not moves or self.kv_cache is None:
+            return
+        bs, device = self.block_size, self.kv_cache.device
+        offsets = torch.arange(bs)
+        src = (torch.tensor(list(moves)).unsqueeze(1) * bs + offsets).flatten().to(device)
+        dst = (torch.tensor(list(moves.values())).unsqueeze(1) * bs + offsets).flatten().to(device)
+        self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
+
+    def shrink(self, num_blocks: int) -> None:
+        """Cut the pool to `num_blocks` blocks (after `compact`), releasing the memory beyond and
+        re-binding the attention layers to the new tensor."""
         if num_blocks >= self.num_blocks:
-            return self.kv_cache
+            return
         self.pool.truncate(num_blocks)
         if self.kv_cache is not None:
-            self.kv_cache = self.kv_cache[:, :, :, : num_blocks * self.block_size].clone()
+            self._bind(self.kv_cache[:, :, :, : num_blocks * self.block_size].clone())
         logger.info("shrank the KV pool to %d blocks", num_blocks)
-        return self.kv_cache
 
     # ---- figures ----------------------------------------------------------------------------
     def stats(self, live: Iterable[Sequence]) -> dict:

@@ -1,19 +1,18 @@
 """Profile run: the peak transient memory of one forward pass, measured.
 
-`profile_activation_peak` runs a dummy batch through `ForwardPass.run_stateless` plus the
-LM head on the rows the engine would sample, and returns the peak bytes allocated during it
-beyond what was allocated before. On CUDA the caching allocator's peak statistic is used;
-on the CPU, where torch keeps no allocator statistics, the allocation and free events of
+`profile_activation_peak(run, device)` returns the peak bytes allocated while `run()` executes
+(the worker passes a dummy batch of `dummy_batch`'s shape through its forward pass and LM head)
+beyond what was allocated before. On CUDA the caching allocator's peak statistic is used; on the
+CPU, where torch keeps no allocator statistics, the allocation and free events of
 `torch.profiler.profile(profile_memory=True)` are replayed to find the running peak.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
-
-from runner_core.engine.forward_pass import ForwardPass
 
 logger = logging.getLogger("runner_core")
 
@@ -26,13 +25,6 @@ def dummy_batch(num_tokens: int, num_seqs: int) -> list[list[int]]:
         raise ValueError(f"num_tokens and num_seqs must be >= 1, got {num_tokens} and {num_seqs}")
     num_seqs = min(num_seqs, num_tokens)
     return [[0] * (num_tokens - num_seqs + 1)] + [[0]] * (num_seqs - 1)
-
-
-def _run(model: torch.nn.Module, seqs: list[list[int]], num_rows: int, device: torch.device) -> None:
-    hidden = ForwardPass(model, None, block_size=16, device=device).run_stateless(seqs)
-    with torch.inference_mode():
-        logits = model.compute_logits(hidden[:num_rows]).float()
-    del hidden, logits
 
 
 def _cpu_peak(fn) -> int:
@@ -58,27 +50,17 @@ def _cpu_peak(fn) -> int:
     return peak
 
 
-def profile_activation_peak(model: torch.nn.Module, num_tokens: int, num_seqs: int,
-                            device: torch.device | str) -> int:
-    """Peak bytes allocated by one forward over `num_tokens` tokens in `num_seqs` sequences (see
-    `dummy_batch`) followed by float32 logits for `min(num_seqs, num_tokens)` rows, beyond what
-    was allocated before. The model must already be on `device`."""
+def profile_activation_peak(run: Callable[[], None], device: torch.device | str) -> int:
+    """Peak bytes allocated on `device` while `run()` executes, beyond what was allocated before."""
     device = torch.device(device)
-    seqs = dummy_batch(num_tokens, num_seqs)
-    rows = min(num_seqs, num_tokens)
-
-    def fn() -> None:
-        _run(model, seqs, rows, device)
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        fn()
+        run()
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
     else:
-        peak = _cpu_peak(fn)
-    logger.debug("profile run: %d tokens in %d sequences, activation peak %.1f MiB",
-                 num_tokens, len(seqs), peak / 2**20)
+        peak = _cpu_peak(run)
+    logger.debug("profile run: activation peak %.1f MiB", peak / 2**20)
     return max(0, int(peak))

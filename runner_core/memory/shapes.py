@@ -5,9 +5,9 @@ Per-device rules follow the runner's layers: with tensor parallelism each device
 1/tp of every projection, of the (padded) vocabulary rows of the embedding and LM head,
 and max(1, kv_heads/tp) KV heads (KV heads replicate when there are fewer than ranks);
 norms and row-parallel biases replicate. With pipeline parallelism stage s holds its
-contiguous share of the layers (earlier stages take the remainder), the embedding lives
-on the first stage, the final norm and LM head on the last (tied embeddings count once
-unless those are different stages).
+contiguous share of the layers (`stage_layer_ranges`: as configured, else earlier stages
+take the remainder), the embedding lives on the first stage, the final norm and LM head on
+the last (tied embeddings count once unless those are different stages).
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner_core.errors import ModelLoadError
+import torch
+
+from runner_core.config import dtype_bytes
+from runner_core.errors import ConfigError, ModelLoadError
 
 _MiB = 2**20
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -60,6 +63,22 @@ class ModelShape:
     def kv_heads_per_device(self, tp: int) -> int:
         return max(1, self.num_kv_heads // tp)
 
+    def tp_problem(self, tp: int) -> str | None:
+        """Why tensor_parallel_size `tp` cannot split this model's layers, or None when it can."""
+        heads, kv = self.num_heads, self.num_kv_heads
+        if heads % tp:
+            return (f"tensor_parallel_size={tp} does not divide num_attention_heads={heads}: attention heads "
+                    f"are split evenly across the ranks; use one of {_divisors(heads)}")
+        if kv >= tp and kv % tp:
+            return (f"tensor_parallel_size={tp} does not divide num_key_value_heads={kv}; use a divisor "
+                    f"of {kv} or a multiple of it that divides {heads}")
+        if kv < tp and tp % kv:
+            return (f"tensor_parallel_size={tp} is not a multiple of num_key_value_heads={kv}: with fewer "
+                    f"KV heads than ranks each KV head is replicated on tp/kv_heads ranks")
+        if self.intermediate_size % tp:
+            return f"tensor_parallel_size={tp} does not divide intermediate_size={self.intermediate_size} (the MLP width)"
+        return None
+
     def checkpoint_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """The (name, shape) list of a Llama-family checkpoint with this shape (HF names)."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
@@ -84,6 +103,11 @@ class ModelShape:
         if not self.tie_word_embeddings:
             out.append(("lm_head.weight", (self.vocab_size, h)))
         return out
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str | torch.dtype) -> int:
+    """K and V of one token in every layer: layers x 2 x kv_heads x head_dim x dtype bytes."""
+    return num_layers * 2 * num_kv_heads * head_dim * dtype_bytes(dtype)
 
 
 def read_safetensors_shapes(path: Path) -> list[tuple[str, tuple[int, ...]]] | None:
@@ -125,19 +149,33 @@ def _numel_per_device(name: str, shape: tuple[int, ...], tp: int, shape_info: Mo
     return -(-numel // tp)
 
 
-def _stage_layers(num_layers: int, pp: int) -> list[range]:
-    base, extra = divmod(num_layers, pp)
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def stage_layer_ranges(num_layers: int, pp: int, layers_per_stage: list[int] | None = None) -> list[range]:
+    """Decoder layers of each pipeline stage: `layers_per_stage` when given (refused with a
+    ConfigError unless it adds up to `num_layers`), else an even split in which the earlier
+    stages take the remainder."""
+    if pp > num_layers:
+        raise ConfigError(f"pipeline_parallel_size={pp} exceeds the model's {num_layers} decoder layers: every "
+                          f"stage needs at least one layer; use pipeline_parallel_size <= {num_layers}")
+    if layers_per_stage is None:
+        base, extra = divmod(num_layers, pp)
+        layers_per_stage = [base + (1 if s < extra else 0) for s in range(pp)]
+    elif sum(layers_per_stage) != num_layers or len(layers_per_stage) != pp:
+        raise ConfigError(f"pipeline_stage_layers={layers_per_stage} adds up to {sum(layers_per_stage)} layers but "
+                          f"the model has {num_layers}; give {pp} counts that add up to {num_layers}")
     bounds, start = [], 0
-    for s in range(pp):
-        n = base + (1 if s < extra else 0)
+    for n in layers_per_stage:
         bounds.append(range(start, start + n))
         start += n
     return bounds
 
 
-def _weights_per_stage(tensors, shape: ModelShape, tp: int, pp: int) -> list[int]:
-    """Parameter elements held by one device of each pipeline stage."""
-    stages = _stage_layers(shape.num_layers, pp)
+def weights_per_stage(tensors, shape: ModelShape, tp: int, stages: list[range]) -> list[int]:
+    """Parameter elements held by one device of each pipeline stage (`stages`: their layers)."""
+    pp = len(stages)
     stage_of_layer = {layer: s for s, r in enumerate(stages) for layer in r}
     numel = [0] * pp
     for name, dims in tensors:

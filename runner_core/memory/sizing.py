@@ -1,4 +1,4 @@
-"""Sizing the KV pool: bytes per token, the memory a device offers, and the pool plan.
+"""Sizing the KV pool: the memory a device offers, and the pool plan.
 
 The pool gets, on CUDA, `total x gpu_memory_utilization - weights - activation peak - memory
 held outside torch (device used - torch reserved)`, the activation peak being the larger of
@@ -17,16 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
+from runner_core.memory.estimate import estimate_activation_peak
+from runner_core.memory.shapes import ModelShape
+
 logger = logging.getLogger("runner_core")
 
 CPU_KV_FRACTION = 0.2  # share of available RAM the CPU pool may take when kv_cache_memory is unset
 CPU_KV_CAP_BYTES = 4 << 30  # and never more than this by default (as vLLM's CPU backend)
 _MiB = 2**20
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V of one token in every layer: layers x 2 x kv_heads x head_dim x dtype bytes."""
-    return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def _cpu_available_bytes() -> int:
@@ -142,48 +140,26 @@ def plan_pool(*, bytes_per_token: int, block_size: int, max_model_len: int, max_
                     budget, max_model_len * max_num_seqs)
 
 
-def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's unique parameters and buffers (weights and rotary tables)."""
-    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+def plan_kv_pool(config, shape: ModelShape, max_model_len: int, *, bytes_per_token: int, weights_bytes: int,
+                 measured_peak_bytes: int | None = None, reserved_bytes: int = 0) -> PoolPlan:
+    """The pool plan of a loaded model (`shape`, its stage's layers) under `config` (a RunnerConfig).
 
-
-def plan_kv_pool(config, model: torch.nn.Module, hf_config, max_model_len: int, *,
-                 profile: bool | None = None) -> PoolPlan:
-    """The pool plan of a loaded model under `config` (a RunnerConfig), for LLMEngine.
-
-    The activation peak is the formula's figure, raised to a measured profile run when
-    `profile` is true (default: on CUDA when kv_cache_memory is unset, where it decides the
-    pool size). Call it after the weights are on the device and before the pool exists.
+    The activation peak is the formula's figure, raised to `measured_peak_bytes` (a profile run,
+    `profile.profile_activation_peak`) when given; `weights_bytes` counts the model's parameters and
+    buffers on the device; `reserved_bytes` (CUDA) stays free for the decode CUDA graphs.
     """
-    from runner_core.compile.decode_programs import cuda_capture_plan
-    from runner_core.memory.estimate import estimate_activation_peak
-    from runner_core.memory.shapes import ModelShape
-
     device, dtype = config.torch_device, config.torch_dtype
-    bytes_per_token = kv_bytes_per_token(hf_config.num_hidden_layers, model.num_kv_heads, model.head_dim, dtype)
     tokens, seqs = config.effective_max_num_batched_tokens, config.max_num_seqs
     activation = estimate_activation_peak(
-        ModelShape.from_hf_config(hf_config), num_tokens=tokens, num_seqs=seqs, dtype=dtype,
-        tensor_parallel_size=config.tensor_parallel_size, context_len=max_model_len,
-        decode_gather=device.type == "cuda")
-    if profile is None:
-        profile = device.type == "cuda" and config.kv_cache_memory is None
-    if profile:
-        from runner_core.memory.profile import profile_activation_peak
-
-        measured = profile_activation_peak(model, tokens, seqs, device)
+        shape, num_tokens=tokens, num_seqs=seqs, dtype=dtype, tensor_parallel_size=config.tensor_parallel_size,
+        context_len=max_model_len, decode_gather=device.type == "cuda")
+    if measured_peak_bytes is not None:
         logger.info("profile run: %d tokens, %d sequences: activation peak %.1f MiB measured, %.1f MiB estimated",
-                    tokens, seqs, measured / _MiB, activation / _MiB)
-        activation = max(activation, measured)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the profile's cached blocks back before measuring what is left
-    graphs = 0
-    if device.type == "cuda":
-        graphs = cuda_capture_plan(config, hf_config, max_model_len, torch.cuda.mem_get_info(device)[1])[1]
-    if graphs:
-        logger.info("leaving %.1f MiB for the decode CUDA graphs (estimated)", graphs / _MiB)
+                    tokens, seqs, measured_peak_bytes / _MiB, activation / _MiB)
+        activation = max(activation, measured_peak_bytes)
+    if reserved_bytes:
+        logger.info("leaving %.1f MiB for the decode CUDA graphs (estimated)", reserved_bytes / _MiB)
     return plan_pool(bytes_per_token=bytes_per_token, block_size=config.block_size, max_model_len=max_model_len,
                      max_num_seqs=seqs, kv_cache_memory=config.kv_cache_memory, device=device,
-                     gpu_memory_utilization=config.gpu_memory_utilization, weights_bytes=model_bytes(model),
-                     activation_peak_bytes=activation, reserved_bytes=graphs)
+                     gpu_memory_utilization=config.gpu_memory_utilization, weights_bytes=weights_bytes,
+                     activation_peak_bytes=activation, reserved_bytes=reserved_bytes)

@@ -118,29 +118,20 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
 
     def forward(self, input_ids, positions):
-        if self.stage is not None:
-            return self._stage_forward(input_ids, positions)
-        hidden_states = self.embed_tokens(input_ids)
-        # a zero residual makes every layer's call identical, so regional compilation reuses one graph
-        residual = torch.zeros_like(hidden_states)
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-    def _stage_forward(self, input_ids, positions):
-        """One pipeline stage: the residual stream (hidden + residual, which the next layer's
-        norm would form anyway, so the result is bit-identical) crosses stage boundaries."""
+        """Hidden states [N, hidden] after the final norm. A pipeline stage receives the previous
+        stage's residual stream and sends its own to the next one (hidden + residual, which the
+        next layer's norm would form anyway, so the result is bit-identical to one process)."""
         stage = self.stage
-        if stage.is_first:
+        if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(input_ids)
         else:
             w = self.layers[0].input_layernorm.weight
             hidden_states = pp_recv((input_ids.shape[0], self.hidden_size), w.dtype, w.device, stage.prev_rank)
+        # a zero residual makes every layer's call identical, so regional compilation reuses one graph
         residual = torch.zeros_like(hidden_states)
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
-        if not stage.is_last:
+        if self.norm is None:
             hidden_states = hidden_states + residual
             pp_send(hidden_states, stage.next_rank)
             return hidden_states

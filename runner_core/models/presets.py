@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from runner_core.config import cache_root
 from runner_core.errors import ModelLoadError
 
 # Bump when the build recipe changes, so cached presets are rebuilt.
@@ -70,11 +71,6 @@ def preset_names() -> list[str]:
 
 def is_preset(name: str) -> bool:
     return name in PRESETS
-
-
-def cache_root() -> Path:
-    root = os.environ.get("RUNNER_WORKBENCH_CACHE") or "~/.cache/runner-workbench"
-    return Path(root).expanduser()
 
 
 def preset_dir(name: str) -> Path:

@@ -8,17 +8,18 @@ on which rank 0 broadcasts commands (idle workers wait on it without timing out)
 
 Two ways to start:
   * spawn (a script or a notebook): rank 0 is the caller's process; it hosts a TCPStore on
-    127.0.0.1 and its WorkerSupervisor (worker_supervisor.py) starts ranks 1.. with
+    127.0.0.1 and its WorkerSupervisor (supervisor.py) starts ranks 1.. with
     torch.multiprocessing's spawn context and watches them: one that exits, or a step in which
     the workers stay silent longer than parallel_timeout_s, ends the runner (every worker's
     process group is killed) and the caller gets a WorkerError naming the rank and the cause.
   * torchrun (env://): every rank runs the same script; rank 0 drives, `load_model()` on the
     other ranks serves rank 0 and exits the process when rank 0 shuts down.
 
-Every rank builds the same LLMEngine (its shard of the model, its KV pool with the block
-count all ranks agree on). Rank 0 schedules and samples; each step it broadcasts the
-scheduled batch (`worker.encode_step`) and every rank prepares the same metadata and runs its
-part; the last stage sends the logits to rank 0.
+Every rank builds a Worker (its shard of the model, its KV pool with the block count all ranks
+agree on; worker_proc.py). Rank 0's LLMEngine schedules and samples, and runs the workers through
+`call(method, *args)`: one broadcast of the call (a step's StepBatch, a stateless forward, a compile
+switch, a KV move), then every rank runs the same Worker method; the last stage hands its outputs
+to rank 0 (`state.to_driver`).
 """
 
 from __future__ import annotations
@@ -33,16 +34,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from runner_core.errors import ConfigError, EngineBusyError, RunnerError, WorkerError
-from runner_core.parallel.state import COMM_STATS, PipelineStage, parallel_context, pp_recv, pp_send
+from runner_core.errors import ConfigError, RunnerError, WorkerError
+from runner_core.parallel.state import COMM_STATS, PipelineStage, parallel_context
 from runner_core.parallel.supervisor import WorkerSupervisor
 
 logger = logging.getLogger("runner_core")
 _CONTROL_TIMEOUT = timedelta(days=7)  # idle workers wait this long for rank 0's next command
 _ACTIVE: "ParallelManager | None" = None  # torch.distributed's default group is one per process
 _HOST = "127.0.0.1"  # spawn mode: rank 0's TCPStore
-_OPERATIONS = {"step": "a step", "forward": "a stateless forward", "compile": "compilation",
-               "defrag": "defragmentation"}
+# what each worker method is called in an error message ("failed during a step")
+_OPERATIONS = {"execute_model": "a step", "run_stateless": "a stateless forward", "set_compile_mode": "compilation",
+               "move_kv_blocks": "defragmentation"}
+_UNWATCHED = ("set_compile_mode",)  # may take minutes: not bounded by parallel_timeout_s
 
 
 def in_torchrun() -> bool:
@@ -58,9 +61,10 @@ class ParallelManager:
         self.stage_ranges = [range(r.start, r.stop) for r in stage_ranges]
         layers = self.stage_ranges[self.pp_rank]
         self.stage = None if self.pp_size == 1 else PipelineStage(
-            self.pp_rank, self.pp_size, layers.start, layers.stop,
-            rank - self.tp_size if self.pp_rank > 0 else None,
-            rank + self.tp_size if self.pp_rank < self.pp_size - 1 else None)
+            rank=self.pp_rank, size=self.pp_size, start_layer=layers.start, end_layer=layers.stop,
+            prev_rank=rank - self.tp_size if self.pp_rank > 0 else None,
+            next_rank=rank + self.tp_size if self.pp_rank < self.pp_size - 1 else None,
+            global_rank=rank, last_stage_rank=(self.pp_size - 1) * self.tp_size)
         self.device = config.torch_device
         self.timeout = timedelta(seconds=config.parallel_timeout_s)
         self.store = None
@@ -70,20 +74,17 @@ class ParallelManager:
         self.state = "starting"  # running, failed, closed
         self.failure: str | None = None
         self.ranks_info: list[dict] = []
+        self.worker = None  # this rank's Worker, once built (worker_proc.build_rank)
 
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
 
-    @property
-    def last_stage_rank(self) -> int:
-        """Global rank that hands the logits to rank 0 (the last stage's TP rank 0)."""
-        return (self.pp_size - 1) * self.tp_size
-
     # ---- start -------------------------------------------------------------------------------
     @classmethod
-    def launch(cls, config, stage_ranges: list[range]) -> "ParallelManager":
-        """This process's manager: rank 0 spawning the workers, or its rank under torchrun."""
+    def launch(cls, config, stage_ranges: list[range], worker_main) -> "ParallelManager":
+        """This process's manager: rank 0 spawning the workers (`worker_main` is their entry
+        point), or its rank under torchrun."""
         global _ACTIVE
         if _ACTIVE is not None:
             logger.warning("shutting down the previous parallel runner of this process (tp=%d, pp=%d): one "
@@ -93,7 +94,7 @@ class ParallelManager:
         if in_torchrun():
             pm = cls._join_torchrun(config, stage_ranges)
         else:
-            pm = cls._spawn(config, stage_ranges)
+            pm = cls._spawn(config, stage_ranges, worker_main)
         _ACTIVE = pm
         return pm
 
@@ -110,21 +111,21 @@ class ParallelManager:
             torch.cuda.set_device(pm.device)
         dist.init_process_group(pm.backend, init_method="env://", rank=rank, world_size=world, timeout=pm.timeout)
         pm.store = dist.distributed_c10d._get_default_store()
-        pm._init_groups()
+        pm.init_groups()
         return pm
 
     @classmethod
-    def _spawn(cls, config, stage_ranges) -> "ParallelManager":
+    def _spawn(cls, config, stage_ranges, worker_main) -> "ParallelManager":
         world = config.world_size
         pm = cls(config, 0, world, "spawn", stage_ranges)
         pm.store = dist.TCPStore(_HOST, 0, world, is_master=True, wait_for_workers=False, timeout=pm.timeout)
         try:
-            pm.supervisor.start(config, stage_ranges, _HOST, pm.store.port)
+            pm.supervisor.start(worker_main, config, stage_ranges, _HOST, pm.store.port)
             pm.supervisor.wait_ready(pm.store)
             if pm.device.type == "cuda":
                 torch.cuda.set_device(pm.device)
             dist.init_process_group(pm.backend, store=pm.store, rank=0, world_size=world, timeout=pm.timeout)
-            pm._init_groups()
+            pm.init_groups()
         except BaseException as e:
             error = pm._startup_error(e)
             if error is e:
@@ -136,7 +137,7 @@ class ParallelManager:
     def backend(self) -> str:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
-    def _init_groups(self) -> None:
+    def init_groups(self) -> None:
         """Every rank creates every group, in the same order (torch.distributed requires it)."""
         self.control = dist.new_group(list(range(self.world_size)), backend="gloo", timeout=_CONTROL_TIMEOUT)
         for s in range(self.pp_size):
@@ -146,51 +147,10 @@ class ParallelManager:
                 self.tp_group = group
         self.state = "running"
 
-    def build_engine(self):
-        """Load this rank's shard and build its engine, in step with the other ranks."""
-        from runner_core.engine.engine import LLMEngine
-        from runner_core.model_loader import ModelLoader
-
-        try:
-            with self.activate():
-                loaded = ModelLoader(self.config).load()
-                dist.barrier(group=self.control)  # loading times differ: meet before the first forward
-                engine = LLMEngine(self.config, loaded, parallel=self)
-            info = {"rank": self.rank, "pid": os.getpid(), "host": os.uname().nodename, "device": str(self.device),
-                    "layers": [self.stage_ranges[self.pp_rank].start, self.stage_ranges[self.pp_rank].stop],
-                    "weights_bytes": loaded.weight_bytes, "checkpoint_bytes_read": loaded.bytes_read,
-                    "kv_pool_bytes": engine.memory.kv_cache.numel() * engine.memory.kv_cache.element_size()}
-            gathered: list = [None] * self.world_size
-            dist.all_gather_object(gathered, info, group=self.control)
-            self.ranks_info = gathered
-        except BaseException as e:
-            if not self.is_driver:
-                raise
-            if isinstance(e, RunnerError) and self.supervisor.cause is None and not isinstance(e, WorkerError):
-                # rank 0's own refusal (e.g. a pool too small): the workers are mid-collective, stop them
-                self._teardown()
-                self.state = "closed"
-                raise
-            raise self.fail(e, "loading the model") from e
-        return loaded, engine
-
-    def agree_pool_plan(self, plan):
-        """Every rank's pool gets the smallest block count any rank planned, so that the block
-        tables rank 0 hands out are valid everywhere."""
-        import dataclasses
-
-        n = torch.tensor([plan.num_blocks], dtype=torch.long)
-        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.control)
-        return plan if int(n) == plan.num_blocks else dataclasses.replace(plan, num_blocks=int(n))
-
-    def make_forward_pass(self, model, kv_cache, block_size, device, buffers):
-        from runner_core.parallel.worker_proc import DistributedForwardPass
-
-        return DistributedForwardPass(model, kv_cache, block_size, device, buffers, self)
-
     @contextmanager
     def activate(self):
-        with parallel_context(self.tp_group, self.stage):
+        """This rank's groups and stage, seen by the layers and the worker on this thread."""
+        with parallel_context(self.tp_group, self.stage, self.control):
             yield
 
     # ---- commands (rank 0) ---------------------------------------------------------------------
@@ -200,29 +160,23 @@ class ParallelManager:
         if self.state != "running":
             raise RunnerError(f"this parallel runner is {self.state}; create a new ModelRunner")
 
-    def begin(self, kind: str, arg=None, watch: bool = True) -> None:
-        """Broadcast a command to the workers; with `watch`, the supervisor times the operation."""
+    def call(self, method: str, *args):
+        """Run `worker.<method>(*args)` on every rank: one broadcast of the call, then this rank's
+        own run; returns rank 0's result. A fault anywhere (a worker died or hung: the supervisor
+        times the call unless it is a compile switch) ends the runner with a WorkerError."""
+        during = _OPERATIONS.get(method, method)
         self.check()
-        self.supervisor.watch(_OPERATIONS.get(kind, kind) if watch and self.mode == "spawn" else None)
+        self.supervisor.watch(during if self.mode == "spawn" and method not in _UNWATCHED else None)
         try:
             t = time.perf_counter()
-            dist.broadcast_object_list([(kind, arg)], src=0, group=self.control)
+            dist.broadcast_object_list([(method, args)], src=0, group=self.control)
             COMM_STATS.add("broadcast", 0, time.perf_counter() - t)
+            with self.activate():
+                return getattr(self.worker, method)(*args)
         except BaseException as e:
-            self._raise_failure(e, _OPERATIONS.get(kind, kind))
-
-    def end(self) -> None:
-        self.supervisor.watch(None)
-
-    @contextmanager
-    def operation(self, kind: str, arg=None, watch: bool = True):
-        self.begin(kind, arg, watch)
-        try:
-            yield
-        except BaseException as e:
-            self._raise_failure(e, _OPERATIONS.get(kind, kind))
+            self._raise_failure(e, during)
         finally:
-            self.end()
+            self.supervisor.watch(None)
 
     def _raise_failure(self, e: BaseException, during: str):
         error = self.fail(e, during)
@@ -230,74 +184,11 @@ class ParallelManager:
             raise error from e
         raise e  # KeyboardInterrupt and the like: the runner is shut down, the interrupt goes on
 
-    def recv_command(self):
+    def recv_call(self) -> tuple[str, tuple]:
+        """The next (method, args) rank 0 broadcasts (workers wait here between calls)."""
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
-
-    def logits_to_driver(self, logits: torch.Tensor, rows: int, vocab_size: int) -> torch.Tensor:
-        """The last stage's logits [rows, vocab] on rank 0 (pipeline parallelism only)."""
-        if self.pp_size == 1 or rows == 0:
-            return logits
-        if self.rank == self.last_stage_rank:
-            pp_send(logits, 0)
-        elif self.rank == 0:
-            return pp_recv((rows, vocab_size), logits.dtype, logits.device, self.last_stage_rank)
-        return logits
-
-    # ---- engine operations across ranks (rank 0 calls them; workers run `worker.serve`) ----------
-    def forward_stateless(self, engine, rows: list[list[int]]):
-        with self.operation("forward", rows):
-            return self.run_stateless(engine, rows)
-
-    def run_stateless(self, engine, rows: list[list[int]]):
-        """(hidden [N, H], logits [N, V]) of a stateless forward, on rank 0."""
-        with self.activate(), torch.inference_mode():
-            hidden = engine.forward_pass.run_stateless(rows)
-            logits = engine.model.compute_logits(hidden)
-            if self.pp_size > 1:
-                n, h, v = hidden.shape[0], engine.hf_config.hidden_size, engine.vocab_size
-                if self.rank == self.last_stage_rank:
-                    pp_send(hidden, 0)
-                    pp_send(logits, 0)
-                elif self.rank == 0:
-                    hidden = pp_recv((n, h), hidden.dtype, hidden.device, self.last_stage_rank)
-                    logits = pp_recv((n, v), hidden.dtype, hidden.device, self.last_stage_rank)
-        return hidden, logits
-
-    def set_compile_mode(self, engine, enabled: bool, **options) -> dict:
-        from runner_core.config import RunnerConfig
-
-        if engine.has_unfinished_requests():
-            raise EngineBusyError("cannot change the compile mode while requests are running; "
-                                  "wait for them to finish or abort them")
-        checked = RunnerConfig.coerce(self.config, **{f"compile_{k}": v for k, v in options.items() if v is not None})
-        if self.pp_size > 1 and (options.get("scope") or checked.compile_scope) == "model":
-            options["scope"] = "layer"  # stage boundaries (send/recv) stay outside compiled graphs
-        with self.operation("compile", {"enabled": enabled, **options}, watch=False):
-            with self.activate():
-                return engine.set_compile_mode(enabled, **options)
-
-    def defragment(self, engine, shrink_to_blocks: int | None) -> dict:
-        """Defragment rank 0's block pool, then move every rank's KV the same way. The slot moves
-        are recorded by running the pool's defragmentation on a probe tensor of slot indices."""
-        from runner_core.layers.attention import bind_kv_cache
-        from runner_core.parallel.worker_proc import apply_slot_mapping
-
-        memory, real = engine.memory, engine.memory.kv_cache
-        slots = real.shape[3]
-        probe = torch.arange(slots, dtype=torch.int32).view(1, 1, 1, slots, 1).repeat(real.shape[0], 2, 1, 1, 1)
-        memory.kv_cache = engine.forward_pass.kv_cache = probe
-        try:
-            result = engine.defragment(shrink_to_blocks)
-            mapping = memory.kv_cache[0, 0, 0, :, 0].long().clone()  # new slot -> old slot
-        finally:
-            memory.kv_cache = engine.forward_pass.kv_cache = real
-            bind_kv_cache(engine.model, real)
-        if result["blocks_moved"] or mapping.numel() != slots:
-            with self.operation("defrag", mapping):
-                apply_slot_mapping(engine, mapping)
-        return result
 
     def info(self) -> dict:
         return {"mode": self.mode, "state": self.state, "tensor_parallel_size": self.tp_size,
@@ -323,9 +214,13 @@ class ParallelManager:
     def _startup_error(self, e: BaseException) -> BaseException:
         if isinstance(e, WorkerError) or self.supervisor.cause is not None or isinstance(e, RuntimeError):
             return self.fail(e, "start-up")
+        self.close()
+        return e
+
+    def close(self) -> None:
+        """Kill the workers without asking them (they may be inside a collective) and release the groups."""
         self._teardown()
         self.state = "closed"
-        return e
 
     def shutdown(self) -> None:
         """Stop the workers (politely, then by force) and release the process groups. Idempotent."""
@@ -337,12 +232,11 @@ class ParallelManager:
             self.state = "closing"
             self.supervisor.watch(None)
             try:
-                dist.broadcast_object_list([("shutdown", None)], src=0, group=self.control)
+                dist.broadcast_object_list([("shutdown", ())], src=0, group=self.control)
             except Exception:
                 pass
             self.supervisor.join(10)
-        self._teardown()
-        self.state = "closed"
+        self.close()
 
     def _teardown(self) -> None:
         """Kill the workers and release the process groups and the store."""

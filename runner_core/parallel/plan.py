@@ -28,29 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from runner_core.errors import ConfigError
-from runner_core.parallel.state import stage_layer_ranges
+from runner_core.memory import ModelShape, available_memory_bytes, estimate_memory, stage_layer_ranges
 
 _GiB = 2**30
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def tp_problem(tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> str | None:
-    """Why `tp` cannot split this model's layers, or None when it can."""
-    if num_heads % tp:
-        return (f"tensor_parallel_size={tp} does not divide num_attention_heads={num_heads}: attention heads "
-                f"are split evenly across the ranks; use one of {_divisors(num_heads)}")
-    if num_kv_heads >= tp and num_kv_heads % tp:
-        return (f"tensor_parallel_size={tp} does not divide num_key_value_heads={num_kv_heads}; use a divisor "
-                f"of {num_kv_heads} or a multiple of it that divides {num_heads}")
-    if num_kv_heads < tp and tp % num_kv_heads:
-        return (f"tensor_parallel_size={tp} is not a multiple of num_key_value_heads={num_kv_heads}: with fewer "
-                f"KV heads than ranks each KV head is replicated on tp/kv_heads ranks")
-    if intermediate_size % tp:
-        return f"tensor_parallel_size={tp} does not divide intermediate_size={intermediate_size} (the MLP width)"
-    return None
 
 
 def _cuda_devices_needed(config) -> tuple[int, int]:
@@ -64,19 +44,11 @@ def _cuda_devices_needed(config) -> tuple[int, int]:
 def validate_parallel_config(config, hf_config) -> list[range]:
     """Refuse a parallel layout the model or the machine cannot take; the layers of each stage."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    heads = hf_config.num_attention_heads
-    kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    problem = tp_problem(tp, heads, kv, hf_config.intermediate_size)
+    shape = ModelShape.from_hf_config(hf_config)
+    problem = shape.tp_problem(tp)
     if problem:
         raise ConfigError(problem)
-    layers = hf_config.num_hidden_layers
-    if pp > layers:
-        raise ConfigError(f"pipeline_parallel_size={pp} exceeds the model's {layers} decoder layers: every "
-                          f"stage needs at least one layer; use pipeline_parallel_size <= {layers}")
-    split = config.pipeline_stage_layers
-    if split is not None and sum(split) != layers:
-        raise ConfigError(f"pipeline_stage_layers={split} adds up to {sum(split)} layers but the model has "
-                          f"{layers}; give {pp} counts that add up to {layers}")
+    stages = stage_layer_ranges(shape.num_layers, pp, config.pipeline_stage_layers)
     if config.torch_device.type == "cuda":
         needed, visible = _cuda_devices_needed(config)
         if needed > visible:
@@ -84,7 +56,7 @@ def validate_parallel_config(config, hf_config) -> list[range]:
                 f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} = {tp * pp} ranks need one CUDA "
                 f"device each (cuda:{config.torch_device.index} onwards, {needed} in all) but {visible} "
                 f"{'is' if visible == 1 else 'are'} visible; lower the sizes or use more devices (torchrun for several nodes)")
-    return stage_layer_ranges(layers, pp, split)
+    return stages
 
 
 # ---- suggestion ----------------------------------------------------------------------------
@@ -123,8 +95,6 @@ def _usable_bytes(devices, device_memory: int | None, gpu_memory_utilization: fl
         if not torch.cuda.is_available():
             raise ConfigError("no CUDA device is visible; pass device_memory=<bytes per device> to plan on paper")
         return len(devices), min(int(torch.cuda.mem_get_info(d)[1] * gpu_memory_utilization) for d in devices), kind
-    from runner_core.memory.sizing import available_memory_bytes
-
     return len(devices), available_memory_bytes("cpu") // len(devices), kind  # the ranks share the RAM
 
 
@@ -137,8 +107,6 @@ def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memor
     `device_memory` (bytes per device) plans on paper instead of asking the devices;
     `estimate_kwargs` go to `estimate_memory` (dtype, max_model_len, max_num_seqs, ...).
     Raises ConfigError when no layout fits, saying the least memory per device it would take."""
-    from runner_core.memory.estimate import estimate_memory
-
     n, usable, kind = _usable_bytes(devices, device_memory, gpu_memory_utilization)
     per_node = devices_per_node or n
     estimate_kwargs.setdefault("device", "cuda" if kind == "cuda" else "cpu")
@@ -148,7 +116,7 @@ def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memor
     for world in range(1, n + 1):
         for tp in sorted((d for d in range(1, world + 1) if world % d == 0), reverse=True):
             pp = world // tp
-            why = tp_problem(tp, shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
+            why = shape.tp_problem(tp)
             if why is None and tp > per_node:
                 why = f"tensor_parallel_size={tp} would span nodes (devices_per_node={per_node})"
             if why is None and pp > shape.num_layers:

@@ -1,11 +1,11 @@
-"""Tensor/pipeline parallel state seen by the layers: ranks, sizes, the pipeline stage and the
-collectives.
+"""Tensor/pipeline parallel state seen by the layers and the worker: ranks, sizes, the pipeline
+stage and the collectives.
 
-With no process group active everything is the single-rank identity, so the layers are
-written parallel-aware while running in one process. A parallel runner makes its groups
-active only while it builds or runs its model (`parallel_context`), and only on the calling
-thread (a `threading.local`, which torch.compile guards on), so a single-process runner in
-the same interpreter, on this or another thread, never sees them.
+With no process group active everything is the single-rank identity, so the layers and the
+worker are written parallel-aware while running in one process. A parallel runner makes its
+groups active only while it builds or runs its model (`parallel_context`), and only on the
+calling thread (a `threading.local`, which torch.compile guards on), so a single-process runner
+in the same interpreter, on this or another thread, never sees them.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-_LOCAL = threading.local()  # .tp_group, .pp_stage of the calling thread (absent: single rank)
+_LOCAL = threading.local()  # .tp_group, .pp_stage, .world_group of the calling thread (absent: single rank)
 
 
 @dataclass(frozen=True, slots=True)
 class PipelineStage:
-    """This rank's pipeline stage: decoder layers [start_layer, end_layer) of the model, and the
-    global ranks it receives hidden states from and sends them to (None at either end)."""
+    """This rank's pipeline stage: decoder layers [start_layer, end_layer) of the model, the global
+    ranks it receives hidden states from and sends them to (None at either end), this process's
+    global rank and the one that hands the last stage's outputs to rank 0."""
 
     rank: int
     size: int
@@ -33,6 +34,8 @@ class PipelineStage:
     end_layer: int
     prev_rank: int | None
     next_rank: int | None
+    global_rank: int
+    last_stage_rank: int  # global rank of the last stage's first TP rank
 
     @property
     def is_first(self) -> bool:
@@ -43,33 +46,21 @@ class PipelineStage:
         return self.rank == self.size - 1
 
 
-def stage_layer_ranges(num_layers: int, pp_size: int, layers_per_stage: list[int] | None = None) -> list[range]:
-    """Layers of each stage: `layers_per_stage` when given, else an even split in which the
-    earlier stages take the remainder (the rule memory.shapes uses)."""
-    if layers_per_stage is None:
-        base, extra = divmod(num_layers, pp_size)
-        layers_per_stage = [base + (1 if s < extra else 0) for s in range(pp_size)]
-    bounds, start = [], 0
-    for n in layers_per_stage:
-        bounds.append(range(start, start + n))
-        start += n
-    return bounds
-
-
 # ---- activation ------------------------------------------------------------------------------
 def _tp_group() -> dist.ProcessGroup | None:
     return getattr(_LOCAL, "tp_group", None)
 
 
 @contextmanager
-def parallel_context(tp_group: dist.ProcessGroup | None, stage: PipelineStage | None) -> Iterator[None]:
-    """Make `tp_group` and `stage` the ones the layers see on this thread, for the block."""
-    previous = _tp_group(), get_pp_stage()
-    _LOCAL.tp_group, _LOCAL.pp_stage = tp_group, stage
+def parallel_context(tp_group: dist.ProcessGroup | None, stage: PipelineStage | None,
+                     world_group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Make `tp_group`, `stage` and `world_group` (every rank) the ones seen on this thread, for the block."""
+    previous = _tp_group(), get_pp_stage(), getattr(_LOCAL, "world_group", None)
+    _LOCAL.tp_group, _LOCAL.pp_stage, _LOCAL.world_group = tp_group, stage, world_group
     try:
         yield
     finally:
-        _LOCAL.tp_group, _LOCAL.pp_stage = previous
+        _LOCAL.tp_group, _LOCAL.pp_stage, _LOCAL.world_group = previous
 
 
 def get_tp_size() -> int:
@@ -161,6 +152,29 @@ def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, sr
     x = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(x, src)
     COMM_STATS.add("recv", _nbytes(x), time.perf_counter() - t)
+    return x
+
+
+def min_over_ranks(n: int) -> int:
+    """The smallest `n` any rank holds (every rank calls it); `n` itself in one process."""
+    group = getattr(_LOCAL, "world_group", None)
+    if group is None:
+        return n
+    t = torch.tensor([n], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t)
+
+
+def to_driver(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The last pipeline stage's `x` (of `shape`) on rank 0, which drives the engine; `x` itself
+    without pipeline parallelism, and on ranks that neither send nor receive it."""
+    stage = get_pp_stage()
+    if stage is None or stage.last_stage_rank == 0 or not shape[0]:
+        return x
+    if stage.global_rank == stage.last_stage_rank:
+        pp_send(x, 0)
+    elif stage.global_rank == 0:
+        return pp_recv(shape, x.dtype, x.device, stage.last_stage_rank)
     return x
 
 

@@ -52,11 +52,10 @@ class WorkerSupervisor:
         self._stop = threading.Event()
         self._threads_before: int | None = None
 
-    def start(self, config, stage_ranges: list[range], host: str, port: int) -> None:
-        """Start ranks 1.. on the spawn context (they join the store at host:port), then the monitor."""
+    def start(self, worker_main, config, stage_ranges: list[range], host: str, port: int) -> None:
+        """Start ranks 1.. running `worker_main` on the spawn context (they join the store at
+        host:port), then the monitor."""
         import torch.multiprocessing as mp
-
-        from runner_core.parallel.worker_proc import worker_main
 
         device, threads = config.torch_device, 0
         if device.type == "cpu":  # share the cores: every rank computes at the same time

@@ -1,10 +1,7 @@
-"""The worker side of a parallel runner: the spawned process's entry point, the command loop,
-and the forward pass that every rank runs on the batch rank 0 scheduled.
-
-A step's command carries, for each scheduled sequence, what `ForwardPass.prepare` reads:
-where its new tokens start, how many, those token ids, its block table and whether it
-samples. Workers wrap these in `SeqView`s and call the same `prepare`, so every rank builds
-bit-identical positions, slot mappings and attention metadata over its own pool shard.
+"""A parallel runner's ranks as processes: starting them and building every rank's Worker in step
+(`launch`, `build_rank`), the spawned process's entry point (`worker_main`) and the loop in which a
+worker runs rank 0's calls (`serve`: receive (method, args), run that Worker method; no command
+switch). Only the façade imports this module: it builds the engine's workers.
 """
 
 from __future__ import annotations
@@ -19,120 +16,70 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from runner_core.engine.forward_pass import ForwardPass, ModelInput
+from runner_core.config import RunnerConfig
+from runner_core.engine.worker import Worker
+from runner_core.errors import RunnerError, WorkerError
+from runner_core.model_loader import LoadedModel, ModelLoader
+from runner_core.parallel.manager import ParallelManager
 
 logger = logging.getLogger("runner_core")
 
 
-# ---- the step's batch on the wire ------------------------------------------------------------
-def encode_step(scheduled) -> list[tuple]:
-    """(start, num_new_tokens, new token ids, block table, samples) per scheduled sequence."""
-    out = []
-    for seq, n in scheduled:
-        start = seq.num_computed_tokens
-        out.append((start, n, seq.token_ids[start:start + n], seq.block_table, start + n == seq.num_tokens))
-    return out
-
-
-class _Chunk:
-    """The token ids a worker sees of a sequence: only this step's new ones."""
-
-    __slots__ = ("start", "ids")
-
-    def __init__(self, start: int, ids: list[int]):
-        self.start, self.ids = start, ids
-
-    def __getitem__(self, index: slice) -> list[int]:
-        if index.start != self.start or index.stop != self.start + len(self.ids):
-            raise IndexError(f"a worker holds tokens [{self.start}, {self.start + len(self.ids)}) of this "
-                             f"sequence, not [{index.start}, {index.stop})")
-        return self.ids
-
-
-class SeqView:
-    """What ForwardPass.prepare reads of a Sequence, rebuilt on a worker from `encode_step`."""
-
-    __slots__ = ("num_computed_tokens", "token_ids", "block_table", "num_tokens")
-
-    def __init__(self, start: int, n: int, ids: list[int], block_table: list[int], samples: bool):
-        self.num_computed_tokens, self.token_ids, self.block_table = start, _Chunk(start, ids), block_table
-        self.num_tokens = start + n if samples else start + n + 1
-
-
-def decode_step(payload: list[tuple]) -> list[tuple[SeqView, int]]:
-    return [(SeqView(*item), item[1]) for item in payload]
-
-
-class DistributedForwardPass(ForwardPass):
-    """ForwardPass of a parallel runner: on rank 0, `prepare` first broadcasts the batch; every
-    rank runs its shard/stage in `execute`, and rank 0 gets the logits."""
-
-    def __init__(self, model, kv_cache, block_size, device, buffers, parallel):
-        super().__init__(model, kv_cache, block_size, device, buffers)
-        self.parallel = parallel
-        self.vocab_size = model.config.vocab_size
-
-    def prepare(self, scheduled) -> ModelInput:
-        pm = self.parallel
+def launch(config: RunnerConfig, stage_ranges: list[range]) -> tuple[ParallelManager, LoadedModel]:
+    """Start the ranks (spawned from here, or this process's rank under torchrun) and build this
+    rank's worker in step with the others; rank 0 gets its manager (the engine's executor, holding
+    rank 0's worker) and its loaded model. Under torchrun, ranks > 0 serve rank 0 inside this call
+    and exit the process when rank 0 shuts down."""
+    pm = ParallelManager.launch(config, stage_ranges, worker_main)
+    try:
+        loaded = build_rank(pm)
+    except BaseException:
         if not pm.is_driver:
-            return super().prepare(scheduled)
-        pm.begin("step", encode_step(scheduled))
+            report_error(pm, pm.rank)
+        raise
+    if not pm.is_driver:  # torchrun rank > 0
         try:
-            return super().prepare(scheduled)
-        except BaseException as e:
-            pm.end()
-            pm._raise_failure(e, "a step")
-
-    def execute(self, inp: ModelInput) -> torch.Tensor:
-        pm = self.parallel
-        try:
-            with pm.activate():
-                logits = super().execute(inp)
-                return pm.logits_to_driver(logits, len(inp.sampling_seqs), self.vocab_size)
-        except BaseException as e:
-            if not pm.is_driver:
-                raise
-            pm._raise_failure(e, "a step")
-        finally:
-            pm.end()
+            serve(pm)
+        except BaseException:
+            report_error(pm, pm.rank)
+            raise
+        pm.shutdown()
+        raise SystemExit(0)
+    return pm, loaded
 
 
-def apply_slot_mapping(engine, mapping: torch.Tensor) -> None:
-    """Move this rank's KV so that new slot i holds old slot mapping[i] (defragmentation), and
-    cut the pool to len(mapping) slots when it shrank."""
-    from runner_core.layers.attention import bind_kv_cache
+def build_rank(pm: ParallelManager) -> LoadedModel:
+    """Load this rank's shard and build its Worker, in step with the other ranks."""
+    try:
+        with pm.activate():
+            loaded = ModelLoader(pm.config).load()
+            dist.barrier(group=pm.control)  # loading times differ: meet before the first forward
+            pm.worker = Worker(pm.config, loaded)
+        layers = pm.stage_ranges[pm.pp_rank]
+        info = {"rank": pm.rank, "pid": os.getpid(), "host": os.uname().nodename, "device": str(pm.device),
+                "layers": [layers.start, layers.stop], "weights_bytes": loaded.weight_bytes,
+                "checkpoint_bytes_read": loaded.bytes_read, "kv_pool_bytes": pm.worker.memory.kv_cache_bytes}
+        gathered: list = [None] * pm.world_size
+        dist.all_gather_object(gathered, info, group=pm.control)
+        pm.ranks_info = gathered
+    except BaseException as e:
+        if not pm.is_driver:
+            raise
+        if isinstance(e, RunnerError) and pm.supervisor.cause is None and not isinstance(e, WorkerError):
+            pm.close()  # rank 0's own refusal (e.g. a pool too small): the workers are mid-collective
+            raise
+        raise pm.fail(e, "loading the model") from e
+    return loaded
 
-    kv = engine.memory.kv_cache
-    mapping = mapping.to(kv.device)
-    n = mapping.numel()
-    moved = (mapping != torch.arange(n, device=kv.device)).nonzero().squeeze(1)
-    if moved.numel():
-        kv[:, :, :, moved] = kv[:, :, :, mapping[moved]]
-    if n < kv.shape[3]:
-        kv = kv[:, :, :, :n].clone()
-    engine.memory.kv_cache = engine.forward_pass.kv_cache = kv
-    bind_kv_cache(engine.model, kv)
 
-
-# ---- the command loop ------------------------------------------------------------------------
-def serve(pm, engine) -> None:
-    """Run rank 0's commands until it says shutdown."""
-    fp = engine.forward_pass
+def serve(pm: ParallelManager) -> None:
+    """Run rank 0's calls on this rank's worker until it says shutdown."""
     while True:
-        kind, arg = pm.recv_command()
-        if kind == "step":
-            fp.execute(fp.prepare(decode_step(arg)))
-        elif kind == "forward":
-            pm.run_stateless(engine, arg)
-        elif kind == "compile":
-            with pm.activate():
-                engine.set_compile_mode(arg.pop("enabled"), **arg)
-        elif kind == "defrag":
-            apply_slot_mapping(engine, arg)
-        elif kind == "shutdown":
+        method, args = pm.recv_call()
+        if method == "shutdown":
             return
-        else:
-            raise RuntimeError(f"unknown command {kind!r} from rank 0")
+        with pm.activate():
+            getattr(pm.worker, method)(*args)
 
 
 def report_error(pm, rank: int) -> None:
@@ -166,9 +113,6 @@ def worker_main(rank: int, world_size: int, host: str, port: int, config: dict, 
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     if num_threads:
         torch.set_num_threads(num_threads)
-    from runner_core.config import RunnerConfig
-    from runner_core.parallel.manager import ParallelManager
-
     pm, code = None, 0
     try:
         cfg = RunnerConfig(config)
@@ -178,9 +122,9 @@ def worker_main(rank: int, world_size: int, host: str, port: int, config: dict, 
             torch.cuda.set_device(pm.device)
         pm.store.set(f"runner/ready/{rank}", "1")
         dist.init_process_group(pm.backend, store=pm.store, rank=rank, world_size=world_size, timeout=pm.timeout)
-        pm._init_groups()
-        _, engine = pm.build_engine()
-        serve(pm, engine)
+        pm.init_groups()
+        build_rank(pm)
+        serve(pm)
     except BaseException:
         report_error(pm, rank)
         code = 1

@@ -1,0 +1,110 @@
+"""The step's observer: once per step, after the step's work, it records what the step did (a
+`StepMetrics` in a bounded deque the workbench reads) and feeds the same live requests to the
+contiguous allocators the paged pool is compared with (a static max_model_len reservation and a
+first-fit simulation). `memory_figures()` gives those figures on demand. It times itself, so the
+recording cost per step is a benchmark figure (benchmarks/throughput.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from runner_core.memory import FragmentationTracker, MemoryManager
+from runner_core.memory.fragmentation import static_reservation_waste
+
+if TYPE_CHECKING:
+    from runner_core.engine.forward_pass import StepBatch
+    from runner_core.engine.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepMetrics:
+    """What one step did and how long its phases took (seconds)."""
+
+    step: int
+    time: float
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_sampled: int
+    num_preempted: int
+    num_waiting: int
+    num_running: int
+    schedule_s: float
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+    total_s: float
+    blocks_used: int
+    blocks_free: int
+    blocks_cached: int
+    kv_utilization: float
+    internal_fragmentation: float
+    static_reservation_waste: float  # what a max_model_len reservation per request would waste
+    firstfit_reserved_waste: float  # a contiguous worst-case reservation per request ...
+    firstfit_external_fragmentation: float  # ... and the holes between those reservations
+    prefix_cache_hit_rate: float
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """perf_counter stamps of a step's phases and the forward's own share of preparing inputs."""
+
+    start: float
+    scheduled: float
+    executed: float
+    end: float
+    prepare_s: float
+
+
+class StepObserver:
+    def __init__(self, memory: MemoryManager, scheduler: Scheduler, max_model_len: int, history: int = 4096):
+        self.memory, self.scheduler, self.max_model_len = memory, scheduler, max_model_len
+        self.records: deque[StepMetrics] = deque(maxlen=history)
+        self.contiguous = FragmentationTracker(memory.num_blocks * memory.block_size)
+        self.num_steps = 0
+        self.seconds = 0.0  # spent in on_step, in all
+
+    def on_step(self, sched: SchedulerOutput, batch: StepBatch, num_sampled: int, times: StepTimes) -> None:
+        t = time.perf_counter()
+        for seq, _ in sched.scheduled:  # idempotent: the contiguous comparison reserves once per request
+            if not seq.is_finished:
+                self.contiguous.on_admit(seq.request_id,
+                                         min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len))
+        running = self.scheduler.running
+        mem = self.memory.stats(running)
+        alloc = self.contiguous.allocator
+        tokens = {s.request_id: s.num_computed_tokens for s in running}
+        self.num_steps += 1
+        self.records.append(StepMetrics(
+            step=self.num_steps, time=times.end, num_seqs=len(sched.scheduled),
+            num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decodes, num_sampled=num_sampled,
+            num_preempted=len(sched.preempted), num_waiting=len(self.scheduler.waiting), num_running=len(running),
+            schedule_s=times.scheduled - times.start, prepare_s=times.prepare_s,
+            forward_s=times.executed - times.scheduled - times.prepare_s, sample_s=times.end - times.executed,
+            total_s=times.end - times.start, blocks_used=mem["blocks_used"], blocks_free=mem["blocks_free"],
+            blocks_cached=mem["blocks_cached"], kv_utilization=mem["kv_utilization"],
+            internal_fragmentation=mem["internal_fragmentation"],
+            static_reservation_waste=static_reservation_waste(list(tokens.values()), self.max_model_len),
+            firstfit_reserved_waste=alloc.waste(tokens), firstfit_external_fragmentation=alloc.external_fragmentation(),
+            prefix_cache_hit_rate=mem["prefix_cache_hit_rate"]))
+        self.seconds += time.perf_counter() - t
+
+    def on_release(self, request_id: str) -> None:
+        """A request finished, failed or was aborted: the contiguous allocators free its reservation."""
+        self.contiguous.on_release(request_id)
+
+    def on_pool_resized(self) -> None:
+        """The pool shrank: the comparison allocators model the new capacity (live requests re-reserve
+        at their next step)."""
+        self.contiguous = FragmentationTracker(self.memory.num_blocks * self.memory.block_size)
+
+    def memory_figures(self) -> dict:
+        """The pool's block counts and utilization with, for the same live requests, what a static
+        reservation and a first-fit contiguous allocator would waste."""
+        running = self.scheduler.running
+        tokens = {s.request_id: s.num_computed_tokens for s in running}
+        return {**self.memory.stats(running), **self.contiguous.contiguous_figures(tokens, self.max_model_len)}

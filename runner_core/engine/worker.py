@@ -1,0 +1,170 @@
+"""Worker: every rank's part of the engine — its model (or shard), its KV pool, the forward pass and
+the compile mode. Rank 0's LLMEngine runs the worker's methods through an executor's single
+`call(method, *args)`: `LocalExecutor` in one process; the ParallelManager broadcasts the call so
+that every rank runs the same method on its own worker (vLLM's collective RPC, nano-vllm's `call`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from runner_core.compile import (WARMUP_SIZES, CompileOptimizer, build_decode_programs, cuda_capture_plan,
+                                 cuda_graphs_status)
+from runner_core.config import RunnerConfig, resolve_max_model_len
+from runner_core.engine.forward_pass import ForwardPass, StepBatch
+from runner_core.engine.input_buffers import InputBuffers
+from runner_core.errors import CompileError, ConfigError
+from runner_core.memory import (MemoryManager, ModelShape, PoolPlan, dummy_batch, kv_bytes_per_token, plan_kv_pool,
+                                profile_activation_peak)
+from runner_core.model_loader import LoadedModel
+from runner_core.parallel.state import min_over_ranks, to_driver
+
+logger = logging.getLogger("runner_core")
+
+
+class Worker:
+    def __init__(self, config: RunnerConfig, loaded: LoadedModel):
+        self.config, self.model, self.hf_config = config, loaded.model, loaded.hf_config
+        self.weights_bytes = loaded.weight_bytes
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config.max_position_embeddings)
+        bs = config.block_size
+        buffers = InputBuffers(config.effective_max_num_batched_tokens, config.max_num_seqs,
+                               -(-self.max_model_len // bs), self.device)
+        self.forward_pass = ForwardPass(self.model, bs, self.device, buffers)
+        self.pool_plan = self._plan_pool(loaded.weight_bytes + loaded.buffer_bytes)
+        self.memory = MemoryManager(self.pool_plan.num_blocks, bs, config.enable_prefix_caching)
+        self.memory.allocate_kv_cache(self.model, self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
+                                      self.dtype, self.device)
+        logger.info(self.pool_plan.describe())
+        self.compiler: CompileOptimizer | None = None
+        if config.compile and not config.enforce_eager:
+            self.set_compile_mode(True)
+
+    def _plan_pool(self, model_bytes: int) -> PoolPlan:
+        """The KV pool for what is left (sizing.py); every rank gets the smallest block count any rank
+        planned, so the block tables rank 0 hands out are valid everywhere."""
+        config, model = self.config, self.model
+        measured, reserve = None, 0
+        if self.device.type == "cuda":
+            if config.kv_cache_memory is None:  # the profile run decides the pool size
+                measured = self.measure_activation_peak(config.effective_max_num_batched_tokens, config.max_num_seqs)
+                torch.cuda.empty_cache()  # hand the profile's cached blocks back before measuring what is left
+            total = torch.cuda.mem_get_info(self.device)[1]
+            reserve = cuda_capture_plan(config, self.hf_config, self.max_model_len, total)[1]
+        plan = plan_kv_pool(config, ModelShape.from_hf_config(self.hf_config), self.max_model_len,
+                            bytes_per_token=kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                                               self.dtype),
+                            weights_bytes=model_bytes, measured_peak_bytes=measured, reserved_bytes=reserve)
+        num_blocks = min_over_ranks(plan.num_blocks)
+        if num_blocks != plan.num_blocks:
+            plan = dataclasses.replace(plan, num_blocks=num_blocks)
+        if plan.num_tokens < self.max_model_len:
+            bs = config.block_size
+            raise ConfigError(
+                f"the KV pool holds {plan.num_tokens} tokens ({plan.num_blocks} blocks of {bs}), fewer than one "
+                f"max_model_len={self.max_model_len} sequence needs; raise kv_cache_memory to at least "
+                f"{-(-self.max_model_len // bs) * bs * plan.bytes_per_token} bytes or lower max_model_len")
+        return plan
+
+    def measure_activation_peak(self, num_tokens: int, num_seqs: int) -> int:
+        """Peak bytes of one stateless forward over `dummy_batch(num_tokens, num_seqs)` plus float32
+        logits for the rows the engine would sample (memory/profile.py)."""
+        seqs, rows = dummy_batch(num_tokens, num_seqs), min(num_seqs, num_tokens)
+
+        def run() -> None:
+            hidden = self.forward_pass.run_stateless(seqs)
+            with torch.inference_mode():
+                self.model.compute_logits(hidden[:rows]).float()
+
+        return profile_activation_peak(run, self.device)
+
+    # ---- what rank 0 calls on every rank ------------------------------------------------------
+    def execute_model(self, batch: StepBatch) -> tuple[torch.Tensor, float]:
+        """(logits [sampling rows, vocab] float32, seconds spent preparing the inputs) on rank 0."""
+        t = time.perf_counter()
+        inp = self.forward_pass.prepare(batch)
+        prepared = time.perf_counter() - t
+        logits = self.forward_pass.execute(inp)
+        return to_driver(logits, (len(batch.sample_rows), self.vocab_size)), prepared
+
+    def run_stateless(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [N, H], logits [N, V]) of a causal forward of independent rows without the KV pool."""
+        hidden = self.forward_pass.run_stateless(rows)
+        with torch.inference_mode():
+            logits = self.model.compute_logits(hidden)
+        n = hidden.shape[0]
+        return to_driver(hidden, (n, self.hf_config.hidden_size)), to_driver(logits, (n, self.vocab_size))
+
+    def set_compile_mode(self, enabled: bool, backend: str | None = None, mode: str | None = None,
+                         scope: str | None = None) -> dict:
+        """Compile (or un-compile) the loaded model without reloading weights; warms up now and builds
+        the decode programs. A compile error falls back to eager with a warning unless
+        `compile_fallback=False`."""
+        optimizer = CompileOptimizer.create(self.config, self.hf_config, enabled=enabled, backend=backend, mode=mode,
+                                            scope=scope)
+        fp = self.forward_pass
+        fp.decode_programs = None
+        try:
+            optimizer.apply(self.model)
+            optimizer.warm_up(fp.run_dummy, WARMUP_SIZES)
+            fp.decode_programs, reason = build_decode_programs(optimizer, self.config, self.hf_config, self.model, fp,
+                                                               self.memory, self.max_model_len)
+            optimizer.finish_warm_up(reason)
+        except Exception as e:
+            fp.decode_programs = None
+            optimizer.reset(self.model)
+            if not self.config.compile_fallback:
+                raise CompileError(f"compiling with {optimizer.settings} failed: {type(e).__name__}: {e}") from e
+            logger.warning("compiling with backend=%s mode=%s failed (%s: %s); running eager instead "
+                           "(compile_fallback=False makes this an error)", optimizer.settings.backend,
+                           optimizer.settings.mode, type(e).__name__, e)
+            optimizer = CompileOptimizer.create(self.config, self.hf_config, enabled=False)
+            optimizer.settings.reason = f"fell back to eager: {type(e).__name__}: {e}"
+        self.compiler = optimizer
+        return self.compile_stats()
+
+    def move_kv_blocks(self, moves: dict[int, int], num_blocks: int) -> None:
+        """Defragmentation on this rank: copy the K/V of each moved block, then cut the pool to
+        `num_blocks` (rank 0 renumbered its blocks already: MemoryManager.compact)."""
+        self.memory.move_blocks(moves)
+        self.memory.shrink(num_blocks)
+
+    # ---- figures ------------------------------------------------------------------------------
+    def compile_stats(self) -> dict:
+        if self.compiler is None:
+            return {"enabled": False, "backend": None, "mode": None, "scope": None, "cache": "off",
+                    "compile_seconds": {}, "recompiles_after_warmup": 0, "graph_breaks": 0, "warm_start": None,
+                    "cuda_graphs": cuda_graphs_status(self.device.type, None, False)}
+        return self.compiler.stats(self.forward_pass.decode_programs)
+
+    def memory_bytes(self) -> dict:
+        """This rank's weights, KV pool, planned activation peak and decode programs, in bytes."""
+        programs = self.forward_pass.decode_programs
+        return {"weights_bytes": self.weights_bytes, "kv_pool_bytes": self.memory.kv_cache_bytes,
+                "kv_bytes_per_token": self.pool_plan.bytes_per_token,
+                "activation_peak_bytes": self.pool_plan.activation_peak_bytes,
+                # CPU: the decode programs' prepacked weights; CUDA: their graphs' memory pool
+                "decode_programs_bytes": programs.memory_bytes if programs is not None else 0}
+
+
+class LocalExecutor:
+    """Runs the worker's methods in this process: the executor of a one-rank runner."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    def call(self, method: str, *args):
+        return getattr(self.worker, method)(*args)
+
+    def info(self) -> None:
+        """No parallel ranks (ModelRunner.parallel_info)."""
+        return None
+
+    def shutdown(self) -> None:
+        pass

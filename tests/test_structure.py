@@ -1,0 +1,116 @@
+"""The layout's promises (ARCHITECTURE.md): no import cycle among the project's modules, module-level
+or lazy (a name imported through a package's __init__ counts as an import of the module defining
+it); runner_core imports neither workbench nor a UI package; no module over 400 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("runner_core", "workbench")
+UI = ("panel", "plotly", "ipywidgets", "bokeh", "IPython", "jupyter", "anywidget", "workbench")
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module `name` imports, anywhere in the file, as the project modules it names."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+            found.add(base)
+    return found
+
+
+def _defining_module(target: str) -> str | None:
+    """The project module `target` (a module, or package.name) resolves to, through re-exports."""
+    if target in MODULES and MODULES[target].name != "__init__.py":
+        return target
+    package, _, attr = target.rpartition(".")
+    if package in MODULES and MODULES[package].name == "__init__.py":
+        for node in ast.parse(MODULES[package].read_text()).body:
+            if isinstance(node, ast.ImportFrom) and any(a.asname == attr or a.name == attr for a in node.names):
+                return _defining_module(node.module) if node.module else None
+    return None
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for name, path in MODULES.items():
+        if path.name == "__init__.py":
+            continue
+        edges = {_defining_module(t) for t in _imports(name, path)}
+        graph[name] = {e for e in edges if e and e != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                on.discard(w)
+                comp.append(w)
+            on.discard(v)
+            if comp:
+                out.append(sorted([v, *comp]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_the_check_sees_a_cycle_through_a_package_init():
+    """The checker itself: a lazy import through a package's re-export closes a cycle."""
+    graph = _graph()
+    graph["runner_core.config"] = graph["runner_core.config"] | {_defining_module("runner_core.engine.LLMEngine")}
+    assert any("runner_core.config" in c and "runner_core.engine.engine" in c for c in _cycles(graph))
+
+
+def test_runner_core_imports_no_ui_and_no_workbench():
+    bad = [(name, target) for name, path in MODULES.items() if name.startswith("runner_core")
+           for target in _imports(name, path) if target.split(".")[0] in UI]
+    assert bad == []
+
+
+def test_no_module_is_over_400_lines():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
