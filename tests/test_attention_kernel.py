@@ -8,7 +8,7 @@ import torch
 from runner_core import ModelRunner, SamplingParams
 from runner_core.layers.attention import set_forward_context
 from runner_core.engine.forward_pass import build_metadata
-from runner_core.engine.input_buffers import InputBuffers
+from runner_core.engine import InputBuffers
 from runner_core.kernels import cpu_kernels_available
 from runner_core.layers.attention import Attention
 

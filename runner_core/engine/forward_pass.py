@@ -3,8 +3,8 @@
 Layout: decode sequences (one new token) first, then prefill chunks. A `StepBatch` says, per
 sequence, where its new tokens start, how many there are, those tokens and its block table;
 everything the attention layers need (slot mapping, gather indices, masks) is derived from it
-with tensor operations; no per-token loops. Every rank of a parallel runner prepares the same
-batch over its own KV shard.
+with tensor operations, into buffers allocated once (`InputBuffers`); no per-token loops. Every
+rank of a parallel runner prepares the same batch over its own KV shard.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from runner_core.engine.input_buffers import InputBuffers
 from runner_core.kernels import cpu_kernels_available
 from runner_core.layers.attention import AttentionMetadata, set_forward_context
 
@@ -62,6 +62,61 @@ class ModelInput:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_pad_tokens: int = 0  # rows added to reach a decode program's size (repeats of the first row)
+
+
+class InputBuffers:
+    """Persistent per-step input buffers: token ids, positions, slot mapping, block tables.
+
+    Allocated once at their maximum size (max_num_batched_tokens tokens, max_num_seqs rows of
+    max_model_len / block_size blocks) and filled in place every step through numpy views, so a
+    step hands the model slices of the same tensors instead of fresh allocations. On CUDA the
+    filled slices are copied into device twins that also never move (what graph capture needs)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
+        pin = device.type == "cuda"
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks_per_seq
+        self.cpu = {
+            "input_ids": torch.zeros(max_tokens, dtype=torch.long, pin_memory=pin),
+            "positions": torch.zeros(max_tokens, dtype=torch.long, pin_memory=pin),
+            "slot_mapping": torch.zeros(max_tokens, dtype=torch.long, pin_memory=pin),
+            "block_tables": torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.long, pin_memory=pin),
+        }
+        self.np = {name: t.numpy() for name, t in self.cpu.items()}
+        self.device_bufs = ({name: torch.zeros_like(t, device=device) for name, t in self.cpu.items()}
+                            if device.type != "cpu" else self.cpu)
+
+    def fill(self, ids: list[int], starts: list[int], q_lens: list[int], block_tables: list[list[int]],
+             block_size: int, full_rows: bool = False) -> dict[str, torch.Tensor]:
+        """Write one step's inputs; returns CPU views {input_ids, positions, slot_mapping: [N],
+        block_tables: [B, width], block_tables_full: [B, max_blocks]}; the columns past `width` are
+        zeros only with `full_rows` (a static-length decode reads every column)."""
+        n, b = len(ids), len(starts)
+        width = max(map(len, block_tables))
+        if n > self.max_tokens or b > self.max_seqs or width > self.max_blocks:
+            raise ValueError(f"step of {n} tokens / {b} sequences / {width} blocks exceeds the input buffers "
+                             f"({self.max_tokens} / {self.max_seqs} / {self.max_blocks})")
+        ids_np, pos_np, slot_np = self.np["input_ids"][:n], self.np["positions"][:n], self.np["slot_mapping"][:n]
+        self.np["block_tables"][:b, : None if full_rows else width] = 0
+        bt_np = self.np["block_tables"][:b, :width]
+        ids_np[:] = ids
+        start_np, qlen_np = np.asarray(starts), np.asarray(q_lens)
+        offsets = np.cumsum(qlen_np) - qlen_np
+        np.subtract(np.arange(n), np.repeat(offsets - start_np, qlen_np), out=pos_np)
+        for row, table in enumerate(block_tables):
+            bt_np[row, : len(table)] = table
+        rows = np.repeat(np.arange(b), qlen_np)
+        np.add(bt_np[rows, pos_np // block_size] * block_size, pos_np % block_size, out=slot_np)
+        return {"input_ids": self.cpu["input_ids"][:n], "positions": self.cpu["positions"][:n],
+                "slot_mapping": self.cpu["slot_mapping"][:n], "block_tables": self.cpu["block_tables"][:b, :width],
+                "block_tables_full": self.cpu["block_tables"][:b]}
+
+    def to_device(self, name: str, view: torch.Tensor) -> torch.Tensor:
+        """The device twin's slice holding `view` (the same tensor on the CPU)."""
+        if self.device_bufs is self.cpu:
+            return view
+        target = self.device_bufs[name][tuple(slice(0, s) for s in view.shape)]
+        target.copy_(view, non_blocking=True)
+        return target
 
 
 def _kv_gather(block_tables: torch.Tensor | None, base: torch.Tensor | None, length: int, block_size: int,
@@ -140,8 +195,10 @@ class ForwardPass:
     """Prepares and runs steps of `model` over the KV pool its attention layers are bound to, and
     stateless forwards without the pool. Holds the decode programs (set by a compile switch)."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, buffers: InputBuffers):
-        self.model, self.block_size, self.device, self.buffers = model, block_size, device, buffers
+    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, *, max_tokens: int,
+                 max_seqs: int, max_blocks_per_seq: int):
+        self.model, self.block_size, self.device = model, block_size, device
+        self.buffers = InputBuffers(max_tokens, max_seqs, max_blocks_per_seq, device)
         self.sliding_window = model.sliding_window
         self.decode_kernel = device.type == "cpu" and cpu_kernels_available()
         self.decode_programs = None  # DecodePrograms for pure-decode steps (set when compiling)

@@ -16,7 +16,6 @@ from runner_core.compile import (WARMUP_SIZES, CompileOptimizer, build_decode_pr
                                  cuda_graphs_status)
 from runner_core.config import RunnerConfig, resolve_max_model_len
 from runner_core.engine.forward_pass import ForwardPass, StepBatch
-from runner_core.engine.input_buffers import InputBuffers
 from runner_core.errors import CompileError, ConfigError
 from runner_core.memory import (MemoryManager, ModelShape, PoolPlan, dummy_batch, kv_bytes_per_token, plan_kv_pool,
                                 profile_activation_peak)
@@ -34,9 +33,8 @@ class Worker:
         self.vocab_size = self.hf_config.vocab_size
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config.max_position_embeddings)
         bs = config.block_size
-        buffers = InputBuffers(config.effective_max_num_batched_tokens, config.max_num_seqs,
-                               -(-self.max_model_len // bs), self.device)
-        self.forward_pass = ForwardPass(self.model, bs, self.device, buffers)
+        self.forward_pass = ForwardPass(self.model, bs, self.device, max_tokens=config.effective_max_num_batched_tokens,
+                                        max_seqs=config.max_num_seqs, max_blocks_per_seq=-(-self.max_model_len // bs))
         self.pool_plan = self._plan_pool(loaded.weight_bytes + loaded.buffer_bytes)
         self.memory = MemoryManager(self.pool_plan.num_blocks, bs, config.enable_prefix_caching)
         self.memory.allocate_kv_cache(self.model, self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
