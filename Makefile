@@ -8,7 +8,7 @@ MODEL ?= tiny-llama
 PROMPT ?= Once upon a time
 PORT ?= 5006
 
-.PHONY: setup run generate lab browser test bench bench-memory bench-compile bench-cuda-graphs bench-parallel clean
+.PHONY: setup run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel clean
 
 setup: $(STAMP)
 
@@ -43,7 +43,11 @@ browser:
 		[ "$$CI" != true ] || exit 1; \
 	fi
 
-test: setup browser
+# ruff over the code (its rules and why: pyproject.toml); tests/test_structure.py checks the layout
+lint: setup
+	$(VENV)/bin/ruff check runner_core workbench tests benchmarks
+
+test: setup browser lint
 	$(PY) -m pytest -q -x
 
 bench: setup

@@ -191,7 +191,8 @@ def main() -> None:
                 speed[scope] = run_child("speed", spec, env)
                 d = speed[scope]["decode"]
                 print(f"  {scope:<6}decode b1 {d['eager']['1']:.1f} -> {d['general']['1']:.1f} (general) -> "
-                      f"{d['compiled']['1']:.1f} tok/s, b32 {d['eager']['32']:.1f} -> {d['compiled']['32']:.1f} tok/s; mixed "
+                      f"{d['compiled']['1']:.1f} tok/s, b32 {d['eager']['32']:.1f} -> {d['compiled']['32']:.1f} "
+                      "tok/s; mixed "
                       f"{speed[scope]['mixed']['eager']:.1f} -> {speed[scope]['mixed']['compiled']:.1f} tok/s",
                       flush=True)
     if not args.keep:

@@ -65,7 +65,7 @@ def main() -> None:
     speed = {m: dict.fromkeys(BATCHES, 0.0) for m in modes}
     tokens: dict[str, dict[int, list]] = {m: {} for m in modes}
     switch_s, stats = {}, {}
-    for rnd in range(args.rounds):
+    for _ in range(args.rounds):
         for mode in modes:
             switch_s.setdefault(mode, switch(mode))
             for b in BATCHES:

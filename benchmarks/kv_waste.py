@@ -305,7 +305,9 @@ def main() -> None:
                   "on_error": on["error"]}
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
-    rnd = lambda v: round(v, 5) if isinstance(v, float) else v
+    def rnd(v):
+        return round(v, 5) if isinstance(v, float) else v
+
     print(json.dumps({
         "waste": {k: rnd(v) for k, v in waste.items()},
         "paged_waste_target": PAGED_WASTE_TARGET,

@@ -134,7 +134,8 @@ def _run_layout(name: str, tp: int, pp: int, args, prompts) -> dict:
     prefill = [m for m in steps if m.num_prefill_tokens > 0]
     n_dec = max(1, len(decode))
     per_step = {k: {"calls": decode_comm["calls"][k] / n_dec, "bytes": decode_comm["bytes"][k] / n_dec,
-                    "ms": 1e3 * decode_comm["seconds"][k] / n_dec} for k in decode_comm["calls"] if decode_comm["calls"][k]}
+                    "ms": 1e3 * decode_comm["seconds"][k] / n_dec}
+                for k in decode_comm["calls"] if decode_comm["calls"][k]}
     comm_ms_decode = 1e3 * sum(decode_comm["seconds"].values()) / n_dec
     out_tokens = sum(len(o.token_ids) for o in outs)
     return {
@@ -203,7 +204,8 @@ def main() -> None:
     base = results[0]["output_tok_s"]
     print(json.dumps({"benchmark": "parallel", "model": args.model, "requests": args.requests,
                       "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
-                      "layouts": results, "transport_us": wire, "tp2_decode_transport_ms": round(floor_ms, 3), "speedup_vs_tp1": {r["layout"]: round(r["output_tok_s"] / base, 2)
+                      "layouts": results, "transport_us": wire, "tp2_decode_transport_ms": round(floor_ms, 3),
+                      "speedup_vs_tp1": {r["layout"]: round(r["output_tok_s"] / base, 2)
                                                              for r in results[1:]}}))
 
 

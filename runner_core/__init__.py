@@ -8,8 +8,16 @@ façade), `model_loader` (ModelLoader), `engine/` (ForwardPass and the step loop
 
 from runner_core.config import RunnerConfig, project_version
 from runner_core.engine import RequestOutput
-from runner_core.errors import (CompileError, ConfigError, EngineBusyError, EngineNotReadyError, InvalidRequestError,
-                                ModelLoadError, RunnerError, WorkerError)
+from runner_core.errors import (
+                                CompileError,
+                                ConfigError,
+                                EngineBusyError,
+                                EngineNotReadyError,
+                                InvalidRequestError,
+                                ModelLoadError,
+                                RunnerError,
+                                WorkerError,
+)
 from runner_core.memory import MemoryEstimate, estimate_memory
 from runner_core.model_runner import ModelRunner, StreamDelta
 from runner_core.parallel.plan import ParallelSuggestion, suggest_parallel_config

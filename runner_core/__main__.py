@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "finish_reason": out.finish_reason, "error": out.error, "metrics": out.metrics}))
             else:
                 print(f"--- {prompt!r} -> ({out.finish_reason}, {len(out.token_ids)} tokens, "
-                      f"{(out.metrics.get('tokens_per_s') or 0):.1f} tok/s)\n{out.text if out.error is None else out.error}")
+                      f"{(out.metrics.get('tokens_per_s') or 0):.1f} tok/s)\n"
+                      f"{out.text if out.error is None else out.error}")
     except RunnerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,9 +12,10 @@ import importlib.metadata
 import logging
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 import torch
 
@@ -56,14 +57,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("RUNNER_WORKBENCH_CACHE") or "~/.cache/runner-workbench").expanduser()
 
 
-def dtype_bytes(dtype: Union[str, torch.dtype]) -> int:
+def dtype_bytes(dtype: str | torch.dtype) -> int:
     """Bytes per element of a dtype given by name ('auto' is not a dtype: resolve it first) or torch.dtype."""
     if not isinstance(dtype, torch.dtype):
         dtype = TORCH_DTYPES[normalise_dtype(dtype)]
     return torch.empty((), dtype=dtype).element_size()
 
 
-def resolve_max_model_len(requested: Optional[int], max_position_embeddings: int) -> int:
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:
     """`max_model_len` for a model: as requested (at most the model's positions), else the model's."""
     wanted = requested or max_position_embeddings
     if wanted > max_position_embeddings:
@@ -82,7 +83,7 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
-def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> Optional[int]:
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> int | None:
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -97,7 +98,7 @@ def _check_choice(name: str, value: Any, choices: tuple) -> Any:
     return value
 
 
-def _check_str(name: str, value: Any, optional: bool = False) -> Optional[str]:
+def _check_str(name: str, value: Any, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
     if isinstance(value, os.PathLike):
@@ -119,7 +120,7 @@ def normalise_dtype(value: Any) -> str:
     raise _bad("dtype", value, allowed)
 
 
-def _normalise_device(value: Any) -> Union[int, str]:
+def _normalise_device(value: Any) -> int | str:
     if isinstance(value, torch.device):
         value = str(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -129,7 +130,7 @@ def _normalise_device(value: Any) -> Union[int, str]:
     raise _bad("device", value, "a GPU index >= 0, 'cpu', 'cuda' or 'cuda:N'")
 
 
-def _resolve_device(device: Union[int, str]) -> torch.device:
+def _resolve_device(device: int | str) -> torch.device:
     """The torch.device to run on; falls back to the CPU (one info line) without CUDA."""
     if device == "cpu":
         return torch.device("cpu")
@@ -165,7 +166,7 @@ def _check_memory_fraction(value: Any) -> float:
     return float(value)
 
 
-def _check_stage_layers(value: Any, pp: int) -> Optional[list]:
+def _check_stage_layers(value: Any, pp: int) -> list | None:
     if value is None:
         return None
     ok = (isinstance(value, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
@@ -176,7 +177,7 @@ def _check_stage_layers(value: Any, pp: int) -> Optional[list]:
     return list(value)
 
 
-def _check_sizes(value: Any) -> Optional[list]:
+def _check_sizes(value: Any) -> list | None:
     if value is None:
         return None
     ok = isinstance(value, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
@@ -198,9 +199,9 @@ class RunnerConfig:
     """Validated runner settings; build with kwargs, a dict, `from_dict` or `coerce`."""
 
     model: str
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     dtype: str = "auto"
-    device: Union[int, str] = 0
+    device: int | str = 0
     compile: bool = False
     compile_backend: str = "inductor"
     compile_mode: str = "max-autotune"
@@ -210,23 +211,23 @@ class RunnerConfig:
     # pure-decode batch sizes given a static program (CPU: weight-frozen inductor compile; CUDA: a
     # CUDA graph); a decode batch runs at the next size up. None: [1] on CPU, 1, 2, 4, 8, 16, 32, ...
     # up to max_num_seqs on CUDA; []: none
-    compile_sizes: Optional[list] = None
+    compile_sizes: list | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    pipeline_stage_layers: Optional[list] = None  # decoder layers per stage, first to last; None: even
+    pipeline_stage_layers: list | None = None  # decoder layers per stage, first to last; None: even
     parallel_timeout_s: float = 120.0  # a worker silent this long in a step is declared hung
     trust_remote_code: bool = False
     gpu_memory_utilization: float = 0.9
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
-    kv_cache_memory: Optional[int] = None
+    kv_cache_memory: int | None = None
     enable_prefix_caching: bool = False
     enforce_eager: bool = False
     seed: int = 0
 
-    def __init__(self, config: Union["RunnerConfig", Mapping[str, Any], None] = None, /, **kwargs: Any):
+    def __init__(self, config: RunnerConfig | Mapping[str, Any] | None = None, /, **kwargs: Any):
         if config is None:
             values: dict[str, Any] = {}
         elif isinstance(config, RunnerConfig):
@@ -286,17 +287,17 @@ class RunnerConfig:
         self._torch_device = _resolve_device(self.device)
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> "RunnerConfig":
+    def from_dict(cls, config: Mapping[str, Any]) -> RunnerConfig:
         return cls(config)
 
     @classmethod
     def coerce(
-        cls, obj: Union["RunnerConfig", Mapping[str, Any], None] = None, **overrides: Any
-    ) -> "RunnerConfig":
+        cls, obj: RunnerConfig | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> RunnerConfig:
         """A new validated config from a RunnerConfig, a dict or None, with `overrides` applied."""
         return cls(obj, **overrides)
 
-    def replace(self, **changes: Any) -> "RunnerConfig":
+    def replace(self, **changes: Any) -> RunnerConfig:
         return type(self)(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:

@@ -183,7 +183,7 @@ class LazyWeight:
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    def narrow(self, dim: int, start: int, length: int) -> "LazyWeight":
+    def narrow(self, dim: int, start: int, length: int) -> LazyWeight:
         dim = dim % self.dim()
         if start < 0 or length < 0 or start + length > self.shape[dim]:
             raise ValueError(f"narrow({dim}, {start}, {length}) is outside a tensor of shape {tuple(self.shape)}")
@@ -191,7 +191,7 @@ class LazyWeight:
         index = self._index[:dim] + (slice(base + start, base + start + length),) + self._index[dim + 1:]
         return LazyWeight(self._part, self._file, self._owner, index, self._dtype)
 
-    def to(self, dtype: torch.dtype) -> "LazyWeight":
+    def to(self, dtype: torch.dtype) -> LazyWeight:
         return LazyWeight(self._part, self._file, self._owner, self._index, dtype)
 
     def materialize(self) -> torch.Tensor:

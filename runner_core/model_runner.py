@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,7 @@ class ModelRunner:
         self.memory_estimate: MemoryEstimate | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def load_model(self) -> "ModelRunner":
+    def load_model(self) -> ModelRunner:
         """Load the model and build the engine. A configuration that cannot fit is refused before any
         weight is read (and a parallel layout the model does not allow, before any process starts).
         With tensor_parallel_size x pipeline_parallel_size > 1 the ranks are spawned here (or joined
@@ -111,9 +112,11 @@ class ModelRunner:
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise InvalidRequestError(f"input_ids must be a 2-D integer tensor [batch, tokens], got "
                                       f"shape {tuple(ids.shape)} dtype {ids.dtype}")
-        mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else torch.as_tensor(attention_mask).bool()
+        mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
+                else torch.as_tensor(attention_mask).bool())
         if mask.shape != ids.shape:
-            raise InvalidRequestError(f"attention_mask shape {tuple(mask.shape)} differs from input_ids {tuple(ids.shape)}")
+            raise InvalidRequestError(f"attention_mask shape {tuple(mask.shape)} differs from input_ids "
+                                      f"{tuple(ids.shape)}")
         ids, mask = ids.cpu(), mask.cpu()
         rows = [engine.encode_prompt(r[m].tolist())[1] for r, m in zip(ids, mask)]
         if max(map(len, rows)) > engine.max_model_len:
@@ -154,7 +157,8 @@ class ModelRunner:
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:
-            raise InvalidRequestError(f"got {len(sampling_params)} sampling params for {n} prompts; give one, or one per prompt")
+            raise InvalidRequestError(f"got {len(sampling_params)} sampling params for {n} prompts; give one, or "
+                                      "one per prompt")
         return list(sampling_params)
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
@@ -231,7 +235,8 @@ class ModelRunner:
                 for out in engine.step():
                     if out.request_id == rid:
                         finished = out.finished
-                        yield StreamDelta(rid, out.delta_text, out.delta_token_ids, out.finished, out.finish_reason, out)
+                        yield StreamDelta(request_id=rid, text=out.delta_text, token_ids=out.delta_token_ids,
+                                          finished=out.finished, finish_reason=out.finish_reason, output=out)
         finally:
             if not finished:
                 engine.abort_request(rid)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Union
+from typing import Any
 
 from runner_core.errors import InvalidRequestError
 
@@ -33,12 +34,12 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    seed: Optional[int] = None
-    stop: Union[tuple[str, ...], list[str], str, None] = None
-    stop_token_ids: Union[tuple[int, ...], list[int]] = ()
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
-    logprobs: Optional[int] = None
+    logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -68,7 +69,7 @@ class SamplingParams:
             raise _bad("logprobs", self.logprobs, "None or an int >= 0 (top logprobs per token)")
 
     @staticmethod
-    def _normalise_stop(stop: Union[Iterable[str], str, None]) -> tuple[str, ...]:
+    def _normalise_stop(stop: Iterable[str] | str | None) -> tuple[str, ...]:
         if stop is None:
             return ()
         items = (stop,) if isinstance(stop, str) else stop
@@ -96,6 +97,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
-    def replace(self, **changes: Any) -> "SamplingParams":
+    def replace(self, **changes: Any) -> SamplingParams:
         """A new validated copy with `changes` applied."""
         return dataclasses.replace(self, **changes)

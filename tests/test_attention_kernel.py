@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from runner_core import ModelRunner, SamplingParams
-from runner_core.layers.attention import set_forward_context
-from runner_core.engine.forward_pass import build_metadata
 from runner_core.engine import InputBuffers
+from runner_core.engine.forward_pass import build_metadata
 from runner_core.kernels import cpu_kernels_available
-from runner_core.layers.attention import Attention
+from runner_core.layers.attention import Attention, set_forward_context
 
 
 def test_kernel_builds():

@@ -129,7 +129,8 @@ def test_corrupt_cache_entry_is_discarded(tmp_path, eager, caplog):
     (opt.folder / compile_cache.ARTIFACTS).write_bytes(b"half-written garbage")
     (opt.folder / compile_cache.META).write_text(json.dumps({"sha256": "0" * 64}))
     opt.load_cache()
-    assert opt.artifacts_cache == "rebuilt" and not any((opt.folder / n).exists() for n in (compile_cache.ARTIFACTS, compile_cache.META))
+    assert opt.artifacts_cache == "rebuilt"
+    assert not any((opt.folder / n).exists() for n in (compile_cache.ARTIFACTS, compile_cache.META))
     assert "is corrupt" in caplog.text
     opt.folder.mkdir(parents=True, exist_ok=True)
     (opt.folder / compile_cache.ARTIFACTS).write_bytes(b"x")  # no meta.json: also corrupt

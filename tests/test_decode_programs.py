@@ -12,8 +12,8 @@ import torch
 
 from runner_core import ConfigError, ModelRunner, SamplingParams
 from runner_core.compile import DecodePrograms, plan_sizes
-from runner_core.engine import StepBatch
 from runner_core.compile import decode_plan as dp
+from runner_core.engine import StepBatch
 from tests.test_compile import COMPILED, GREEDY, _prompts
 
 LOGPROBS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)

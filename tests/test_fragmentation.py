@@ -7,8 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runner_core.memory.fragmentation import (FirstFitAllocator, FragmentationTracker, paged_figures,
-                                              static_reservation_waste)
+from runner_core.memory.fragmentation import (
+    FirstFitAllocator,
+    FragmentationTracker,
+    paged_figures,
+    static_reservation_waste,
+)
 
 
 # ---- paged figures ------------------------------------------------------------------------

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from runner_core import ConfigError, ModelRunner, RunnerConfig
+from runner_core.memory import ModelShape, kv_bytes_per_token
 from runner_core.memory.estimate import estimate_memory
 from runner_core.memory.fit import check_config_fits, check_fits, required_bytes
-from runner_core.memory import ModelShape, kv_bytes_per_token
 from runner_core.memory.profile import dummy_batch
 from runner_core.memory.sizing import CPU_KV_CAP_BYTES, CPU_KV_FRACTION, plan_kv_pool, plan_pool
 from runner_core.model_loader import read_hf_config

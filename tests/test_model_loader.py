@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from hypothesis import given, settings, strategies as st
+from helpers import make_tiny_hf_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from helpers import make_tiny_hf_model
 from runner_core.config import RunnerConfig
 from runner_core.errors import InvalidRequestError, ModelLoadError
 from runner_core.model_loader import ModelLoader, resolve_model_path

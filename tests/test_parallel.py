@@ -180,7 +180,11 @@ def test_a_single_process_runner_on_another_thread_is_unaffected(layout, referen
     name, model, runner = layout
     single = ModelRunner(model=models["tiny-llama"], **COMMON).load_model()
     results = {}
-    worker = threading.Thread(target=lambda: results.update(single=[o.token_ids for o in single.generate(PROMPTS, GREEDY)]))
+
+    def generate_single():
+        results.update(single=[o.token_ids for o in single.generate(PROMPTS, GREEDY)])
+
+    worker = threading.Thread(target=generate_single)
     worker.start()
     results["parallel"] = [o.token_ids for o in runner.generate(PROMPTS, GREEDY)]
     worker.join(timeout=300)

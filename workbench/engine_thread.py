@@ -96,7 +96,7 @@ def run_into(fut: Future, fn: Callable[[], Any]) -> None:
             fut.set_result(result)
 
 
-def _stop_ref(ref: "weakref.ref[EngineThread]") -> None:
+def _stop_ref(ref: weakref.ref[EngineThread]) -> None:
     thread = ref()
     if thread is not None:
         thread.closed = True  # at interpreter exit: just stop the loop

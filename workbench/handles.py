@@ -35,7 +35,7 @@ class RequestHandle:
     """
 
     def __init__(self, request_id: str, model: str, prompt: Any, params: Any,
-                 canceller: Callable[["RequestHandle"], None]):
+                 canceller: Callable[[RequestHandle], None]):
         self.request_id, self.model, self.prompt, self.params = request_id, model, prompt, params
         self._canceller = canceller
         self._cond = threading.Condition()

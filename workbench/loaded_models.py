@@ -14,7 +14,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from runner_core import ModelRunner, RunnerConfig
-
 from workbench.engine_thread import EngineThread, run_into
 from workbench.handles import NoModelError, SessionBusyError, SessionError
 from workbench.metrics import StepAccumulator, Telemetry

@@ -139,7 +139,8 @@ class SessionDashboard(ViewController):
         if self.set_compile(self.compile_on.value, self.compile_backend.value, self.compile_mode.value,
                             self.compile_scope.value) is not None:
             self.show_info(f"Switching compile {'on' if self.compile_on.value else 'off'} "
-                           f"({self.compile_backend.value}, {self.compile_mode.value}, scope {self.compile_scope.value})…")
+                           f"({self.compile_backend.value}, {self.compile_mode.value}, "
+                           f"scope {self.compile_scope.value})…")
 
     def on_generate(self) -> None:
         if self.generate(self.prompt.value, max_tokens=self.max_tokens.value, temperature=self.temperature.value,
@@ -188,7 +189,7 @@ class SessionDashboard(ViewController):
             self.models_md.object = text
 
     # ---- display -----------------------------------------------------------------------------------
-    def start(self) -> "SessionDashboard":
+    def start(self) -> SessionDashboard:
         """Attach the periodic refresh to the current document (a browser session or notebook)."""
         pn.state.add_periodic_callback(self.refresh, period=self.refresh_ms)
         return self

@@ -11,7 +11,6 @@ import logging
 import threading
 
 from runner_core import RequestOutput, SamplingParams
-
 from workbench.engine_thread import EngineThread
 from workbench.handles import GenerationError, RequestHandle, SessionError
 from workbench.loaded_models import LoadedModels, ModelEntry

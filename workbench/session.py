@@ -22,7 +22,6 @@ import time
 from concurrent.futures import Future
 
 from runner_core import RequestOutput, RunnerConfig, SamplingParams
-
 from workbench.engine_thread import EngineThread
 from workbench.handles import RequestHandle
 from workbench.loaded_models import LoadedModels, ModelEntry
@@ -32,7 +31,7 @@ from workbench.workload import random_requests
 
 logger = logging.getLogger("workbench")
 
-_CURRENT: "Session | None" = None
+_CURRENT: Session | None = None
 _CURRENT_LOCK = threading.Lock()
 
 
@@ -51,7 +50,7 @@ class Session:
         self._thread.start()
 
     @classmethod
-    def current(cls) -> "Session":
+    def current(cls) -> Session:
         """The kernel's session, created on first use; re-running a cell gets the same one."""
         global _CURRENT
         with _CURRENT_LOCK:

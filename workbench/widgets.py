@@ -117,7 +117,7 @@ class SessionWidgets(ViewController, W.VBox):
             for name, widget in self.figures.items():
                 _update_figure(widget, new[name])
 
-    def wait(self, timeout: float = 120.0) -> "SessionWidgets":
+    def wait(self, timeout: float = 120.0) -> SessionWidgets:
         """Wait for pending loads/unloads/compiles and running requests, then refresh."""
         for _, fut in list(self.jobs):
             try:

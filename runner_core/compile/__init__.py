@@ -9,8 +9,8 @@
 """
 
 from runner_core.compile.compile_optimizer import WARMUP_SIZES, CompileOptimizer, CompileSettings, cuda_graphs_status
-from runner_core.compile.decode_programs import CUDAGraphDecodePrograms, DecodePrograms, PackedDecodePrograms
 from runner_core.compile.decode_plan import build_decode_programs, cpu_programs_expected, cuda_capture_plan, plan_sizes
+from runner_core.compile.decode_programs import CUDAGraphDecodePrograms, DecodePrograms, PackedDecodePrograms
 
 __all__ = ["CUDAGraphDecodePrograms", "CompileOptimizer", "CompileSettings", "DecodePrograms", "PackedDecodePrograms",
            "WARMUP_SIZES", "build_decode_programs", "cpu_programs_expected", "cuda_capture_plan", "cuda_graphs_status",

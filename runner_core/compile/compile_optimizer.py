@@ -48,8 +48,18 @@ import torch
 from torch import nn
 
 from runner_core.compile.aoti_program import AOTICall, AOTIProgram
-from runner_core.compile.compile_cache import (ARTIFACTS, META, cache_key, cache_key_factors, load_verified, locked,
-                                               model_layout, prime_vec_isa, vec_isa_list, write_atomic)
+from runner_core.compile.compile_cache import (
+    ARTIFACTS,
+    META,
+    cache_key,
+    cache_key_factors,
+    load_verified,
+    locked,
+    model_layout,
+    prime_vec_isa,
+    vec_isa_list,
+    write_atomic,
+)
 from runner_core.config import COMPILE_SCOPES, CUDA_GRAPH_MODES
 from runner_core.layers.linear import unpack_linear_weights
 
@@ -74,7 +84,7 @@ class CompileSettings:
     reason: str = ""
 
     @classmethod
-    def resolve(cls, enabled: bool, backend: str, mode: str, scope: str, device: torch.device) -> "CompileSettings":
+    def resolve(cls, enabled: bool, backend: str, mode: str, scope: str, device: torch.device) -> CompileSettings:
         """Apply `mode="auto"`: CUDA -> inductor with CUDA graphs; CPU with a C++ compiler ->
         inductor; no compiler -> eager (nothing compiled)."""
         if scope not in COMPILE_SCOPES:
@@ -147,7 +157,7 @@ class CompileOptimizer:
 
     @classmethod
     def create(cls, config, hf_config, *, enabled: bool | None = None, backend: str | None = None,
-               mode: str | None = None, scope: str | None = None) -> "CompileOptimizer":
+               mode: str | None = None, scope: str | None = None) -> CompileOptimizer:
         """The optimizer for `config` (a RunnerConfig) with these overrides. Under pipeline
         parallelism the "model" scope compiles each decoder layer instead: the stage boundaries
         send and receive outside compiled graphs."""

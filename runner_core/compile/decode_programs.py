@@ -46,7 +46,7 @@ class DecodePrograms:
         i = bisect.bisect_left(self.sizes, num_decodes)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def build(self, run_dummy: Callable[..., tuple]) -> "DecodePrograms":
+    def build(self, run_dummy: Callable[..., tuple]) -> DecodePrograms:
         """Build (or load) and warm up every size; `run_dummy` is ForwardPass.dummy_decode."""
         from tqdm.auto import tqdm
 

@@ -17,5 +17,5 @@ from runner_core.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from runner_core.engine.step_metrics import StepMetrics, StepObserver
 from runner_core.engine.worker import LocalExecutor, Worker
 
-__all__ = ["ForwardPass", "InputBuffers", "LLMEngine", "LocalExecutor", "ModelInput", "RequestOutput", "Scheduler", "SchedulerOutput",
-           "Sequence", "SequenceStatus", "StepBatch", "StepMetrics", "StepObserver", "Worker"]
+__all__ = ["ForwardPass", "InputBuffers", "LLMEngine", "LocalExecutor", "ModelInput", "RequestOutput", "Scheduler",
+           "SchedulerOutput", "Sequence", "SequenceStatus", "StepBatch", "StepMetrics", "StepObserver", "Worker"]

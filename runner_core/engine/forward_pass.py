@@ -37,15 +37,16 @@ class StepBatch:
     sample_rows: list[int]  # sequences whose prompt is complete after this step: they sample a token
 
     @classmethod
-    def build(cls, scheduled: Seq[tuple[Sequence, int]]) -> tuple["StepBatch", list[Sequence]]:
+    def build(cls, scheduled: Seq[tuple[Sequence, int]]) -> tuple[StepBatch, list[Sequence]]:
         """The batch of (sequence, new tokens) pairs, and the sequences in the batch's order."""
         ordered = [x for x in scheduled if x[1] == 1] + [x for x in scheduled if x[1] > 1]
         starts = [s.num_computed_tokens for s, _ in ordered]
         counts = [n for _, n in ordered]
         ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
         sample = [i for i, (s, n) in enumerate(ordered) if s.num_computed_tokens + n == s.num_tokens]
-        batch = cls(starts=starts, num_new_tokens=counts, token_ids=ids, block_tables=[s.block_table for s, _ in ordered],
-                    num_decodes=sum(1 for n in counts if n == 1), sample_rows=sample)
+        batch = cls(starts=starts, num_new_tokens=counts, token_ids=ids,
+                    block_tables=[s.block_table for s, _ in ordered], num_decodes=sum(1 for n in counts if n == 1),
+                    sample_rows=sample)
         return batch, [s for s, _ in ordered]
 
     @property
@@ -294,5 +295,6 @@ class ForwardPass:
             hidden = self.model(ids[:], positions.to(self.device)[:])
         # back to the caller's order
         offsets = torch.cumsum(torch.tensor([0] + q_sorted), 0)
-        back = torch.cat([torch.arange(offsets[k], offsets[k + 1]) for k in sorted(range(len(order)), key=lambda k: order[k])])
+        caller_order = sorted(range(len(order)), key=lambda k: order[k])
+        back = torch.cat([torch.arange(offsets[k], offsets[k + 1]) for k in caller_order])
         return hidden[back.to(self.device)]

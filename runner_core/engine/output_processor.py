@@ -67,4 +67,5 @@ class OutputProcessor:
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             token_ids=list(seq.output_token_ids), text=text, delta_token_ids=delta_ids, delta_text=delta_text,
             finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            error=seq.error, logprobs=seq.logprobs, metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_cached_tokens))
+            error=seq.error, logprobs=seq.logprobs,
+            metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_cached_tokens))

@@ -12,8 +12,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from runner_core.memory import MemoryManager
 from runner_core.engine.sequence import Sequence, SequenceStatus
+from runner_core.memory import MemoryManager
 
 
 @dataclass

@@ -116,14 +116,14 @@ class RequestOutput:
     metrics: dict
 
     @classmethod
-    def failed(cls, request_id: str, prompt, error: str) -> "RequestOutput":
+    def failed(cls, request_id: str, prompt, error: str) -> RequestOutput:
         """A request refused before it ran (or lost before it produced anything)."""
         return cls(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=[],
                    token_ids=[], text="", delta_token_ids=[], delta_text="", finished=True, finish_reason="error",
                    stop_reason=None, error=error, logprobs=None, metrics={})
 
     @classmethod
-    def aborted(cls, request_id: str, prompt, token_ids: list[int], text: str) -> "RequestOutput":
+    def aborted(cls, request_id: str, prompt, token_ids: list[int], text: str) -> RequestOutput:
         """A request cancelled after producing `token_ids` / `text` (it may have produced nothing)."""
         return cls(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=[],
                    token_ids=list(token_ids), text=text, delta_token_ids=[], delta_text="", finished=True,

@@ -12,13 +12,25 @@ import time
 
 import torch
 
-from runner_core.compile import (WARMUP_SIZES, CompileOptimizer, build_decode_programs, cuda_capture_plan,
-                                 cuda_graphs_status)
+from runner_core.compile import (
+    WARMUP_SIZES,
+    CompileOptimizer,
+    build_decode_programs,
+    cuda_capture_plan,
+    cuda_graphs_status,
+)
 from runner_core.config import RunnerConfig, resolve_max_model_len
 from runner_core.engine.forward_pass import ForwardPass, StepBatch
 from runner_core.errors import CompileError, ConfigError
-from runner_core.memory import (MemoryManager, ModelShape, PoolPlan, dummy_batch, kv_bytes_per_token, plan_kv_pool,
-                                profile_activation_peak)
+from runner_core.memory import (
+    MemoryManager,
+    ModelShape,
+    PoolPlan,
+    dummy_batch,
+    kv_bytes_per_token,
+    plan_kv_pool,
+    profile_activation_peak,
+)
 from runner_core.model_loader import LoadedModel
 from runner_core.parallel.state import min_over_ranks, to_driver
 

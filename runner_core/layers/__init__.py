@@ -1,1 +1,2 @@
-"""Building blocks of the models, each tensor-parallel aware (linear, embedding, attention, rotary, norm, activation, sampler)."""
+"""Building blocks of the models, each tensor-parallel aware: linear, embedding, attention (with the
+forward context), rotary, norm, activation, and the sampler."""

@@ -23,7 +23,8 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
             raise ValueError(
-                f"checkpoint shape {tuple(loaded.shape)} does not match expected {(self.num_embeddings, param.shape[1])}"
+                f"checkpoint shape {tuple(loaded.shape)} does not match expected "
+                f"{(self.num_embeddings, param.shape[1])}"
             )
         rows = min(self.shard_size, self.num_embeddings - self.vocab_start)
         param.data.zero_()

@@ -59,7 +59,7 @@ def _(x, packed, weight):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _packed_size(shape: tuple[int, int]) -> int:
     return torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(shape), 1).nbytes
 

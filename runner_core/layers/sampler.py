@@ -8,8 +8,8 @@ depend on what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -29,16 +29,16 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     no_top_p_top_k_min_p: bool  # no random row filters its distribution: skip the sort
-    max_num_logprobs: Optional[int]  # None: no row asked for logprobs
+    max_num_logprobs: int | None  # None: no row asked for logprobs
 
     @classmethod
     def build(
         cls,
         params: Sequence[SamplingParams],
-        generators: Sequence[Optional[torch.Generator]],
+        generators: Sequence[torch.Generator | None],
         vocab_size: int,
         device: torch.device | str,
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         if len(params) != len(generators):
             raise ValueError(f"got {len(params)} SamplingParams but {len(generators)} generators")
         greedy = [p.greedy for p in params]
@@ -64,8 +64,8 @@ class SamplingMetadata:
 @dataclass
 class SamplerOutput:
     sampled_token_ids: Tensor  # [B] int64
-    logprob_token_ids: Optional[Tensor]  # [B, n+1]: the sampled token, then the top n
-    logprobs: Optional[Tensor]  # [B, n+1] float32, matching logprob_token_ids
+    logprob_token_ids: Tensor | None  # [B, n+1]: the sampled token, then the top n
+    logprobs: Tensor | None  # [B, n+1] float32, matching logprob_token_ids
 
 
 def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:

@@ -11,14 +11,13 @@
 """
 
 from runner_core.memory.block_pool import BlockPool
-from runner_core.memory.manager import MemoryManager
-from runner_core.memory.shapes import ModelShape, kv_bytes_per_token, stage_layer_ranges
 from runner_core.memory.estimate import MemoryEstimate, estimate_activation_peak, estimate_memory
-from runner_core.memory.sizing import (PoolPlan, available_memory_bytes, plan_kv_pool, plan_pool,
-                                       usable_memory_bytes)
 from runner_core.memory.fit import check_config_fits, check_fits
-from runner_core.memory.profile import dummy_batch, profile_activation_peak
 from runner_core.memory.fragmentation import FragmentationTracker
+from runner_core.memory.manager import MemoryManager
+from runner_core.memory.profile import dummy_batch, profile_activation_peak
+from runner_core.memory.shapes import ModelShape, kv_bytes_per_token, stage_layer_ranges
+from runner_core.memory.sizing import PoolPlan, available_memory_bytes, plan_kv_pool, plan_pool, usable_memory_bytes
 
 __all__ = ["BlockPool", "FragmentationTracker", "MemoryEstimate", "MemoryManager", "ModelShape", "PoolPlan",
            "available_memory_bytes", "check_config_fits", "check_fits", "dummy_batch", "estimate_activation_peak",

@@ -18,8 +18,14 @@ import torch
 from runner_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, dtype_bytes, normalise_dtype, resolve_max_model_len
 from runner_core.errors import ConfigError
 from runner_core.layers.linear import packed_bytes
-from runner_core.memory.shapes import (ModelShape, _MiB, kv_bytes_per_token, read_safetensors_shapes, stage_layer_ranges,
-                                       weights_per_stage)
+from runner_core.memory.shapes import (
+    ModelShape,
+    _MiB,
+    kv_bytes_per_token,
+    read_safetensors_shapes,
+    stage_layer_ranges,
+    weights_per_stage,
+)
 
 
 # ---- activations --------------------------------------------------------------------------
@@ -213,7 +219,8 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
     return MemoryEstimate(
         weights_bytes=max(weights), kv_bytes_per_token=bpt, kv_pool_bytes=pool_tokens * bpt,
         kv_pool_tokens=pool_tokens, activation_peak_bytes=act, total_per_device_bytes=max(totals),
-        num_devices=tp * pp, max_model_len=max_len, dtype=dtype, buffers_bytes=max(buffers), decode_programs_bytes=packed,
+        num_devices=tp * pp, max_model_len=max_len, dtype=dtype, buffers_bytes=max(buffers),
+        decode_programs_bytes=packed,
         min_kv_pool_bytes=-(-max_len // bs) * bs * bpt, block_size=bs, max_num_seqs=a["max_num_seqs"],
         max_num_batched_tokens=tokens, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         kv_cache_memory=a["kv_cache_memory"], device=device, model=a["model"],

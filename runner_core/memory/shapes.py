@@ -46,7 +46,7 @@ class ModelShape:
     mlp_bias: bool
 
     @classmethod
-    def from_hf_config(cls, cfg) -> "ModelShape":
+    def from_hf_config(cls, cfg) -> ModelShape:
         heads = cfg.num_attention_heads
         return cls(
             num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
@@ -76,7 +76,8 @@ class ModelShape:
             return (f"tensor_parallel_size={tp} is not a multiple of num_key_value_heads={kv}: with fewer "
                     f"KV heads than ranks each KV head is replicated on tp/kv_heads ranks")
         if self.intermediate_size % tp:
-            return f"tensor_parallel_size={tp} does not divide intermediate_size={self.intermediate_size} (the MLP width)"
+            return (f"tensor_parallel_size={tp} does not divide intermediate_size={self.intermediate_size} "
+                    "(the MLP width)")
         return None
 
     def checkpoint_tensors(self) -> list[tuple[str, tuple[int, ...]]]:

@@ -22,7 +22,12 @@ from torch import nn
 from runner_core.layers.activation import SiluAndMul
 from runner_core.layers.attention import Attention
 from runner_core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from runner_core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
+from runner_core.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from runner_core.layers.norm import RMSNorm
 from runner_core.layers.rotary import RotaryEmbedding
 from runner_core.parallel.state import get_pp_stage, pp_recv, pp_send
@@ -182,7 +187,8 @@ class LlamaForCausalLM(nn.Module):
             return None if i < self.config.num_hidden_layers else name
         if name == "model.embed_tokens.weight" and self.model.embed_tokens is None:
             return "lm_head.weight" if tied and self.lm_head is not None else None
-        if (name == "model.norm.weight" and self.model.norm is None) or (name == "lm_head.weight" and self.lm_head is None):
+        if ((name == "model.norm.weight" and self.model.norm is None)
+                or (name == "lm_head.weight" and self.lm_head is None)):
             return None
         return name
 
@@ -203,7 +209,8 @@ class LlamaForCausalLM(nn.Module):
                     break
             else:
                 if name not in params:
-                    raise ValueError(f"checkpoint tensor '{ckpt_name}' has no matching parameter in {type(self).__name__}")
+                    raise ValueError(f"checkpoint tensor '{ckpt_name}' has no matching parameter in "
+                                     f"{type(self).__name__}")
                 self._load(params[name], ckpt_name, tensor, None)
                 loaded.add(name)
         if self.config.tie_word_embeddings and self.lm_head is not None:

@@ -138,7 +138,8 @@ def build_tokenizer(vocab_size: int, model_max_length: int):
     Ids: 0-2 special, 3-258 the 256 byte symbols, then generated merges: short
     letter strings (optionally after a space) ordered by letter frequency.
     """
-    from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     byte_symbols = _bytes_to_unicode()

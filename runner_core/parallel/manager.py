@@ -40,7 +40,7 @@ from runner_core.parallel.supervisor import WorkerSupervisor
 
 logger = logging.getLogger("runner_core")
 _CONTROL_TIMEOUT = timedelta(days=7)  # idle workers wait this long for rank 0's next command
-_ACTIVE: "ParallelManager | None" = None  # torch.distributed's default group is one per process
+_ACTIVE: ParallelManager | None = None  # torch.distributed's default group is one per process
 _HOST = "127.0.0.1"  # spawn mode: rank 0's TCPStore
 # what each worker method is called in an error message ("failed during a step")
 _OPERATIONS = {"execute_model": "a step", "run_stateless": "a stateless forward", "set_compile_mode": "compilation",
@@ -82,7 +82,7 @@ class ParallelManager:
 
     # ---- start -------------------------------------------------------------------------------
     @classmethod
-    def launch(cls, config, stage_ranges: list[range], worker_main) -> "ParallelManager":
+    def launch(cls, config, stage_ranges: list[range], worker_main) -> ParallelManager:
         """This process's manager: rank 0 spawning the workers (`worker_main` is their entry
         point), or its rank under torchrun."""
         global _ACTIVE
@@ -99,7 +99,7 @@ class ParallelManager:
         return pm
 
     @classmethod
-    def _join_torchrun(cls, config, stage_ranges) -> "ParallelManager":
+    def _join_torchrun(cls, config, stage_ranges) -> ParallelManager:
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if world != config.world_size:
             raise ConfigError(f"torchrun started WORLD_SIZE={world} processes but tensor_parallel_size x "
@@ -115,7 +115,7 @@ class ParallelManager:
         return pm
 
     @classmethod
-    def _spawn(cls, config, stage_ranges, worker_main) -> "ParallelManager":
+    def _spawn(cls, config, stage_ranges, worker_main) -> ParallelManager:
         world = config.world_size
         pm = cls(config, 0, world, "spawn", stage_ranges)
         pm.store = dist.TCPStore(_HOST, 0, world, is_master=True, wait_for_workers=False, timeout=pm.timeout)

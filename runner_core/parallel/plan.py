@@ -55,7 +55,8 @@ def validate_parallel_config(config, hf_config) -> list[range]:
             raise ConfigError(
                 f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} = {tp * pp} ranks need one CUDA "
                 f"device each (cuda:{config.torch_device.index} onwards, {needed} in all) but {visible} "
-                f"{'is' if visible == 1 else 'are'} visible; lower the sizes or use more devices (torchrun for several nodes)")
+                f"{'is' if visible == 1 else 'are'} visible; lower the sizes or use more devices (torchrun for "
+                "several nodes)")
     return stages
 
 
@@ -70,7 +71,8 @@ class ParallelSuggestion:
     candidates: list[dict] = field(default_factory=list)  # every layout considered, with its need and verdict
 
     def as_config(self) -> dict:
-        return {"tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size}
+        return {"tensor_parallel_size": self.tensor_parallel_size,
+                "pipeline_parallel_size": self.pipeline_parallel_size}
 
     def __str__(self) -> str:
         rows = [f"  tp={c['tp']} pp={c['pp']}: " + (f"{c['need_bytes'] / _GiB:.2f} GiB per device, "
@@ -124,7 +126,8 @@ def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memor
             if why is not None:
                 candidates.append({"tp": tp, "pp": pp, "need_bytes": None, "fits": False, "why": why})
                 continue
-            est = estimate_memory(model, **{**estimate_kwargs, "tensor_parallel_size": tp, "pipeline_parallel_size": pp})
+            est = estimate_memory(model, **{**estimate_kwargs, "tensor_parallel_size": tp,
+                                            "pipeline_parallel_size": pp})
             need = est.fixed_bytes + est.min_kv_pool_bytes * min_sequences
             candidates.append({"tp": tp, "pp": pp, "need_bytes": need, "fits": need <= usable, "why": ""})
     fitting = [c for c in candidates if c["fits"]]
@@ -140,7 +143,8 @@ def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memor
     why_not_fewer = (f"; with fewer devices the least need is {min(c['need_bytes'] for c in smaller) / _GiB:.2f} GiB"
                      if smaller else "")
     reason = (f"tensor_parallel_size={best['tp']}, pipeline_parallel_size={best['pp']}: the fewest devices "
-              f"({best['tp'] * best['pp']} of {n}) whose predicted need per device, {best['need_bytes'] / _GiB:.2f} GiB "
+              f"({best['tp'] * best['pp']} of {n}) whose predicted need per device, "
+              f"{best['need_bytes'] / _GiB:.2f} GiB "
               f"(weights, activation peak, rotary tables and KV for {min_sequences} x max_model_len), fits in "
               f"{usable / _GiB:.2f} GiB usable{why_not_fewer}; at equal device count tensor parallelism is "
               "preferred (it splits every layer's work; pipeline stages run one after another)")
