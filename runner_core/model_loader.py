@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
+from runner_core.config import RunnerConfig
 from runner_core.errors import ModelLoadError
 from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
 from runner_core.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
@@ -50,7 +51,7 @@ class LoadedModel:
 class ModelLoader:
     """Loads `config.model` onto `config.torch_device` in `config.torch_dtype`."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: RunnerConfig) -> None:
         self.config = config
 
     def load(self) -> LoadedModel:

@@ -90,12 +90,15 @@ class CompileSettings:
         if scope not in COMPILE_SCOPES:
             raise ValueError(f"compile scope {scope!r} is not one of {', '.join(COMPILE_SCOPES)}")
         if mode != "auto":
-            return cls(enabled, backend, mode, scope, "as configured")
+            return cls(enabled=enabled, backend=backend, mode=mode, scope=scope, reason="as configured")
         if device.type == "cuda":
-            return cls(enabled, "inductor", "reduce-overhead", scope, "auto: CUDA -> inductor with CUDA graphs")
+            return cls(enabled=enabled, backend="inductor", mode="reduce-overhead", scope=scope,
+                       reason="auto: CUDA -> inductor with CUDA graphs")
         if has_cxx_compiler():
-            return cls(enabled, "inductor", "default", scope, "auto: CPU with a C++ compiler -> inductor")
-        return cls(False, "eager", "default", scope, "auto: no C++ compiler found -> eager")
+            return cls(enabled=enabled, backend="inductor", mode="default", scope=scope,
+                       reason="auto: CPU with a C++ compiler -> inductor")
+        return cls(enabled=False, backend="eager", mode="default", scope=scope,
+                   reason="auto: no C++ compiler found -> eager")
 
     @property
     def options(self) -> dict:
@@ -170,8 +173,8 @@ class CompileOptimizer:
         if staged:
             settings.reason += "; pipeline parallelism compiles each decoder layer (scope 'layer')"
         factors = cache_key_factors(hf_config, config.torch_dtype, device, settings)
-        return cls(settings, Path(config.compile_cache_dir).expanduser(), factors, cache_key(factors),
-                   world_size=config.world_size)
+        return cls(settings=settings, cache_dir=Path(config.compile_cache_dir).expanduser(), factors=factors,
+                   key=cache_key(factors), world_size=config.world_size)
 
     @property
     def folder(self) -> Path:

@@ -106,8 +106,8 @@ class PackedDecodePrograms(DecodePrograms):
     def pays_off(self, run_dummy, rounds: int = 5) -> tuple[bool, str]:
         """Time the smallest size's program against the general program on one stateless dummy
         step (best of `rounds` alternating runs of each): (at least MIN_GAIN faster?, the figures).
-        The packed GEMM pays where the matmuls dominate (small-llama: 7.4 vs 9.7 ms); on tiny
-        models it gains little (tiny-llama: 0.59 vs 0.63 ms) for 28x its weights in packed buffers."""
+        The packed GEMM pays where the matmuls dominate; on tiny models it gains little for many
+        times their weights in packed buffers (README, "Compilation")."""
         size = self.sizes[0]
         ids, positions, meta = run_dummy(size)
         runs = {"program": lambda: self._run(size, ids, positions, meta), "general": lambda: self.model(ids, positions)}

@@ -161,7 +161,9 @@ def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block
         positions = torch.arange(n) - torch.repeat_interleave(cu - start_t, qlen_t)
         slot_mapping = bt = None
     d, p = num_decodes, len(starts) - num_decodes
-    meta = AttentionMetadata(slot_mapping, d, None, None, p, 0, None, None, None)
+    meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=d, decode_kv_idx=None, decode_bias=None,
+                             num_prefills=p, max_query_len=0, prefill_q_idx=None, prefill_kv_idx=None,
+                             prefill_mask=None)
     if d and decode_kernel:
         meta.decode_block_tables, meta.decode_context_lens = bt[:d], start_t[:d] + 1
         meta.block_size, meta.sliding_window = block_size, sliding_window

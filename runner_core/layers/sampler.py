@@ -97,7 +97,7 @@ class Sampler(torch.nn.Module):
             if not meta.all_random:
                 sampled = torch.where(meta.temperature == 0, logits.argmax(dim=-1), sampled)
         if meta.max_num_logprobs is None:
-            return SamplerOutput(sampled, None, None)
+            return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=None, logprobs=None)
         logprobs = logits.log_softmax(dim=-1)
         top = logprobs.topk(meta.max_num_logprobs, dim=-1)
         sampled_col = sampled.unsqueeze(1)

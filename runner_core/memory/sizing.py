@@ -136,8 +136,9 @@ def plan_pool(*, bytes_per_token: int, block_size: int, max_model_len: int, max_
         source = "cpu_ram"
         budget = min(int(available_bytes * CPU_KV_FRACTION), CPU_KV_CAP_BYTES)
         num_blocks = max(1, min(wanted, budget // block_bytes))
-    return PoolPlan(num_blocks, block_size, bytes_per_token, max_model_len, activation_peak_bytes, source,
-                    budget, max_model_len * max_num_seqs)
+    return PoolPlan(num_blocks=num_blocks, block_size=block_size, bytes_per_token=bytes_per_token,
+                    max_model_len=max_model_len, activation_peak_bytes=activation_peak_bytes, source=source,
+                    budget_bytes=budget, wanted_tokens=max_model_len * max_num_seqs)
 
 
 def plan_kv_pool(config, shape: ModelShape, max_model_len: int, *, bytes_per_token: int, weights_bytes: int,

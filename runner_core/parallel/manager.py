@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from runner_core.config import RunnerConfig
 from runner_core.errors import ConfigError, RunnerError, WorkerError
 from runner_core.parallel.state import COMM_STATS, PipelineStage, parallel_context
 from runner_core.parallel.supervisor import WorkerSupervisor
@@ -54,7 +55,8 @@ def in_torchrun() -> bool:
 
 
 class ParallelManager:
-    def __init__(self, config, rank: int, world_size: int, mode: str, stage_ranges: list[range]):
+    def __init__(self, config: RunnerConfig, rank: int, world_size: int, mode: str, stage_ranges: list[range]):
+        """`mode`: "spawn" (rank 0 starts the workers) or "torchrun"; `stage_ranges`: each stage's layers."""
         self.config, self.rank, self.world_size, self.mode = config, rank, world_size, mode
         self.tp_size, self.pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
         self.tp_rank, self.pp_rank = rank % self.tp_size, rank // self.tp_size
