@@ -98,7 +98,7 @@ def child_speed(spec: dict) -> dict:
 
     def compiled(sizes):
         def switch():
-            engine.config = engine.config.replace(compile_sizes=sizes)
+            engine.worker.config = engine.worker.config.replace(compile_sizes=sizes)  # what the switch reads
             return runner.set_compile_mode(True, backend="inductor", mode="default", scope=spec["scope"])
         return switch
 

@@ -57,7 +57,7 @@ def main() -> None:
 
     def switch(mode: str) -> float:
         t = time.perf_counter()
-        engine.config = engine.config.replace(compile_sizes=[] if mode == "compiled" else None)
+        engine.worker.config = engine.worker.config.replace(compile_sizes=[] if mode == "compiled" else None)
         runner.set_compile_mode(mode != "eager", backend="inductor", mode="default", scope="model")
         return time.perf_counter() - t
 
