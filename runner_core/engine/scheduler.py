@@ -20,6 +20,7 @@ from runner_core.memory import MemoryManager
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue this step
     rejected: list[Sequence] = field(default_factory=list)  # can never fit in the pool
 
     @property
@@ -94,5 +95,6 @@ class Scheduler:
                 seq.metrics.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
             out.scheduled.append((seq, n))
+            out.admitted.append(seq)
             budget -= n
         return out

@@ -70,7 +70,7 @@ class StepObserver:
 
     def on_step(self, sched: SchedulerOutput, batch: StepBatch, num_sampled: int, times: StepTimes) -> None:
         t = time.perf_counter()
-        for seq, _ in sched.scheduled:  # idempotent: the contiguous comparison reserves once per request
+        for seq in sched.admitted:  # idempotent: the contiguous comparison reserves once per request
             if not seq.is_finished:
                 self.contiguous.on_admit(seq.request_id,
                                          min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len))
