@@ -43,7 +43,6 @@ class ModelEntry:
     compile: dict = field(default_factory=dict)
     pending_compile: PendingCompile | None = None
     acc: StepAccumulator | None = None
-    last_memory_time: float = 0.0
 
     @property
     def weights_bytes(self) -> int:
@@ -58,10 +57,9 @@ class ModelEntry:
         """Loaded, not compiling: the engine thread may step it."""
         return self.runner is not None and self.status == "ready" and self.runner.engine is not None
 
-    def read_memory(self, now: float) -> dict:
+    def read_memory(self) -> dict:
         """Fresh memory figures from the runner (engine thread)."""
         self.memory = self.runner.memory_stats()
-        self.last_memory_time = now
         return self.memory
 
     def summary(self) -> dict:

@@ -181,7 +181,7 @@ class Telemetry:
         """Flush the step accumulator into a metrics row, with fresh memory figures, and take a
         snapshot of the model's block map."""
         now = time.perf_counter() if now is None else now
-        memory = entry.read_memory(now)
+        memory = entry.read_memory()
         self.series.append(entry.acc.flush(now, memory))
         snap = entry.runner.kv_block_map()
         snap["blocks_cached"] = memory.get("blocks_cached", 0)

@@ -15,7 +15,8 @@ from runner_core.engine.forward_pass import ForwardPass, InputBuffers, ModelInpu
 from runner_core.engine.scheduler import Scheduler, SchedulerOutput
 from runner_core.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from runner_core.engine.step_metrics import StepMetrics, StepObserver
-from runner_core.engine.worker import LocalExecutor, Worker
+from runner_core.engine.worker import Executor, LocalExecutor, Worker
 
-__all__ = ["ForwardPass", "InputBuffers", "LLMEngine", "LocalExecutor", "ModelInput", "RequestOutput", "Scheduler",
-           "SchedulerOutput", "Sequence", "SequenceStatus", "StepBatch", "StepMetrics", "StepObserver", "Worker"]
+__all__ = ["Executor", "ForwardPass", "InputBuffers", "LLMEngine", "LocalExecutor", "ModelInput", "RequestOutput",
+           "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "StepBatch", "StepMetrics", "StepObserver",
+           "Worker"]

@@ -18,7 +18,7 @@ from runner_core.engine.output_processor import OutputProcessor
 from runner_core.engine.scheduler import Scheduler
 from runner_core.engine.sequence import RequestOutput, Sequence
 from runner_core.engine.step_metrics import StepObserver, StepTimes
-from runner_core.engine.worker import LocalExecutor, Worker
+from runner_core.engine.worker import Executor, LocalExecutor, Worker
 from runner_core.errors import EngineBusyError, InvalidRequestError, WorkerError
 from runner_core.layers.sampler import Sampler, SamplingMetadata
 from runner_core.model_loader import LoadedModel
@@ -29,8 +29,7 @@ logger = logging.getLogger("runner_core")
 
 
 class LLMEngine:
-    def __init__(self, config: RunnerConfig, loaded: LoadedModel, worker: Worker,
-                 executor: LocalExecutor | None = None):
+    def __init__(self, config: RunnerConfig, loaded: LoadedModel, worker: Worker, executor: Executor | None = None):
         """`worker`: this process's (rank 0's) worker, whose MemoryManager the scheduler hands blocks
         out of; `executor` runs worker methods on every rank (default: this process only)."""
         self.config, self.worker = config, worker

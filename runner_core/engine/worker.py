@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Protocol
 
 import torch
 
@@ -161,6 +162,17 @@ class Worker:
                 "activation_peak_bytes": self.pool_plan.activation_peak_bytes,
                 # CPU: the decode programs' prepacked weights; CUDA: their graphs' memory pool
                 "decode_programs_bytes": programs.memory_bytes if programs is not None else 0}
+
+
+class Executor(Protocol):
+    """Runs Worker methods on every rank: `call` returns this rank's (rank 0's) result. LocalExecutor
+    in one process; parallel/manager.ParallelManager across ranks."""
+
+    def call(self, method: str, *args): ...
+
+    def info(self) -> dict | None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class LocalExecutor:

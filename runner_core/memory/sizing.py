@@ -78,7 +78,6 @@ class PoolPlan:
     activation_peak_bytes: int
     source: str  # "kv_cache_memory", "gpu_memory_utilization" or "cpu_ram"
     budget_bytes: int  # memory the source allowed before rounding down to blocks
-    wanted_tokens: int  # max_num_seqs x max_model_len
 
     @property
     def num_tokens(self) -> int:
@@ -138,7 +137,7 @@ def plan_pool(*, bytes_per_token: int, block_size: int, max_model_len: int, max_
         num_blocks = max(1, min(wanted, budget // block_bytes))
     return PoolPlan(num_blocks=num_blocks, block_size=block_size, bytes_per_token=bytes_per_token,
                     max_model_len=max_model_len, activation_peak_bytes=activation_peak_bytes, source=source,
-                    budget_bytes=budget, wanted_tokens=max_model_len * max_num_seqs)
+                    budget_bytes=budget)
 
 
 def plan_kv_pool(config, shape: ModelShape, max_model_len: int, *, bytes_per_token: int, weights_bytes: int,
