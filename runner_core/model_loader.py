@@ -81,7 +81,7 @@ class ModelLoader:
                 model = cls(hf_config)
         except ValueError as exc:  # e.g. heads not divisible by the tensor parallel size
             raise ModelLoadError(
-                f"cannot build {cls.__name__} with tensor_parallel_size={self.config.tensor_parallel_size}: {exc}"
+                f"cannot build {cls.__name__} (tensor_parallel_size={self.config.tensor_parallel_size}): {exc}"
             ) from exc
         finally:
             torch.set_default_dtype(previous)

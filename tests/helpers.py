@@ -12,6 +12,7 @@ _FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 }
 # Logits std ~ sqrt(64) * 0.15 ~ 1.2: greedy top-1/top-2 gaps far above fp32 noise,
 # and greedy continuations that keep changing instead of repeating one token.
@@ -27,6 +28,7 @@ def make_tiny_hf_model(
     rope_scaling: dict | None = None,
     vocab_size: int = 512,
     seed: int = 0,
+    **extra,
 ) -> Path:
     """Save a 2-layer model of `family` (safetensors, no tokenizer) in a new directory under tmp_path.
 
@@ -41,6 +43,7 @@ def make_tiny_hf_model(
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
         **({"head_dim": head_dim} if head_dim is not None else {}),
         **({"rope_scaling": rope_scaling} if rope_scaling is not None else {}),
+        **extra,
     )
     with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():
         torch.manual_seed(seed)

@@ -150,6 +150,14 @@ def test_missing_parameters_listed(tmp_path, stand_in):
         ModelLoader(runner_config(path)).load()
 
 
+def test_per_layer_sliding_windows_are_refused(tmp_path):
+    """Qwen2 with a sliding window above max_window_layers only: one window per step cannot express it."""
+    path = make_tiny_hf_model(tmp_path, "qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    with pytest.raises(ModelLoadError, match=r"cannot build LlamaForCausalLM .*layer_types mixes full_attention, "
+                                             r"sliding_attention .*use_sliding_window=false"):
+        ModelLoader(runner_config(path)).load()
+
+
 def test_unsupported_architecture_lists_supported(tmp_path):
     path = make_tiny_hf_model(tmp_path)
     edit_config(path, architectures=["FooForCausalLM"])

@@ -18,6 +18,8 @@ CASES = {
         "original_max_position_embeddings": 64}),
     "mistral": dict(family="mistral"),
     "qwen2-bias": dict(family="qwen2"),
+    "qwen3-qk-norm": dict(family="qwen3", head_dim=32),  # explicit head_dim != hidden / heads
+    "qwen3-tied": dict(family="qwen3", tie_word_embeddings=True),
 }
 
 

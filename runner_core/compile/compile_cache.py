@@ -27,8 +27,7 @@ from runner_core.config import project_version
 logger = logging.getLogger("runner_core")
 
 # the modules whose source is traced into compiled programs: any edit invalidates the cache
-TRACED_SOURCES = ("models/llama.py", "layers/linear.py", "layers/embedding.py", "layers/norm.py",
-                  "layers/rotary.py", "layers/activation.py", "layers/attention.py", "compile/aoti_program.py")
+TRACED_SOURCES = ("models/*.py", "layers/*.py", "compile/aoti_program.py")
 ARTIFACTS = "artifacts.bin"  # jit route: torch.compiler.save_cache_artifacts
 META = "meta.json"
 
@@ -36,8 +35,9 @@ META = "meta.json"
 def source_digest() -> str:
     root = Path(__file__).parents[1]  # runner_core/
     h = hashlib.sha256()
-    for rel in TRACED_SOURCES:
-        h.update((root / rel).read_bytes())
+    for pattern in TRACED_SOURCES:
+        for path in sorted(root.glob(pattern)):
+            h.update(path.read_bytes())
     return h.hexdigest()
 
 

@@ -44,6 +44,7 @@ class ModelShape:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool = False  # per-head q/k RMSNorm weights (Qwen3)
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelShape:
@@ -58,6 +59,7 @@ class ModelShape:
             qkv_bias=bool(getattr(cfg, "attention_bias", False)) or getattr(cfg, "model_type", "") == "qwen2",
             o_bias=bool(getattr(cfg, "attention_bias", False)),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=getattr(cfg, "model_type", "") in ("qwen3", "qwen3_moe"),
         )
 
     def kv_heads_per_device(self, tp: int) -> int:
@@ -97,6 +99,8 @@ class ModelShape:
                         (p + "self_attn.v_proj.bias", (kv,))]
             if self.o_bias:
                 out.append((p + "self_attn.o_proj.bias", (h,)))
+            if self.qk_norm:
+                out += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
             if self.mlp_bias:
                 out += [(p + "mlp.gate_proj.bias", (i,)), (p + "mlp.up_proj.bias", (i,)),
                         (p + "mlp.down_proj.bias", (h,))]

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2): GQA, rope scaling, qkv bias, tied embeddings.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): GQA, rope scaling, qkv bias, per-head q/k
+RMSNorm (Qwen3), explicit head_dim, tied embeddings. Other families build on it through
+`make_layer` (the decoder layer for a layer index).
 
 Runs over a flat batch of tokens ([N] ids and positions) and a paged KV pool; loads
 Hugging Face checkpoint names onto fused qkv / gate_up projections.
@@ -54,13 +56,22 @@ def rope_settings(config) -> tuple[float, dict | None]:
 
 
 def sliding_window(config) -> int | None:
-    if getattr(config, "use_sliding_window", True) is False:
+    """The one sliding window every layer uses (None: full attention). Per-layer mixes of full and
+    sliding attention (`layer_types`) are refused: the step's metadata holds one window."""
+    window = getattr(config, "sliding_window", None)
+    types = set(getattr(config, "layer_types", None) or ())
+    if getattr(config, "use_sliding_window", True) is False or window is None or types == {"full_attention"}:
         return None
-    return getattr(config, "sliding_window", None)
+    if types - {"sliding_attention"}:
+        raise ValueError(f"layer_types mixes {', '.join(sorted(types))} (a sliding window of {window} on some layers "
+                         "only); the runner applies one window to every layer: use a checkpoint with "
+                         "use_sliding_window=false, or model_impl='transformers' once it supports it")
+    return window
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, qk_norm: bool = False):
+        """`qk_norm`: RMSNorm over each head of q and k before rope (Qwen3)."""
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
@@ -73,12 +84,16 @@ class LlamaAttention(nn.Module):
         theta, scaling = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, positions, hidden_states):
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = q.shape[0]
-        q, k = self.rotary_emb(positions, q.view(n, self.num_heads, self.head_dim),
-                               k.view(n, self.num_kv_heads, self.head_dim))
+        q, k = q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v))
 
 
@@ -95,12 +110,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, qk_norm: bool = False, mlp: nn.Module | None = None):
+        """`mlp`: the feed-forward block (default: the gated MLP; MoE families pass their experts)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
 
     def forward(self, positions, hidden_states, residual):
         hidden_states, residual = self.input_layernorm(hidden_states, residual)
@@ -110,7 +126,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, make_layer):
+        """`make_layer(config, layer_index)`: the decoder layer at a (global) layer index."""
         super().__init__()
         stage = get_pp_stage()
         self.stage = stage if stage is not None and stage.size > 1 else None
@@ -119,7 +136,7 @@ class LlamaModel(nn.Module):
         self.hidden_size = config.hidden_size
         first, last = self.stage is None or self.stage.is_first, self.stage is None or self.stage.is_last
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if first else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(self.start_layer, self.end_layer))
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(self.start_layer, self.end_layer))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
 
     def forward(self, input_ids, positions):
@@ -145,12 +162,18 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Entry point registered for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM."""
+    """Entry point registered for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM.
+
+    The runner's model contract (what the engine reads of any model): `forward(input_ids [N],
+    positions [N]) -> hidden [N, H]` over the flat batch, attention through `layers.attention.Attention`;
+    `compute_logits(hidden)`; `load_weights(iterable of (name, tensor)) -> names loaded`; and the
+    attributes `num_layers` (held here), `num_kv_heads` (per rank), `head_dim`, `sliding_window`."""
 
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.sliding_window = sliding_window(config)  # refuses what the step cannot express, before building
+        self.model = LlamaModel(config, self.make_layer)
         last = self.model.norm is not None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if last else None
         if config.tie_word_embeddings and last and self.model.embed_tokens is not None:
@@ -158,7 +181,10 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.num_layers = len(self.model.layers)  # decoder layers held here (this stage's)
-        self.sliding_window = sliding_window(config)
+
+    @staticmethod
+    def make_layer(config, layer_index: int) -> nn.Module:
+        return LlamaDecoderLayer(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [N, hidden] of a flat batch (attention metadata and the KV pool come
@@ -230,3 +256,11 @@ class LlamaForCausalLM(nn.Module):
                 loader(param, tensor, shard_id)
         except ValueError as e:
             raise ValueError(f"'{name}': {e}") from None
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: the Llama layout with RMSNorm over each head of q and k before rope."""
+
+    @staticmethod
+    def make_layer(config, layer_index: int) -> nn.Module:
+        return LlamaDecoderLayer(config, qk_norm=True)

@@ -15,6 +15,7 @@ _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 
@@ -60,5 +61,6 @@ class ModelAdapterRegistry:
 
 
 MODEL_REGISTRY = ModelAdapterRegistry()
-for _arch in _MODEL_TYPE_TO_ARCH.values():
+for _arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
     MODEL_REGISTRY.register(_arch, "runner_core.models.llama:LlamaForCausalLM")
+MODEL_REGISTRY.register("Qwen3ForCausalLM", "runner_core.models.llama:Qwen3ForCausalLM")
