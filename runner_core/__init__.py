@@ -20,13 +20,21 @@ from runner_core.errors import (
 )
 from runner_core.memory import MemoryEstimate, estimate_memory
 from runner_core.model_runner import ModelRunner, StreamDelta
+from runner_core.models import MODEL_REGISTRY, register_model
 from runner_core.parallel.plan import ParallelSuggestion, suggest_parallel_config
 from runner_core.sampling_params import SamplingParams
 
 __version__ = project_version()
 
+
+def supported_architectures() -> dict[str, str]:
+    """Architecture name -> "native" or "transformers": what `model_impl="auto"` runs and by which path."""
+    return MODEL_REGISTRY.supported_architectures()
+
+
 __all__ = [
     "CompileError", "ConfigError", "EngineBusyError", "EngineNotReadyError", "InvalidRequestError", "MemoryEstimate",
     "ModelLoadError", "ModelRunner", "ParallelSuggestion", "RequestOutput", "RunnerConfig", "RunnerError",
-    "SamplingParams", "StreamDelta", "WorkerError", "estimate_memory", "suggest_parallel_config",
+    "SamplingParams", "StreamDelta", "WorkerError", "estimate_memory", "register_model", "suggest_parallel_config",
+    "supported_architectures",
 ]

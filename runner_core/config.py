@@ -27,6 +27,7 @@ logger = logging.getLogger("runner_core")
 # Token budget per step when unset: on the CPU, smaller chunks keep the GEMMs cache-friendly
 # (benchmarks/throughput.py measured 256-1024 ahead of 2048 on the 2-core test machine).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512}
+MODEL_IMPLS = ("auto", "native", "transformers")  # auto: a native adapter when registered, else the fallback
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # the common ones; any registered dynamo backend is accepted
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "auto")
 COMPILE_SCOPES = ("model", "layer", "mlp", "self_attn")  # whole model, each decoder layer, module kinds
@@ -217,6 +218,7 @@ class RunnerConfig:
     pipeline_stage_layers: list | None = None  # decoder layers per stage, first to last; None: even
     parallel_timeout_s: float = 120.0  # a worker silent this long in a step is declared hung
     trust_remote_code: bool = False
+    model_impl: str = "auto"  # which adapter path builds the model (models/registry.py)
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -269,6 +271,7 @@ class RunnerConfig:
         self.pipeline_stage_layers = _check_stage_layers(self.pipeline_stage_layers, self.pipeline_parallel_size)
         self.parallel_timeout_s = _check_timeout(self.parallel_timeout_s)
         self.trust_remote_code = _check_bool("trust_remote_code", self.trust_remote_code)
+        self.model_impl = _check_choice("model_impl", self.model_impl, MODEL_IMPLS)
         self.gpu_memory_utilization = _check_memory_fraction(self.gpu_memory_utilization)
         self.max_model_len = _check_int("max_model_len", self.max_model_len, 1, optional=True)
         self.max_num_seqs = _check_int("max_num_seqs", self.max_num_seqs, 1)

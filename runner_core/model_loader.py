@@ -11,6 +11,7 @@ pipeline stages are never read.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import Iterator
@@ -27,11 +28,13 @@ from tqdm import tqdm
 from runner_core.config import RunnerConfig
 from runner_core.errors import ModelLoadError
 from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
+from runner_core.models.registry import MODEL_ATTRIBUTES, ModelAdapter
 from runner_core.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+logger = logging.getLogger("runner_core")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -45,6 +48,7 @@ class LoadedModel:
     load_seconds: float
     weight_bytes: int  # the model's unique parameters (tied weights once), counted here once
     buffer_bytes: int  # its buffers (rotary tables)
+    adapter: ModelAdapter  # which class built it, by which path, and why
     bytes_read: int = 0  # checkpoint bytes read from the safetensors files
 
 
@@ -59,7 +63,10 @@ class ModelLoader:
         cfg = self.config
         path = resolve_model_path(cfg.model)
         hf_config = read_hf_config(path, cfg.trust_remote_code)
-        model = self._build(hf_config)
+        adapter = MODEL_REGISTRY.get_adapter(hf_config, cfg.model_impl)
+        logger.info("%s: %s adapter %s (%s)", adapter.architecture, adapter.impl, adapter.model_class.__name__,
+                    adapter.reason)
+        model = self._build(adapter.model_class, hf_config)
         bytes_read = self._load_weights(model, path)
         tokenizer_path = resolve_model_path(cfg.tokenizer) if cfg.tokenizer else path
         if cfg.tokenizer and not has_tokenizer_files(tokenizer_path):
@@ -70,10 +77,9 @@ class ModelLoader:
         tokenizer = load_tokenizer(tokenizer_path, hf_config, cfg.trust_remote_code)
         return LoadedModel(model=model, tokenizer=tokenizer, hf_config=hf_config, model_path=path,
                            load_seconds=time.perf_counter() - start, weight_bytes=_nbytes(model.parameters()),
-                           buffer_bytes=_nbytes(model.buffers()), bytes_read=bytes_read)
+                           buffer_bytes=_nbytes(model.buffers()), adapter=adapter, bytes_read=bytes_read)
 
-    def _build(self, hf_config) -> nn.Module:
-        cls = MODEL_REGISTRY.resolve(hf_config)
+    def _build(self, cls: type, hf_config) -> nn.Module:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.config.torch_dtype)
         try:
@@ -85,6 +91,10 @@ class ModelLoader:
             ) from exc
         finally:
             torch.set_default_dtype(previous)
+        missing = [a for a in MODEL_ATTRIBUTES if not hasattr(model, a)]
+        if missing:
+            raise ModelLoadError(f"{cls.__name__} does not set {', '.join(missing)}, which the runner reads (the model "
+                                 "contract: see runner_core.register_model)")
         return model.eval()
 
     def _load_weights(self, model: nn.Module, path: Path) -> int:

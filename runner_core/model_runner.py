@@ -67,6 +67,11 @@ class ModelRunner:
         self.engine = LLMEngine(config, loaded, worker, executor)
         return self
 
+    def model_info(self) -> dict:
+        """What was loaded and how: architecture, adapter path (`model_impl`: native or transformers)
+        and kind, the model class and why it was chosen, parameters, dtype, device, max_model_len."""
+        return dict(self._engine().model_info)
+
     def parallel_info(self) -> dict | None:
         """Ranks (pid, host, device, layers, weight and KV bytes), stage split and rank 0's
         communication figures of a parallel runner; None in one process."""

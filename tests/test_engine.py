@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import runner_core
 from runner_core import ModelRunner, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -179,3 +180,15 @@ def test_step_inputs_live_in_reused_buffers(tiny_llama_path):
     bufs = fp.buffers.cpu
     expected = (bufs["input_ids"].data_ptr(), bufs["positions"].data_ptr(), bufs["slot_mapping"].data_ptr())
     assert len(seen) >= 5 and all(s == expected for s in seen)
+
+
+def test_model_info_says_what_was_loaded_and_how(tiny_llama_path):
+    runner = _runner(tiny_llama_path)
+    info = runner.model_info()
+    assert (info["architecture"], info["model_impl"], info["kind"], info["model_class"]) == (
+        "LlamaForCausalLM", "native", "causal_lm", "LlamaForCausalLM")
+    assert info["reason"] == "auto: a native adapter is registered" and info["dtype"] == "float32"
+    assert info["num_parameters"] == sum(p.numel() for p in runner.model.parameters())
+    assert runner_core.supported_architectures().items() >= {
+        "LlamaForCausalLM": "native", "MistralForCausalLM": "native", "Qwen2ForCausalLM": "native",
+        "Qwen3ForCausalLM": "native"}.items()

@@ -25,7 +25,9 @@ STAND_IN_ARCH = "RunnerTestStandInForCausalLM"
 
 
 class StandInForCausalLM(transformers.LlamaForCausalLM):
-    """Stand-in for the runner's Llama: HF names and shapes, weights copied by name."""
+    """Stand-in for the runner's Llama: HF names and shapes, weights copied by name (loaded, never run)."""
+
+    num_layers, num_kv_heads, head_dim, sliding_window = 2, 2, 16, None  # what the model contract asks
 
     def load_weights(self, weights) -> set[str]:
         params = dict(self.named_parameters())
@@ -173,12 +175,21 @@ def test_registry_lazy_targets_and_model_type_fallback():
     registry.register("Broken", "no_such_module_xyz:Model")
     from collections import OrderedDict
 
-    assert registry.resolve(SimpleNamespace(architectures=None, model_type="llama")) is OrderedDict
-    assert registry.resolve(SimpleNamespace(architectures=["Other", "LlamaForCausalLM"])) is OrderedDict
+    def model_class(hf_config, impl="auto"):
+        return registry.get_adapter(hf_config, impl).model_class
+
+    assert model_class(SimpleNamespace(architectures=None, model_type="llama")) is OrderedDict
+    adapter = registry.get_adapter(SimpleNamespace(architectures=["Other", "LlamaForCausalLM"]))
+    assert (adapter.model_class, adapter.architecture, adapter.impl, adapter.kind) == (
+        OrderedDict, "LlamaForCausalLM", "native", "causal_lm")
     with pytest.raises(ModelLoadError, match="cannot import no_such_module_xyz:Model"):
-        registry.resolve(SimpleNamespace(architectures=["Broken"]))
+        model_class(SimpleNamespace(architectures=["Broken"]))
     with pytest.raises(ModelLoadError, match="'model_type=gpt2' is not supported; supported: Broken, Llama"):
-        registry.resolve(SimpleNamespace(architectures=[], model_type="gpt2"))
+        model_class(SimpleNamespace(architectures=[], model_type="gpt2"))
+    with pytest.raises(ModelLoadError, match="'Other' has no native adapter .*use model_impl='auto' or 'transformers'"):
+        model_class(SimpleNamespace(architectures=["Other"]), "native")
+    with pytest.raises(ValueError, match="kind 'vision' .* not one of causal_lm, moe, multimodal"):
+        registry.register("X", "m:C", kind="vision")
 
 
 def test_hub_id_offline_is_refused_with_advice(tmp_path, monkeypatch):

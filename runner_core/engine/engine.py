@@ -43,6 +43,13 @@ class LLMEngine:
         self.observer = StepObserver(self.memory, self.scheduler, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        adapter = loaded.adapter
+        self.model_info = {
+            "architecture": adapter.architecture, "model_impl": adapter.impl, "kind": adapter.kind,
+            "model_class": adapter.model_class.__name__, "reason": adapter.reason, "model_path": str(loaded.model_path),
+            "num_parameters": sum(p.numel() for p in worker.model.parameters()), "weights_bytes": loaded.weight_bytes,
+            "dtype": str(worker.dtype).removeprefix("torch."), "device": str(worker.device),
+            "max_model_len": self.max_model_len, "vocab_size": self.vocab_size}
         torch.manual_seed(config.seed)
 
     @property
