@@ -226,6 +226,8 @@ class RunnerConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = False
+    # image-feature rows the encoder cache keeps (multimodal models); None: max_num_batched_tokens; 0: none
+    encoder_cache_tokens: int | None = None
     enforce_eager: bool = False
     seed: int = 0
 
@@ -280,6 +282,7 @@ class RunnerConfig:
         self.block_size = _check_choice("block_size", self.block_size, BLOCK_SIZES)
         self.kv_cache_memory = _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
         self.enable_prefix_caching = _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        self.encoder_cache_tokens = _check_int("encoder_cache_tokens", self.encoder_cache_tokens, 0, optional=True)
         self.enforce_eager = _check_bool("enforce_eager", self.enforce_eager)
         self.seed = _check_int("seed", self.seed, 0)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
@@ -320,6 +323,10 @@ class RunnerConfig:
         if self.dtype == "auto":
             return torch.float16 if self._torch_device.type == "cuda" else torch.float32
         return TORCH_DTYPES[self.dtype]
+
+    @property
+    def effective_encoder_cache_tokens(self) -> int:
+        return self.effective_max_num_batched_tokens if self.encoder_cache_tokens is None else self.encoder_cache_tokens
 
     @property
     def effective_max_num_batched_tokens(self) -> int:

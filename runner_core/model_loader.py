@@ -50,6 +50,7 @@ class LoadedModel:
     buffer_bytes: int  # its buffers (rotary tables)
     adapter: ModelAdapter  # which class built it, by which path, and why
     bytes_read: int = 0  # checkpoint bytes read from the safetensors files
+    processor: object | None = None  # a multimodal model's Hugging Face processor (tokenizer + image processor)
 
 
 class ModelLoader:
@@ -75,9 +76,11 @@ class ModelLoader:
                 "with tokenizer.json or tokenizer_config.json, or leave tokenizer unset to use the model's"
             )
         tokenizer = load_tokenizer(tokenizer_path, hf_config, cfg.trust_remote_code)
+        processor = load_processor(path, cfg.trust_remote_code) if adapter.kind == "multimodal" else None
         return LoadedModel(model=model, tokenizer=tokenizer, hf_config=hf_config, model_path=path,
                            load_seconds=time.perf_counter() - start, weight_bytes=_nbytes(model.parameters()),
-                           buffer_bytes=_nbytes(model.buffers()), adapter=adapter, bytes_read=bytes_read)
+                           buffer_bytes=_nbytes(model.buffers()), adapter=adapter, bytes_read=bytes_read,
+                           processor=processor)
 
     def _build(self, cls: type, hf_config) -> nn.Module:
         previous = torch.get_default_dtype()
@@ -293,6 +296,18 @@ def _from_hf_cache(repo_id: str) -> Path:
         f"{repo_id!r} is not a local directory, a preset or in the Hugging Face cache, and {reason}. Pass a "
         f"local model directory, one of the presets ({', '.join(preset_names())}), or fetch it first where "
         f"the hub is reachable: `hf download {repo_id}`")
+
+
+def load_processor(path: Path, trust_remote_code: bool = False):
+    """The Hugging Face processor of a multimodal model directory (its tokenizer and image processor)."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ...
+        raise ModelLoadError(f"cannot load the processor in {path}: {exc}. A multimodal model needs its processor "
+                             "files (processor_config.json or preprocessor_config.json, and the tokenizer's); save "
+                             "them with processor.save_pretrained(dir)") from exc
 
 
 def read_hf_config(path: Path, trust_remote_code: bool = False) -> PretrainedConfig:

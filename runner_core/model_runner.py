@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -178,7 +178,8 @@ class ModelRunner:
         """
         engine = self._engine()
         as_tensor = isinstance(prompts, torch.Tensor)
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts
+                                                          and isinstance(prompts[0], int))
         if as_tensor:
             items = self._tensor_rows(prompts, attention_mask)
         else:

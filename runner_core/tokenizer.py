@@ -127,7 +127,7 @@ def load_tokenizer(path: str | Path, hf_config, trust_remote_code: bool = False)
     path = Path(path)
     extra_eos = _eos_ids(getattr(hf_config, "eos_token_id", None)) | _generation_config_eos(path)
     if not has_tokenizer_files(path):
-        return Tokenizer(ByteTokenizer(hf_config.vocab_size), extra_eos)
+        return Tokenizer(ByteTokenizer(hf_config.get_text_config().vocab_size), extra_eos)
     from transformers import AutoTokenizer  # heavy: only when there is a tokenizer to load
 
     try:

@@ -56,3 +56,49 @@ def make_tiny_hf_model(
     out = Path(tempfile.mkdtemp(prefix=f"tiny-{family}-", dir=tmp_path))
     model.save_pretrained(out)
     return out
+
+
+IMAGE_TOKEN_ID = 511  # the tiny LLaVA's "<image>": the last id of its 512-token vocabulary
+
+
+def make_tiny_llava(tmp_path: Path, seed: int = 0) -> Path:
+    """A 2-layer LLaVA (CLIP vision tower 32x32 pixels in 8x8 patches: 16 image tokens, a Llama text
+    model) with its tokenizer and processor, saved under tmp_path (safetensors, no download)."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    from runner_core.models.presets import build_tokenizer
+
+    vision = transformers.CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=2)
+    text = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    initializer_range=INITIALIZER_RANGE, bos_token_id=1, eos_token_id=2,
+                                    pad_token_id=0)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
+                                      image_seq_length=16, vision_feature_select_strategy="default",
+                                      vision_feature_layer=-2)
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():
+        torch.manual_seed(seed)
+        model = transformers.LlavaForConditionalGeneration(config).to(torch.float32).eval()
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, INITIALIZER_RANGE)
+            elif "norm" in name:
+                param.normal_(1.0, 0.1)
+    out = Path(tempfile.mkdtemp(prefix="tiny-llava-", dir=tmp_path))
+    model.save_pretrained(out)
+    tokenizer = build_tokenizer(511, 512)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, image_token="<image>",
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(out)
+    return out
+
+
+def random_image(seed: int, size: tuple[int, int] = (40, 48)):
+    """A PIL RGB image of random pixels."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)

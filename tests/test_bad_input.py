@@ -31,7 +31,7 @@ def test_bad_prompt_is_refused(runner, prompt, message):
 def test_prompt_of_wrong_type_is_refused(runner):
     with pytest.raises(InvalidRequestError) as e:
         runner.add_request(3.5, GREEDY)
-    assert "prompt must be a str or a list of token ids, got float" in str(e.value)
+    assert "prompt must be a str, a list of token ids or a prompt dict, got float" in str(e.value)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -37,6 +37,7 @@ DEFAULTS = {
     "block_size": 16,
     "kv_cache_memory": None,
     "enable_prefix_caching": False,
+    "encoder_cache_tokens": None,
     "enforce_eager": False,
     "seed": 0,
 }
@@ -141,6 +142,7 @@ BAD_VALUES = [
     ("compile_cache_dir", "", "a non-empty string"),
     ("compile_scope", "everything", "'model', 'layer', 'mlp', 'self_attn'"),
     ("model_impl", "hf", "'auto', 'native', 'transformers'"),
+    ("encoder_cache_tokens", -1, "an int >= 0 or None"),
     ("compile_fallback", "no", "True or False"),
     ("tensor_parallel_size", 0, "an int >= 1"),
     ("tensor_parallel_size", 2.0, "an int >= 1"),

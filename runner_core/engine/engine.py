@@ -14,6 +14,8 @@ import torch
 
 from runner_core.config import RunnerConfig
 from runner_core.engine.forward_pass import StepBatch
+from runner_core.engine.input_processor import InputProcessor
+from runner_core.engine.multimodal import MultiModalItem, MultiModalProcessor
 from runner_core.engine.output_processor import OutputProcessor
 from runner_core.engine.scheduler import Scheduler
 from runner_core.engine.sequence import RequestOutput, Sequence
@@ -37,7 +39,14 @@ class LLMEngine:
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
         self.device, self.vocab_size, self.max_model_len = worker.device, worker.vocab_size, worker.max_model_len
         self.memory = worker.memory
-        self.scheduler = Scheduler(self.memory, config.max_num_seqs, config.effective_max_num_batched_tokens)
+        cache = worker.encoder_cache
+        self.scheduler = Scheduler(self.memory, config.max_num_seqs, config.effective_max_num_batched_tokens,
+                                   encoder_cached=cache.__contains__ if cache is not None else lambda digest: False)
+        multimodal = None
+        if loaded.processor is not None:
+            multimodal = MultiModalProcessor(loaded.processor, worker.model.image_token_id,
+                                             worker.model.tokens_per_image)
+        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, loaded.adapter.architecture, multimodal)
         self.sampler = Sampler()
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.observer = StepObserver(self.memory, self.scheduler, self.max_model_len)
@@ -58,23 +67,9 @@ class LLMEngine:
         return self.observer.records
 
     # ---- requests -------------------------------------------------------------------------
-    def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty; give at least one character or one token id")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in prompt):
-            raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        if not prompt:
-            raise InvalidRequestError("prompt is empty; give at least one character or one token id")
-        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {prompt[bad]} at position {bad} is outside the vocabulary "
-                                      f"[0, {self.vocab_size})")
-        return None, list(prompt)
+    def encode_prompt(self, prompt) -> tuple[str | None, list[int], list[MultiModalItem]]:
+        """(text or None, token ids, images) of any accepted prompt form (engine/input_processor.py)."""
+        return self.inputs.encode(prompt)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     stream: bool = False) -> Sequence:
@@ -82,11 +77,17 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self.encode_prompt(prompt)
+        text, ids, images = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (prompt and output "
                 f"together); shorten the prompt or raise max_model_len")
+        budget = self.scheduler.max_num_batched_tokens
+        big = next((i for i, m in enumerate(images) if m.length > budget), None)
+        if big is not None:
+            raise InvalidRequestError(f"image {big} fills {images[big].length} tokens but max_num_batched_tokens is "
+                                      f"{budget} (an image's tokens run in one step); raise max_num_batched_tokens "
+                                      f"to at least {images[big].length}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -94,7 +95,7 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         seq = Sequence(request_id=request_id, prompt=text, token_ids=ids, num_prompt_tokens=len(ids), params=params,
-                       generator=generator)
+                       generator=generator, mm_items=tuple(images))
         if stream or params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         if params.logprobs is not None:

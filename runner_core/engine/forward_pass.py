@@ -10,7 +10,7 @@ rank of a parallel runner prepares the same batch over its own KV shard.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,8 @@ class StepBatch:
     block_tables: list[list[int]]
     num_decodes: int
     sample_rows: list[int]  # sequences whose prompt is complete after this step: they sample a token
+    # image tokens in the step: (flat index of the first, image hash, its first feature row, rows, pixels)
+    images: list[tuple[int, str, int, int, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def build(cls, scheduled: Seq[tuple[Sequence, int]]) -> tuple[StepBatch, list[Sequence]]:
@@ -44,9 +46,17 @@ class StepBatch:
         counts = [n for _, n in ordered]
         ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
         sample = [i for i, (s, n) in enumerate(ordered) if s.num_computed_tokens + n == s.num_tokens]
+        images, base = [], 0
+        for (seq, n), start in zip(ordered, starts):
+            for item in seq.mm_items:
+                part = item.overlap(start, start + n)
+                if part is not None:
+                    images.append((base + part[0] - start, item.hash, part[0] - item.offset, part[1] - part[0],
+                                   item.pixel_values))
+            base += n
         batch = cls(starts=starts, num_new_tokens=counts, token_ids=ids,
                     block_tables=[s.block_table for s, _ in ordered], num_decodes=sum(1 for n in counts if n == 1),
-                    sample_rows=sample)
+                    sample_rows=sample, images=images)
         return batch, [s for s, _ in ordered]
 
     @property
@@ -63,6 +73,7 @@ class ModelInput:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_pad_tokens: int = 0  # rows added to reach a decode program's size (repeats of the first row)
+    multimodal: tuple[torch.Tensor, torch.Tensor] | None = None  # (flat positions, image features) to merge
 
 
 class InputBuffers:
@@ -217,10 +228,11 @@ class ForwardPass:
                     setattr(meta, name, value.to(self.device, non_blocking=True))
         return meta
 
-    def prepare(self, batch: StepBatch) -> ModelInput:
+    def prepare(self, batch: StepBatch, multimodal: tuple[torch.Tensor, torch.Tensor] | None = None) -> ModelInput:
+        """The step's model input; `multimodal`: image features for the batch's image tokens."""
         starts, counts, ids, tables = batch.starts, batch.num_new_tokens, batch.token_ids, batch.block_tables
         d, pad, decode_len = batch.num_decodes, 0, None
-        if self.decode_programs is not None and d == len(starts):
+        if self.decode_programs is not None and d == len(starts) and multimodal is None:
             size = self.decode_programs.padded_size(d)
             if size is not None:  # pad rows repeat the first row
                 pad, decode_len = size - d, self.decode_programs.static_decode_len
@@ -238,14 +250,15 @@ class ForwardPass:
             num_prefill_tokens=batch.num_prefill_tokens,
             num_decode_tokens=d,
             num_pad_tokens=pad,
+            multimodal=multimodal,
         )
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """Logits [S, vocab] (float32) for the sequences that sample this step."""
-        with set_forward_context(inp.meta, True):
+        with set_forward_context(inp.meta, True, inp.multimodal):
             hidden = None
-            if self.decode_programs is not None and not inp.num_prefill_tokens:
+            if self.decode_programs is not None and not inp.num_prefill_tokens and inp.multimodal is None:
                 hidden = self.decode_programs.run(inp.input_ids, inp.positions, inp.meta, inp.num_decode_tokens)
             if hidden is None:
                 hidden = self.model(inp.input_ids, inp.positions)

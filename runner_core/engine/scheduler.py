@@ -3,13 +3,16 @@
 Each step first advances running sequences (a decode is one token, an unfinished
 prompt continues with a chunk), preempting the newest running sequence by recompute
 when the pool has no block left, then admits waiting sequences while the token budget,
-`max_num_seqs` and free blocks allow. Long prompts are split into chunks (chunked prefill).
+`max_num_seqs` and free blocks allow. Long prompts are split into chunks (chunked prefill); a
+chunk never ends inside an image's placeholder tokens unless the image's features are cached
+(`encoder_cached`), so an image is encoded once for the whole of it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runner_core.engine.sequence import Sequence, SequenceStatus
@@ -29,9 +32,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, memory: MemoryManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, memory: MemoryManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 encoder_cached: Callable[[str], bool] = lambda digest: False):
         self.memory = memory
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.encoder_cached = encoder_cached
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -57,13 +62,26 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to run within `budget`; a chunk that would end inside an uncached image's
+        placeholders ends before them instead (0: wait for a step with room for the whole image)."""
+        start = seq.num_computed_tokens
+        n = min(seq.num_tokens - start, budget)
+        for item in seq.mm_items:
+            if item.offset < start + n < item.offset + item.length and not self.encoder_cached(item.hash):
+                n = max(0, item.offset - start) if item.offset >= start else n
+        return n
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
+            if n == 0:
+                i += 1
+                continue
             target = seq.num_computed_tokens + n
             while not self.memory.can_allocate(seq, target):
                 victim = self.running.pop()
@@ -83,8 +101,8 @@ class Scheduler:
                 out.rejected.append(seq)
                 continue
             self.memory.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.memory.can_allocate(seq, seq.num_computed_tokens + n):
+            n = self._chunk(seq, budget)
+            if n == 0 or not self.memory.can_allocate(seq, seq.num_computed_tokens + n):
                 self.memory.free(seq)  # give back the cached prefix it took
                 seq.num_computed_tokens = 0
                 break

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runner_core.engine.multimodal import MultiModalItem
 from runner_core.sampling_params import SamplingParams
 
 
@@ -68,6 +69,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     detokenizer: object | None = None
     text: str | None = None  # final text, set when the request finishes
+    mm_items: tuple[MultiModalItem, ...] = ()  # its images, by placeholder position
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property
@@ -85,6 +87,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def block_key(self, index: int, block_size: int) -> tuple:
+        """What identifies full block `index` for the prefix cache: its token ids, and for each image
+        it holds tokens of, the image's hash and where the block starts in it."""
+        start = index * block_size
+        tokens = tuple(self.token_ids[start:start + block_size])
+        images = tuple((m.hash, start - m.offset) for m in self.mm_items if m.overlap(start, start + block_size))
+        return (tokens, images) if images else tokens
 
     def finish(self, reason: str, stop_reason: int | str | None = None, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

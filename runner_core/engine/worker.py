@@ -21,6 +21,7 @@ from runner_core.compile import (
     cuda_graphs_status,
 )
 from runner_core.config import RunnerConfig, resolve_max_model_len
+from runner_core.engine.encoder_cache import EncoderCache
 from runner_core.engine.forward_pass import ForwardPass, StepBatch
 from runner_core.errors import CompileError, ConfigError
 from runner_core.memory import (
@@ -43,8 +44,9 @@ class Worker:
         self.config, self.model, self.hf_config = config, loaded.model, loaded.hf_config
         self.weights_bytes = loaded.weight_bytes
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        self.vocab_size = self.hf_config.vocab_size
-        self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config.max_position_embeddings)
+        text = self.hf_config.get_text_config()  # a multimodal config's text model
+        self.vocab_size, self.hidden_size = text.vocab_size, text.hidden_size
+        self.max_model_len = resolve_max_model_len(config.max_model_len, text.max_position_embeddings)
         bs = config.block_size
         self.forward_pass = ForwardPass(self.model, bs, self.device, max_tokens=config.effective_max_num_batched_tokens,
                                         max_seqs=config.max_num_seqs, max_blocks_per_seq=-(-self.max_model_len // bs))
@@ -53,6 +55,8 @@ class Worker:
         self.memory.allocate_kv_cache(self.model, self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
                                       self.dtype, self.device)
         logger.info(self.pool_plan.describe())
+        multimodal = loaded.adapter.kind == "multimodal"
+        self.encoder_cache = EncoderCache(config.effective_encoder_cache_tokens) if multimodal else None
         self.compiler: CompileOptimizer | None = None
         if config.compile and not config.enforce_eager:
             self.set_compile_mode(True)
@@ -99,10 +103,19 @@ class Worker:
     def execute_model(self, batch: StepBatch) -> tuple[torch.Tensor, float]:
         """(logits [sampling rows, vocab] float32, seconds spent preparing the inputs) on rank 0."""
         t = time.perf_counter()
-        inp = self.forward_pass.prepare(batch)
+        inp = self.forward_pass.prepare(batch, self._image_features(batch) if batch.images else None)
         prepared = time.perf_counter() - t
         logits = self.forward_pass.execute(inp)
         return to_driver(logits, (len(batch.sample_rows), self.vocab_size)), prepared
+
+    def _image_features(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat positions, feature rows) of the step's image tokens; each image is encoded once
+        and kept in the encoder cache while it has room."""
+        features = self.encoder_cache.features([(h, px) for _, h, _, _, px in batch.images],
+                                                self.model.get_image_features)
+        positions = torch.cat([torch.arange(flat, flat + n) for flat, _, _, n, _ in batch.images])
+        rows = torch.cat([features[h][first:first + n] for _, h, first, n, _ in batch.images])
+        return positions.to(self.device), rows
 
     def run_stateless(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden [N, H], logits [N, V]) of a causal forward of independent rows without the KV pool."""
@@ -110,7 +123,7 @@ class Worker:
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden)
         n = hidden.shape[0]
-        return to_driver(hidden, (n, self.hf_config.hidden_size)), to_driver(logits, (n, self.vocab_size))
+        return to_driver(hidden, (n, self.hidden_size)), to_driver(logits, (n, self.vocab_size))
 
     def set_compile_mode(self, enabled: bool, backend: str | None = None, mode: str | None = None,
                          scope: str | None = None) -> dict:
@@ -157,11 +170,16 @@ class Worker:
     def memory_bytes(self) -> dict:
         """This rank's weights, KV pool, planned activation peak and decode programs, in bytes."""
         programs = self.forward_pass.decode_programs
-        return {"weights_bytes": self.weights_bytes, "kv_pool_bytes": self.memory.kv_cache_bytes,
-                "kv_bytes_per_token": self.pool_plan.bytes_per_token,
-                "activation_peak_bytes": self.pool_plan.activation_peak_bytes,
-                # CPU: the decode programs' prepacked weights; CUDA: their graphs' memory pool
-                "decode_programs_bytes": programs.memory_bytes if programs is not None else 0}
+        out = {"weights_bytes": self.weights_bytes, "kv_pool_bytes": self.memory.kv_cache_bytes,
+               "kv_bytes_per_token": self.pool_plan.bytes_per_token,
+               "activation_peak_bytes": self.pool_plan.activation_peak_bytes,
+               # CPU: the decode programs' prepacked weights; CUDA: their graphs' memory pool
+               "decode_programs_bytes": programs.memory_bytes if programs is not None else 0}
+        if self.encoder_cache is not None:
+            cache = self.encoder_cache.stats()
+            out.update({"encoder_cache_tokens": cache["tokens"], "encoder_cache_images": cache["images"],
+                        "encoder_cache_hits": cache["hits"], "encoder_cache_misses": cache["misses"]})
+        return out
 
 
 class Executor(Protocol):

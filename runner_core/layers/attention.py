@@ -57,6 +57,8 @@ class AttentionMetadata:
 class ForwardContext:
     meta: AttentionMetadata
     use_kv_cache: bool  # False for a stateless forward (no pool: attend over the step's own tokens)
+    # image features to place in the embeddings: (flat token positions [M], features [M, H]), or None
+    multimodal: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # per thread (and task): runners stepping on different threads never see each other's step
@@ -64,8 +66,8 @@ _CONTEXT: ContextVar[ForwardContext | None] = ContextVar("runner_core_forward_co
 
 
 @contextmanager
-def set_forward_context(meta, use_kv_cache: bool) -> Iterator[None]:
-    token = _CONTEXT.set(ForwardContext(meta, use_kv_cache))
+def set_forward_context(meta, use_kv_cache: bool, multimodal=None) -> Iterator[None]:
+    token = _CONTEXT.set(ForwardContext(meta, use_kv_cache, multimodal))
     try:
         yield
     finally:

@@ -15,12 +15,14 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None  # set once the block is full and its tokens are final
-    token_ids: tuple[int, ...] | None = None  # kept to verify a hash hit
+    key: tuple | None = None  # its tokens (and images), kept to verify a hash hit
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash of a full block: equal hashes mean equal prefixes (verified on hit)."""
-    return hash((parent_hash, token_ids))
+def hash_block(parent_hash: int | None, key: tuple) -> int:
+    """Chained hash of a full block: equal hashes mean equal prefixes (verified on hit). `key` is
+    the block's token ids and, for image tokens, which image and where in it (Sequence.block_key),
+    so two images behind the same text never share a block."""
+    return hash((parent_hash, key))
 
 
 class BlockPool:
@@ -49,12 +51,12 @@ class BlockPool:
         block.ref_count = 1
         return block
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
+    def lookup(self, block_hash: int, key: tuple) -> KVBlock | None:
         block_id = self.cached.get(block_hash)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        return block if block.token_ids == token_ids else None  # a hash collision is a miss
+        return block if block.key == key else None  # a hash collision is a miss
 
     def acquire(self, block: KVBlock) -> None:
         """Share a cached block with one more sequence."""
@@ -72,19 +74,19 @@ class BlockPool:
             else:
                 self.num_cached_free += 1
 
-    def cache(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def cache(self, block: KVBlock, block_hash: int, key: tuple) -> None:
         if block.block_hash is not None:
             return
         if block_hash in self.cached:  # an equal block is cached already; keep that one
             return
-        block.block_hash, block.token_ids = block_hash, token_ids
+        block.block_hash, block.key = block_hash, key
         self.cached[block_hash] = block.block_id
 
     def _uncache(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
-            block.block_hash = block.token_ids = None
+            block.block_hash = block.key = None
 
     def evict_cached_free(self) -> int:
         """Forget the prefixes of every free cached block (they are reused first from now on);

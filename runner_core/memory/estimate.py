@@ -98,6 +98,7 @@ class MemoryEstimate:
     dtype: str
     buffers_bytes: int = 0  # rotary cos/sin tables (float32)
     decode_programs_bytes: int = 0  # CPU decode programs' MKL-prepacked weights (compiled, one device)
+    encoder_cache_bytes: int = 0  # a multimodal model's cached image features (encoder_cache_tokens rows)
     min_kv_pool_bytes: int = 0  # one max_model_len sequence, rounded up to whole blocks
     block_size: int = 16
     max_num_seqs: int = 256
@@ -114,8 +115,9 @@ class MemoryEstimate:
 
     @property
     def fixed_bytes(self) -> int:
-        """Everything but the KV pool: weights, activation peak, buffers, prepacked weights."""
-        return self.weights_bytes + self.activation_peak_bytes + self.buffers_bytes + self.decode_programs_bytes
+        """Everything but the KV pool: weights, activation peak, buffers, prepacked weights, image features."""
+        return (self.weights_bytes + self.activation_peak_bytes + self.buffers_bytes + self.decode_programs_bytes
+                + self.encoder_cache_bytes)
 
     def __str__(self) -> str:
         par = f"tp={self.tensor_parallel_size}, pp={self.pipeline_parallel_size}"
@@ -129,6 +131,8 @@ class MemoryEstimate:
             ("rotary tables", self.buffers_bytes, ""),
             *([("decode programs", self.decode_programs_bytes, "MKL-prepacked linear weights (compiled, CPU)")]
               if self.decode_programs_bytes else []),
+            *([("encoder cache", self.encoder_cache_bytes, "image features kept for reuse")]
+              if self.encoder_cache_bytes else []),
             ("total", self.total_per_device_bytes, f"per device, {self.num_devices} device(s)"),
         ]
         lines = [f"Memory estimate for {self.model or 'model'} ({par}, max_model_len={self.max_model_len}, "
@@ -158,7 +162,8 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
                     max_model_len: int | None = None, max_num_seqs: int = 256,
                     max_num_batched_tokens: int | None = None, block_size: int = 16,
                     kv_cache_memory: int | None = None, device: str | torch.device = "cpu",
-                    trust_remote_code: bool = False, packed_decode_weights: bool = False) -> MemoryEstimate:
+                    trust_remote_code: bool = False, packed_decode_weights: bool = False,
+                    encoder_cache_tokens: int | None = None) -> MemoryEstimate:
     """Predict the memory a configuration needs per device, before loading anything.
 
     `model` is resolved like the loader does (a directory, a preset built on first use, a hub id
@@ -168,22 +173,28 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
     sequences of `max_model_len` tokens (default: max_position_embeddings). Pipeline stages hold
     `pipeline_stage_layers` decoder layers each (default: an even split). With
     `packed_decode_weights` (a compiled single-device float32 CPU runner), the CPU decode programs'
-    MKL-prepacked copies of the linear weights are counted too.
+    MKL-prepacked copies of the linear weights are counted too. A multimodal model also holds its
+    vision tower and projector and `encoder_cache_tokens` rows of image features (default:
+    max_num_batched_tokens).
     """
     from runner_core.model_loader import read_hf_config, resolve_model_path
 
     path = resolve_model_path(str(model))
-    shape = ModelShape.from_hf_config(read_hf_config(path, trust_remote_code))
+    hf_config = read_hf_config(path, trust_remote_code)
+    shape = ModelShape.from_hf_config(hf_config)
+    multimodal = getattr(hf_config, "vision_config", None) is not None
     tensors = read_safetensors_shapes(path)
     if tensors is None:
-        tensors = shape.checkpoint_tensors()
+        tensors = shape.checkpoint_tensors() + (vision_tensors(hf_config) if multimodal else [])
     device = str(torch.device(device)) if isinstance(device, torch.device) else device
     args = dict(dtype=_dtype_name(dtype, device), tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size, pipeline_stage_layers=pipeline_stage_layers,
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 block_size=block_size, kv_cache_memory=kv_cache_memory, device=device, model=str(model),
-                packed_decode_weights=packed_decode_weights)
+                packed_decode_weights=packed_decode_weights,
+                encoder_cache_tokens=(encoder_cache_tokens if encoder_cache_tokens is not None else
+                                      max_num_batched_tokens) if multimodal else 0)
     return _estimate(_Inputs(shape, tuple(tensors), args))
 
 
@@ -215,16 +226,29 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
     act = estimate_activation_peak(shape, num_tokens=tokens, num_seqs=a["max_num_seqs"], dtype=dtype,
                                    tensor_parallel_size=tp, context_len=max_len, decode_gather=dev_type == "cuda")
     packed = _packed_decode_bytes(shape) if a["packed_decode_weights"] and tp * pp == 1 and dtype == "float32" else 0
-    totals = [w + pool_tokens * k + act + buf + packed for w, k, buf in zip(weights, per_token, buffers)]
+    encoder = (a["encoder_cache_tokens"] if a["encoder_cache_tokens"] is not None else tokens) * shape.hidden_size * b
+    totals = [w + pool_tokens * k + act + buf + packed + encoder for w, k, buf in zip(weights, per_token, buffers)]
     return MemoryEstimate(
         weights_bytes=max(weights), kv_bytes_per_token=bpt, kv_pool_bytes=pool_tokens * bpt,
         kv_pool_tokens=pool_tokens, activation_peak_bytes=act, total_per_device_bytes=max(totals),
         num_devices=tp * pp, max_model_len=max_len, dtype=dtype, buffers_bytes=max(buffers),
-        decode_programs_bytes=packed,
+        decode_programs_bytes=packed, encoder_cache_bytes=encoder,
         min_kv_pool_bytes=-(-max_len // bs) * bs * bpt, block_size=bs, max_num_seqs=a["max_num_seqs"],
         max_num_batched_tokens=tokens, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         kv_cache_memory=a["kv_cache_memory"], device=device, model=a["model"],
         _inputs=_Inputs(shape, inputs.tensors, a))
+
+
+def vision_tensors(hf_config) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of a multimodal model's vision tower and projector, from its config alone (the
+    modules built on the meta device: no memory, no weights)."""
+    from transformers import AutoModel
+    from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+    with torch.device("meta"):
+        tower, projector = AutoModel.from_config(hf_config.vision_config), LlavaMultiModalProjector(hf_config)
+    return ([(f"vision_tower.{n}", tuple(p.shape)) for n, p in tower.named_parameters()]
+            + [(f"multi_modal_projector.{n}", tuple(p.shape)) for n, p in projector.named_parameters()])
 
 
 def _packed_decode_bytes(shape: ModelShape) -> int:

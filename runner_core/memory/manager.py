@@ -104,9 +104,9 @@ class MemoryManager:
         self.prefix_queries += eligible * bs
         parent = None
         for i in range(eligible):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(parent, tokens)
-            block = self.pool.lookup(h, tokens)
+            key = seq.block_key(i, bs)
+            h = hash_block(parent, key)
+            block = self.pool.lookup(h, key)
             if block is None:
                 break
             self.pool.acquire(block)
@@ -126,9 +126,9 @@ class MemoryManager:
         bs = self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            parent = hash_block(parent, tokens)
-            self.pool.cache(self.pool.blocks[seq.block_table[i]], parent, tokens)
+            key = seq.block_key(i, bs)
+            parent = hash_block(parent, key)
+            self.pool.cache(self.pool.blocks[seq.block_table[i]], parent, key)
             seq.block_hashes.append(parent)
 
     @property

@@ -48,6 +48,8 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelShape:
+        """The text model's shape (a multimodal config's `text_config`)."""
+        cfg = cfg.get_text_config()
         heads = cfg.num_attention_heads
         return cls(
             num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,

@@ -23,6 +23,7 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
 }
 
 
@@ -104,6 +105,8 @@ MODEL_REGISTRY = ModelAdapterRegistry()
 for _arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
     MODEL_REGISTRY.register(_arch, "runner_core.models.llama:LlamaForCausalLM")
 MODEL_REGISTRY.register("Qwen3ForCausalLM", "runner_core.models.llama:Qwen3ForCausalLM")
+MODEL_REGISTRY.register("LlavaForConditionalGeneration", "runner_core.models.llava:LlavaForConditionalGeneration",
+                        kind="multimodal")
 
 # What the engine reads of every model (see LlamaForCausalLM's docstring for the full contract).
 MODEL_CONTRACT = ("forward", "compute_logits", "load_weights")

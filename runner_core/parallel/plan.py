@@ -44,6 +44,9 @@ def _cuda_devices_needed(config) -> tuple[int, int]:
 def validate_parallel_config(config, hf_config) -> list[range]:
     """Refuse a parallel layout the model or the machine cannot take; the layers of each stage."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if getattr(hf_config, "vision_config", None) is not None:
+        raise ConfigError(f"{', '.join(hf_config.architectures or [hf_config.model_type])} is multimodal: its vision "
+                          "tower runs in one process for now; use tensor_parallel_size=1 and pipeline_parallel_size=1")
     shape = ModelShape.from_hf_config(hf_config)
     problem = shape.tp_problem(tp)
     if problem:
