@@ -148,3 +148,19 @@ def test_memory_estimate_counts_the_vision_tower_and_encoder_cache(llava, tmp_pa
     shutil.copy(path / "config.json", tmp_path / "config.json")
     assert estimate_memory(tmp_path, dtype="float32", max_model_len=512, encoder_cache_tokens=64).as_dict() | {
         "model": ""} == est.as_dict() | {"model": ""}
+
+
+def test_compiled_llava_equals_eager(llava):
+    """The image-feature merge is an opaque op: a compiled program (AOTInductor route, layer scope) keeps
+    it out of its graph and gives eager's tokens, without recompiling."""
+    from tests.test_compile import CACHE_DIR
+
+    path, _, _, runner = llava
+    requests = _requests(seed=100)
+    eager = [o.token_ids for o in runner.generate(requests, GREEDY)]
+    compiled = ModelRunner({"model": str(path), "dtype": "float32", "kv_cache_memory": 1 << 22, "compile": True,
+                            "compile_mode": "default", "compile_scope": "layer", "compile_fallback": False,
+                            "compile_cache_dir": str(CACHE_DIR)}).load_model()
+    assert [o.token_ids for o in compiled.generate(requests, GREEDY)] == eager
+    stats = compiled.compile_stats()
+    assert stats["warm_start"] == "aoti" and stats["recompiles_after_warmup"] == 0
