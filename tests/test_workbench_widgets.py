@@ -68,3 +68,38 @@ def test_widgets_drive_the_session(ui):
     ui.unload_button.click()
     ui.wait(30)
     assert s.models == {} and ui.active.options == () and "no model loaded" in ui.status.value
+
+
+def test_an_uploaded_image_goes_with_the_prompt(tmp_path):
+    """The upload box: an image file reaches a multimodal model with the prompt (its placeholder first),
+    the preview shows it, a file that is not an image is refused with a message, and the same image
+    and prompt through the session give the same tokens."""
+    import io
+
+    from tests.helpers import make_tiny_llava, random_image
+
+    path = make_tiny_llava(tmp_path)
+    s = Session()
+    w = SessionWidgets(s, auto_refresh=False)
+    try:
+        s.load_model(str(path), dtype="float32", kv_cache_memory=4 << 20)
+        png = io.BytesIO()
+        random_image(5).save(png, format="PNG")
+        w.on_image(({"name": "x.png", "type": "image/png", "content": memoryview(b"not a picture")},))
+        assert "Image: the uploaded file is not an image that can be read" in w.error.value and w.image is None
+        w.on_image(({"name": "x.png", "type": "image/png", "content": memoryview(png.getvalue())},))
+        assert w.error.value == "" and bytes(w.image_view.value).startswith(b"\x89PNG")
+        w.prompt.value, w.max_tokens.value, w.temperature.value = "what is this?", 8, 0.0
+        w.generate_button.click()
+        w.wait(60)
+        expected = s.generate({"prompt": "<image>\nwhat is this?", "multi_modal_data": {"image": random_image(5)}},
+                              max_tokens=8, temperature=0.0, timeout=60)
+        assert w.handle.output.token_ids == expected.token_ids and len(expected.token_ids) == 8
+        from workbench.panel_app import SessionDashboard
+
+        dashboard = SessionDashboard(s)  # the Panel view shows the same preview beside its answer
+        dashboard.on_image(png.getvalue())
+        assert dashboard.image_pane.object.startswith('<img alt="the uploaded image" src="data:image/png;base64,')
+    finally:
+        w.close()
+        s.close()

@@ -7,6 +7,7 @@ answer, the workload and the charts are prepared for display. A view supplies `s
 
 from __future__ import annotations
 
+import io
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -18,6 +19,30 @@ from workbench.session import Session
 # the block map readable and the load fast on a laptop CPU.
 DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 1024}
 CHART_HISTORY = 600  # rows (at 0.1 s each while work runs)
+IMAGE_PLACEHOLDER = "<image>"  # where a multimodal prompt's image goes (LLaVA's placeholder)
+PREVIEW_PX = 160
+
+
+def read_image(data: bytes):
+    """A PIL image from uploaded bytes; ValueError naming the problem when it is not one."""
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, ...
+        raise ValueError(f"the uploaded file is not an image that can be read ({type(exc).__name__}: {exc})") from exc
+    return image.convert("RGB")
+
+
+def image_prompt(text: str, image) -> str | dict:
+    """The request for `text` with `image` (vLLM's multimodal form); the placeholder goes first
+    when the text has none."""
+    if image is None:
+        return text
+    if IMAGE_PLACEHOLDER not in text:
+        text = f"{IMAGE_PLACEHOLDER}\n{text}"
+    return {"prompt": text, "multi_modal_data": {"image": image}}
 
 
 def load_config(dtype: str, device: str, kv_cache_memory_mib: int | None, max_model_len: int | None) -> dict:
@@ -54,6 +79,7 @@ class ViewController:
         self.workload: list[RequestHandle] = []
         self.jobs: list[tuple[str, Future]] = []
         self._error_shown_for: RequestHandle | None = None
+        self.image = None  # the uploaded image (PIL) the next generation sends, if any
         self._syncing = False  # set while the view copies the session's active model into its picker
 
     # ---- supplied by the view ---------------------------------------------------------------
@@ -133,8 +159,24 @@ class ViewController:
         return self._track(label, self.guard("Compile mode", lambda: self.session.set_compile_mode(
             enabled, backend=backend, mode=mode, scope=scope, wait=False)))
 
+    def set_image(self, data: bytes | None) -> None:
+        """Take an uploaded image for the next generations (None or b"": none)."""
+        self.image = None
+        if data:
+            self.image = self.guard("Image", lambda: read_image(data))
+
+    def image_preview(self) -> bytes | None:
+        """The uploaded image as a small PNG, for display beside the answer."""
+        if self.image is None:
+            return None
+        thumb = self.image.copy()
+        thumb.thumbnail((PREVIEW_PX, PREVIEW_PX))
+        out = io.BytesIO()
+        thumb.save(out, format="PNG")
+        return out.getvalue()
+
     def generate(self, prompt: str, **sampling) -> RequestHandle | None:
-        handle = self.guard("Generate", lambda: self.session.submit(prompt, **sampling))
+        handle = self.guard("Generate", lambda: self.session.submit(image_prompt(prompt, self.image), **sampling))
         if handle is not None:
             self.handle, self._error_shown_for = handle, None
         return handle

@@ -6,6 +6,7 @@ method; nothing here touches a runner.
 
 from __future__ import annotations
 
+import base64
 import html
 import logging
 import socket
@@ -75,6 +76,8 @@ class SessionDashboard(ViewController):
         self.cancel_button = w.Button(name="Cancel", css_classes=["wb-cancel"])
         self.answer = pn.pane.HTML(_pre(""), css_classes=["wb-answer"], sizing_mode="stretch_width",
                                    styles={"min-height": "4em"})
+        self.image_input = w.FileInput(accept="image/*", css_classes=["wb-image"])
+        self.image_pane = pn.pane.HTML("", css_classes=["wb-image-preview"], width=170)
         self.answer_stats = pn.pane.Markdown("", css_classes=["wb-answer-stats"])
         self.workload_n = w.IntInput(name="requests", value=16, start=1, end=1024, width=100,
                                      css_classes=["wb-workload-n"])
@@ -91,6 +94,7 @@ class SessionDashboard(ViewController):
 
         self.wire_buttons()
         self.active_select.param.watch(lambda event: self.on_active(event.new), "value")
+        self.image_input.param.watch(lambda event: self.on_image(event.new), "value")
 
         sidebar = pn.Column(
             "### Model", self.model_select, self.model_path, pn.Row(self.dtype, self.device),
@@ -100,7 +104,9 @@ class SessionDashboard(ViewController):
             width=290, styles={"background": "#f6f8fa", "border-radius": "6px"}, margin=(0, 10, 0, 0))
         generation = pn.Column(
             self.prompt, pn.Row(self.max_tokens, self.temperature, self.top_p, self.top_k, self.ignore_eos),
-            pn.Row(self.generate_button, self.cancel_button), self.answer, self.answer_stats,
+            pn.Row(self.generate_button, self.cancel_button,
+                   pn.pane.Markdown("image (multimodal models):", margin=(12, 5)), self.image_input),
+            pn.Row(self.answer, self.image_pane, sizing_mode="stretch_width"), self.answer_stats,
             pn.Row(pn.pane.Markdown("**Workload** — fire N random requests to watch continuous batching:"),
                    self.workload_n, self.workload_button),
             self.workload_md, sizing_mode="stretch_width")
@@ -148,6 +154,12 @@ class SessionDashboard(ViewController):
                          ignore_eos=self.ignore_eos.value) is not None:
             self.answer.object = _pre("")
             self.answer_stats.object = "_generating…_"
+
+    def on_image(self, data: bytes | None) -> None:
+        self.set_image(data)
+        preview = self.image_preview()
+        self.image_pane.object = "" if preview is None else (
+            f'<img alt="the uploaded image" src="data:image/png;base64,{base64.b64encode(preview).decode()}">')
 
     # ---- the periodic refresh ---------------------------------------------------------------------
     def refresh(self) -> None:

@@ -54,6 +54,8 @@ class SessionWidgets(ViewController, W.VBox):
         self.generate_button = W.Button(description="Generate", button_style="success", icon="play")
         self.cancel_button = W.Button(description="Cancel", icon="stop")
         self.output = W.Textarea(value="", disabled=True, layout=W.Layout(width="98%", height="6em"))
+        self.image_upload = W.FileUpload(accept="image/*", multiple=False, description="image")
+        self.image_view = W.Image(format="png", layout=W.Layout(display="none"))
         self.stats = W.HTML("")
         self.workload_n = W.BoundedIntText(value=16, min=1, max=1024, description="requests")
         self.workload_button = W.Button(description="Run workload", icon="bolt")
@@ -64,6 +66,7 @@ class SessionWidgets(ViewController, W.VBox):
 
         self.wire_buttons()
         self.active.observe(lambda change: self.on_active(change["new"]), names="value")
+        self.image_upload.observe(lambda change: self.on_image(change["new"]), names="value")
 
         controls = W.VBox([
             W.HBox([self.model, self.model_path]),
@@ -71,7 +74,8 @@ class SessionWidgets(ViewController, W.VBox):
             W.HBox([self.compile, self.compile_backend, self.compile_mode, self.compile_button]),
         ])
         generation = W.VBox([self.prompt, W.HBox([self.max_tokens, self.temperature]),
-                             W.HBox([self.generate_button, self.cancel_button]), self.output, self.stats,
+                             W.HBox([self.generate_button, self.cancel_button, self.image_upload]),
+                             W.HBox([self.output, self.image_view]), self.stats,
                              W.HBox([self.workload_n, self.workload_button])])
         figs = list(self.figures.values())
         grid = W.VBox([W.HBox(figs[i:i + 2]) for i in range(0, len(figs), 2)])
@@ -95,6 +99,13 @@ class SessionWidgets(ViewController, W.VBox):
 
     def on_compile(self) -> None:
         self.set_compile(self.compile.value, self.compile_backend.value, self.compile_mode.value)
+
+    def on_image(self, uploads) -> None:
+        """FileUpload's value: a tuple of {"content": memoryview, "name", "type", ...} (the first is used)."""
+        self.set_image(bytes(uploads[0]["content"]) if uploads else None)
+        preview = self.image_preview()
+        self.image_view.value = preview or b""
+        self.image_view.layout.display = None if preview else "none"
 
     def on_generate(self) -> None:
         if self.generate(self.prompt.value, max_tokens=self.max_tokens.value,
