@@ -158,7 +158,8 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
                     max_model_len: int | None = None, max_num_seqs: int = 256,
                     max_num_batched_tokens: int | None = None, block_size: int = 16,
                     kv_cache_memory: int | None = None, device: str | torch.device = "cpu",
-                    trust_remote_code: bool = False, packed_decode_weights: bool = False) -> MemoryEstimate:
+                    trust_remote_code: bool = False, packed_decode_weights: bool = False,
+                    model_impl: str = "auto") -> MemoryEstimate:
     """Predict the memory a configuration needs per device, before loading anything.
 
     `model` is resolved like the loader does (a directory, a preset built on first use, a hub id
@@ -168,12 +169,16 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
     sequences of `max_model_len` tokens (default: max_position_embeddings). Pipeline stages hold
     `pipeline_stage_layers` decoder layers each (default: an even split). With
     `packed_decode_weights` (a compiled single-device float32 CPU runner), the CPU decode programs'
-    MKL-prepacked copies of the linear weights are counted too.
+    MKL-prepacked copies of the linear weights are counted too. An architecture the runner cannot
+    build under `model_impl` is refused first (ModelLoadError naming it and what would work).
     """
     from runner_core.model_loader import read_hf_config, resolve_model_path
+    from runner_core.models import MODEL_REGISTRY
 
     path = resolve_model_path(str(model))
-    shape = ModelShape.from_hf_config(read_hf_config(path, trust_remote_code))
+    hf_config = read_hf_config(path, trust_remote_code)
+    MODEL_REGISTRY.get_adapter(hf_config, model_impl, trust_remote_code=trust_remote_code)
+    shape = ModelShape.from_hf_config(hf_config)
     tensors = read_safetensors_shapes(path)
     if tensors is None:
         tensors = shape.checkpoint_tensors()

@@ -29,6 +29,7 @@ import torch
 
 from runner_core.errors import ConfigError
 from runner_core.memory import ModelShape, available_memory_bytes, estimate_memory, stage_layer_ranges
+from runner_core.models import MODEL_REGISTRY
 
 _GiB = 2**30
 
@@ -44,6 +45,8 @@ def _cuda_devices_needed(config) -> tuple[int, int]:
 def validate_parallel_config(config, hf_config) -> list[range]:
     """Refuse a parallel layout the model or the machine cannot take; the layers of each stage."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    MODEL_REGISTRY.get_adapter(hf_config, config.model_impl, trust_remote_code=config.trust_remote_code,
+                               tensor_parallel_size=tp, pipeline_parallel_size=pp)  # the fallback is one device
     shape = ModelShape.from_hf_config(hf_config)
     problem = shape.tp_problem(tp)
     if problem:
