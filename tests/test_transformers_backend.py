@@ -316,3 +316,8 @@ def test_tensor_parallel_fallback_is_refused(neox):
                                           r"fallback, which runs on one device for now: tensor_parallel_size=2 .*use "
                                           r"tensor_parallel_size=1"):
         _runner(neox[0], tensor_parallel_size=2)
+    suggestion = runner_core.suggest_parallel_config(str(neox[0]), ["cpu"] * 2, device_memory=1 << 34,
+                                                     dtype="float32", max_model_len=512)
+    assert suggestion.as_config() == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    assert all("the transformers fallback runs on one device" in c["why"] for c in suggestion.candidates
+               if c["tp"] * c["pp"] > 1)

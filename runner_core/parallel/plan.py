@@ -103,6 +103,16 @@ def _usable_bytes(devices, device_memory: int | None, gpu_memory_utilization: fl
     return len(devices), available_memory_bytes("cpu") // len(devices), kind  # the ranks share the RAM
 
 
+def _runs_on_one_device(model: str, estimate_kwargs: dict) -> bool:
+    """Whether `model` loads through the transformers fallback (one device only)."""
+    from runner_core.model_loader import read_hf_config, resolve_model_path
+
+    trust = estimate_kwargs.get("trust_remote_code", False)
+    hf_config = read_hf_config(resolve_model_path(str(model)), trust)
+    adapter = MODEL_REGISTRY.get_adapter(hf_config, estimate_kwargs.get("model_impl", "auto"), trust_remote_code=trust)
+    return adapter.impl == "transformers"
+
+
 def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memory: int | None = None,
                             devices_per_node: int | None = None, gpu_memory_utilization: float = 0.9,
                             min_sequences: int = 1, **estimate_kwargs) -> ParallelSuggestion:
@@ -117,11 +127,14 @@ def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memor
     estimate_kwargs.setdefault("device", "cuda" if kind == "cuda" else "cpu")
     base = estimate_memory(model, **estimate_kwargs)
     shape = base._inputs.shape
+    one_device = _runs_on_one_device(model, estimate_kwargs)
     candidates = []
     for world in range(1, n + 1):
         for tp in sorted((d for d in range(1, world + 1) if world % d == 0), reverse=True):
             pp = world // tp
             why = shape.tp_problem(tp)
+            if why is None and one_device and tp * pp > 1:
+                why = "the transformers fallback runs on one device (tensor_parallel_size=pipeline_parallel_size=1)"
             if why is None and tp > per_node:
                 why = f"tensor_parallel_size={tp} would span nodes (devices_per_node={per_node})"
             if why is None and pp > shape.num_layers:
