@@ -8,7 +8,7 @@ MODEL ?= tiny-llama
 PROMPT ?= Once upon a time
 PORT ?= 5006
 
-.PHONY: setup run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel clean
+.PHONY: setup run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel bench-models clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,10 @@ bench-cuda-graphs: setup
 
 bench-parallel: setup
 	$(PY) benchmarks/parallel.py
+
+# model adapters side by side (the transformers fallback vs the native adapter, ...)
+bench-models: setup
+	$(PY) benchmarks/models.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

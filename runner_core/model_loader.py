@@ -64,7 +64,9 @@ class ModelLoader:
         cfg = self.config
         path = resolve_model_path(cfg.model)
         hf_config = read_hf_config(path, cfg.trust_remote_code)
-        adapter = MODEL_REGISTRY.get_adapter(hf_config, cfg.model_impl)
+        adapter = MODEL_REGISTRY.get_adapter(hf_config, cfg.model_impl, trust_remote_code=cfg.trust_remote_code,
+                                             tensor_parallel_size=cfg.tensor_parallel_size,
+                                             pipeline_parallel_size=cfg.pipeline_parallel_size)
         logger.info("%s: %s adapter %s (%s)", adapter.architecture, adapter.impl, adapter.model_class.__name__,
                     adapter.reason)
         model = self._build(adapter.model_class, hf_config)
@@ -319,4 +321,19 @@ def read_hf_config(path: Path, trust_remote_code: bool = False) -> PretrainedCon
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises ValueError, OSError, KeyError, ...
+        raw = _raw_config(path)
+        if raw.get("auto_map") and not trust_remote_code:
+            archs = ", ".join(raw.get("architectures") or [f"model_type={raw.get('model_type')}"])
+            raise ModelLoadError(
+                f"architecture {archs!r} is remote code (config.json's auto_map: {raw['auto_map']}), which runs only "
+                "with trust_remote_code=True; pass trust_remote_code=True if you trust that code, or use an "
+                "architecture listed by runner_core.supported_architectures()") from exc
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
+
+
+def _raw_config(path: Path) -> dict:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}

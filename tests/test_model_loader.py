@@ -165,8 +165,9 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     edit_config(path, architectures=["FooForCausalLM"])
     with pytest.raises(ModelLoadError) as err:
         ModelLoader(runner_config(path)).load()
-    assert "architecture 'FooForCausalLM' is not supported; supported: " in str(err.value)
-    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in str(err.value)
+    assert "architecture 'FooForCausalLM' is neither registered natively nor a causal LM of transformers" \
+        in str(err.value)
+    assert "(native: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in str(err.value)
 
 
 def test_registry_lazy_targets_and_model_type_fallback():
@@ -184,8 +185,9 @@ def test_registry_lazy_targets_and_model_type_fallback():
         OrderedDict, "LlamaForCausalLM", "native", "causal_lm")
     with pytest.raises(ModelLoadError, match="cannot import no_such_module_xyz:Model"):
         model_class(SimpleNamespace(architectures=["Broken"]))
-    with pytest.raises(ModelLoadError, match="'model_type=gpt2' is not supported; supported: Broken, Llama"):
-        model_class(SimpleNamespace(architectures=[], model_type="gpt2"))
+    with pytest.raises(ModelLoadError, match="'model_type=no_such_type' is neither registered natively nor a causal "
+                                             r"LM of transformers .*\(native: Broken, Llama"):
+        model_class(SimpleNamespace(architectures=[], model_type="no_such_type"))
     with pytest.raises(ModelLoadError, match="'Other' has no native adapter .*use model_impl='auto' or 'transformers'"):
         model_class(SimpleNamespace(architectures=["Other"]), "native")
     with pytest.raises(ValueError, match="kind 'vision' .* not one of causal_lm, moe, multimodal"):

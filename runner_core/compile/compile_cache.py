@@ -53,7 +53,8 @@ def cpu_fingerprint() -> str:
 
 def model_layout(model: nn.Module) -> str:
     """Parameter and buffer names, shapes and dtypes (tensor-parallel shards and pipeline stages
-    differ), and the pipeline stage's position; the KV-pool size is left out (it is dynamic)."""
+    differ), the pipeline stage's position, and the model's `compile_key` if it has one (a digest of
+    the code it traces from outside runner_core); the KV-pool size is left out (it is dynamic)."""
     h = hashlib.sha256()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         shape = "pool" if name.endswith("kv_cache") else tuple(t.shape)
@@ -61,6 +62,7 @@ def model_layout(model: nn.Module) -> str:
     stage = getattr(getattr(model, "model", None), "stage", None)
     if stage is not None:
         h.update(f"stage:{stage.is_first}:{stage.is_last}".encode())
+    h.update(getattr(model, "compile_key", "").encode())  # code traced from outside runner_core (the fallback's)
     return h.hexdigest()[:16]
 
 

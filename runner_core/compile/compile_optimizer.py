@@ -214,6 +214,10 @@ class CompileOptimizer:
 
     # ---- compiling --------------------------------------------------------------------------
     def _targets(self, model: nn.Module) -> list[nn.Module]:
+        scopes = getattr(model, "compile_scopes", COMPILE_SCOPES)  # a model may compile in fewer scopes
+        if self.settings.scope not in scopes:
+            raise ValueError(f"{type(model).__name__} compiles with compile_scope {', '.join(map(repr, scopes))} "
+                             f"only, not {self.settings.scope!r}; use compile_scope={scopes[0]!r}")
         if self.settings.scope == "model":
             return [model]
         if self.settings.scope == "layer":

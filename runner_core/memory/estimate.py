@@ -163,7 +163,7 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
                     max_num_batched_tokens: int | None = None, block_size: int = 16,
                     kv_cache_memory: int | None = None, device: str | torch.device = "cpu",
                     trust_remote_code: bool = False, packed_decode_weights: bool = False,
-                    encoder_cache_tokens: int | None = None) -> MemoryEstimate:
+                    encoder_cache_tokens: int | None = None, model_impl: str = "auto") -> MemoryEstimate:
     """Predict the memory a configuration needs per device, before loading anything.
 
     `model` is resolved like the loader does (a directory, a preset built on first use, a hub id
@@ -175,12 +175,15 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
     `packed_decode_weights` (a compiled single-device float32 CPU runner), the CPU decode programs'
     MKL-prepacked copies of the linear weights are counted too. A multimodal model also holds its
     vision tower and projector and `encoder_cache_tokens` rows of image features (default:
-    max_num_batched_tokens).
+    max_num_batched_tokens). An architecture the runner cannot build under `model_impl` is refused
+    first (ModelLoadError naming it and what would work).
     """
     from runner_core.model_loader import read_hf_config, resolve_model_path
+    from runner_core.models import MODEL_REGISTRY
 
     path = resolve_model_path(str(model))
     hf_config = read_hf_config(path, trust_remote_code)
+    MODEL_REGISTRY.get_adapter(hf_config, model_impl, trust_remote_code=trust_remote_code)
     shape = ModelShape.from_hf_config(hf_config)
     multimodal = getattr(hf_config, "vision_config", None) is not None
     tensors = read_safetensors_shapes(path)

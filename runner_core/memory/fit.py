@@ -97,7 +97,8 @@ def check_config_fits(config, available_bytes: int | None = None, *,
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.effective_max_num_batched_tokens, block_size=config.block_size,
         kv_cache_memory=config.kv_cache_memory, device=str(device), trust_remote_code=config.trust_remote_code,
-        packed_decode_weights=packed_decode_weights, encoder_cache_tokens=config.effective_encoder_cache_tokens)
+        packed_decode_weights=packed_decode_weights, encoder_cache_tokens=config.effective_encoder_cache_tokens,
+        model_impl=config.model_impl)
     if available_bytes is None:
         available_bytes = usable_memory_bytes(device, config.gpu_memory_utilization)
     if estimate.decode_programs_bytes > available_bytes // 2:  # the runner will not pack them (plan_sizes)

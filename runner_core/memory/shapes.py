@@ -27,6 +27,7 @@ from runner_core.errors import ConfigError, ModelLoadError
 _MiB = 2**20
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _MAX_HEADER = 256 * _MiB
+_MLP_WIDTH_NAMES = ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size")
 
 
 # ---- what the formulas need from config.json ------------------------------------------------
@@ -48,13 +49,18 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelShape:
-        """The text model's shape (a multimodal config's `text_config`)."""
+        """The text model's shape (a multimodal config's `text_config`). Other families name some fields
+        differently: transformers' `attribute_map` covers the common names (n_layer, n_head, ...); the
+        MLP width falls back to its other names, else 4 x hidden (an estimate); multi-query attention
+        (GPTBigCode) has one KV head."""
         cfg = cfg.get_text_config()
         heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or (1 if getattr(cfg, "multi_query", False) else heads)
+        inter = next((v for v in (getattr(cfg, n, None) for n in _MLP_WIDTH_NAMES) if v), 4 * cfg.hidden_size)
         return cls(
             num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            intermediate_size=inter, vocab_size=cfg.vocab_size, num_heads=heads,
+            num_kv_heads=kv_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),

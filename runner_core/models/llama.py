@@ -65,7 +65,7 @@ def sliding_window(config) -> int | None:
     if types - {"sliding_attention"}:
         raise ValueError(f"layer_types mixes {', '.join(sorted(types))} (a sliding window of {window} on some layers "
                          "only); the runner applies one window to every layer: use a checkpoint with "
-                         "use_sliding_window=false, or model_impl='transformers' once it supports it")
+                         "use_sliding_window=false (the transformers fallback refuses such mixes too)")
     return window
 
 

@@ -29,6 +29,7 @@ import torch
 
 from runner_core.errors import ConfigError
 from runner_core.memory import ModelShape, available_memory_bytes, estimate_memory, stage_layer_ranges
+from runner_core.models import MODEL_REGISTRY
 
 _GiB = 2**30
 
@@ -47,6 +48,8 @@ def validate_parallel_config(config, hf_config) -> list[range]:
     if getattr(hf_config, "vision_config", None) is not None:
         raise ConfigError(f"{', '.join(hf_config.architectures or [hf_config.model_type])} is multimodal: its vision "
                           "tower runs in one process for now; use tensor_parallel_size=1 and pipeline_parallel_size=1")
+    MODEL_REGISTRY.get_adapter(hf_config, config.model_impl, trust_remote_code=config.trust_remote_code,
+                               tensor_parallel_size=tp, pipeline_parallel_size=pp)  # the fallback is one device
     shape = ModelShape.from_hf_config(hf_config)
     problem = shape.tp_problem(tp)
     if problem:
@@ -103,6 +106,16 @@ def _usable_bytes(devices, device_memory: int | None, gpu_memory_utilization: fl
     return len(devices), available_memory_bytes("cpu") // len(devices), kind  # the ranks share the RAM
 
 
+def _runs_on_one_device(model: str, estimate_kwargs: dict) -> bool:
+    """Whether `model` loads through the transformers fallback (one device only)."""
+    from runner_core.model_loader import read_hf_config, resolve_model_path
+
+    trust = estimate_kwargs.get("trust_remote_code", False)
+    hf_config = read_hf_config(resolve_model_path(str(model)), trust)
+    adapter = MODEL_REGISTRY.get_adapter(hf_config, estimate_kwargs.get("model_impl", "auto"), trust_remote_code=trust)
+    return adapter.impl == "transformers"
+
+
 def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memory: int | None = None,
                             devices_per_node: int | None = None, gpu_memory_utilization: float = 0.9,
                             min_sequences: int = 1, **estimate_kwargs) -> ParallelSuggestion:
@@ -117,11 +130,14 @@ def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memor
     estimate_kwargs.setdefault("device", "cuda" if kind == "cuda" else "cpu")
     base = estimate_memory(model, **estimate_kwargs)
     shape = base._inputs.shape
+    one_device = _runs_on_one_device(model, estimate_kwargs)
     candidates = []
     for world in range(1, n + 1):
         for tp in sorted((d for d in range(1, world + 1) if world % d == 0), reverse=True):
             pp = world // tp
             why = shape.tp_problem(tp)
+            if why is None and one_device and tp * pp > 1:
+                why = "the transformers fallback runs on one device (tensor_parallel_size=pipeline_parallel_size=1)"
             if why is None and tp > per_node:
                 why = f"tensor_parallel_size={tp} would span nodes (devices_per_node={per_node})"
             if why is None and pp > shape.num_layers:
