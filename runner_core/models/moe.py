@@ -23,6 +23,7 @@ from torch import nn
 from runner_core.layers.activation import SiluAndMul
 from runner_core.layers.fused_moe import FusedMoE
 from runner_core.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
+from runner_core.layers.moe_record import RoutingRecord, gather_layers
 from runner_core.models.llama import LlamaForCausalLM
 from runner_core.models.moe_spec import MoESpec
 from runner_core.parallel.state import tp_all_reduce
@@ -80,6 +81,23 @@ class MoEForCausalLM(LlamaForCausalLM):
         super().__init__(config)
         self.moe_layers = [i for i in range(self.model.start_layer, self.model.end_layer)
                            if self.moe_spec.is_sparse(i)]
+
+    # ---- what a forward's routing record holds, for every MoE layer of the model ------------------
+    def expert_counts(self, record: RoutingRecord) -> torch.Tensor:
+        """Tokens routed to each expert: [len(moe_spec.sparse_layers), num_experts] int64 (every
+        pipeline stage's layers, on every rank)."""
+        spec, device = self.moe_spec, self.model.layers[0].input_layernorm.weight.device
+        return gather_layers(record.counts, self._global_rows(), len(spec.sparse_layers), (spec.num_experts,),
+                             torch.int64, device)
+
+    def router_logits(self, record: RoutingRecord, num_tokens: int) -> torch.Tensor:
+        """Router logits of a forward opened with capture_logits: [MoE layers, num_tokens, num_experts]."""
+        spec, w = self.moe_spec, self.model.layers[0].input_layernorm.weight
+        return gather_layers(record.logits, self._global_rows(), len(spec.sparse_layers),
+                             (num_tokens, spec.num_experts), w.dtype, w.device)
+
+    def _global_rows(self) -> list[int]:
+        return [self.moe_spec.sparse_layers.index(i) for i in self.moe_layers]
 
     def moe_block(self, config, layer_index: int) -> nn.Module | None:
         """The layer's sparse block, or None for a dense layer."""
