@@ -105,7 +105,8 @@ class ModelRunner:
         return self._engine().worker.model
 
     # ---- stateless forward ----------------------------------------------------------------
-    def forward(self, input_ids, attention_mask: torch.Tensor | None = None, output_router_logits: bool = False) -> dict:
+    def forward(self, input_ids, attention_mask: torch.Tensor | None = None, *,
+                output_router_logits: bool = False) -> dict:
         """Full causal forward without the KV pool: {"logits": [B, T, V], "hidden_states": [B, T, H]}.
 
         Positions where `attention_mask` is 0 (left or right padding) are skipped and their
