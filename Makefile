@@ -8,7 +8,7 @@ MODEL ?= tiny-llama
 PROMPT ?= Once upon a time
 PORT ?= 5006
 
-.PHONY: setup run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel clean
+.PHONY: setup run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel bench-models clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,10 @@ bench-cuda-graphs: setup
 
 bench-parallel: setup
 	$(PY) benchmarks/parallel.py
+
+# model families against transformers (MoE: the fused experts, tiny-mixtral, small-qwen3-moe)
+bench-models: setup
+	$(PY) benchmarks/models.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -31,11 +31,11 @@ from runner_core.layers.linear import default_weight_loader
 from runner_core.layers.moe_record import current_record
 from runner_core.parallel.state import divide, get_tp_rank, get_tp_size
 
-EXPERT_IMPLS = ("loop", "grouped_mm")
-# the experts' implementation; "loop" unless RUNNER_CORE_MOE_IMPL says otherwise (benchmarks/models.py)
-DEFAULT_IMPL = os.environ.get("RUNNER_CORE_MOE_IMPL", "loop")
-if DEFAULT_IMPL not in EXPERT_IMPLS:
-    raise ValueError(f"RUNNER_CORE_MOE_IMPL={DEFAULT_IMPL!r} is not one of {', '.join(EXPERT_IMPLS)}")
+EXPERTS_IMPLS = ("loop", "grouped_mm")
+# how the experts run: "loop" unless RUNNER_CORE_MOE_IMPL says otherwise (benchmarks/models.py compares them)
+EXPERTS_IMPL = os.environ.get("RUNNER_CORE_MOE_IMPL", "loop")
+if EXPERTS_IMPL not in EXPERTS_IMPLS:
+    raise ValueError(f"RUNNER_CORE_MOE_IMPL={EXPERTS_IMPL!r} is not one of {', '.join(EXPERTS_IMPLS)}")
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,8 +54,10 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, impl: str = DEFAULT_IMPL) -> torch.Tensor:
-    """sum_k weight[t, k] * expert_{id[t, k]}(hidden[t]) for every token t: [N, H]."""
+                  topk_ids: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+    """sum_k weight[t, k] * expert_{id[t, k]}(hidden[t]) for every token t: [N, H] (`impl`: one of
+    EXPERTS_IMPLS, default EXPERTS_IMPL)."""
+    impl = impl or EXPERTS_IMPL
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order

@@ -82,6 +82,14 @@ PRESETS: dict[str, PresetSpec] = {
         extra={"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 64, "norm_topk_prob": True,
                "mlp_only_layers": [0], "head_dim": 32},
     ),
+    "small-qwen3-moe": PresetSpec(
+        description="~90M-parameter Qwen3-MoE (16 experts, top-4, ~25M active per token), the MoE benchmark model",
+        vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+        initializer_range=0.05, config_class="Qwen3MoeConfig", model_class="Qwen3MoeForCausalLM",
+        extra={"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 384, "norm_topk_prob": True,
+               "head_dim": 64},
+    ),
 }
 
 
