@@ -166,7 +166,8 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     with pytest.raises(ModelLoadError) as err:
         ModelLoader(runner_config(path)).load()
     assert "architecture 'FooForCausalLM' is not supported; supported: " in str(err.value)
-    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in str(err.value)
+    assert all(a in str(err.value) for a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                             "MixtralForCausalLM", "Qwen3MoeForCausalLM"))
 
 
 def test_registry_lazy_targets_and_model_type_fallback():

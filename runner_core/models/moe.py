@@ -83,9 +83,12 @@ class MoEForCausalLM(LlamaForCausalLM):
                            if self.moe_spec.is_sparse(i)]
 
     # ---- what a forward's routing record holds, for every MoE layer of the model ------------------
-    def expert_counts(self, record: RoutingRecord) -> torch.Tensor:
+    def expert_counts(self, record: RoutingRecord) -> torch.Tensor | None:
         """Tokens routed to each expert: [len(moe_spec.sparse_layers), num_experts] int64 (every
-        pipeline stage's layers, on every rank)."""
+        pipeline stage's layers, on every rank); None when this rank's experts did not report (a CUDA
+        graph replay runs no Python; graphs are single-rank)."""
+        if len(record.counts) != len(self.moe_layers):
+            return None
         spec, device = self.moe_spec, self.model.layers[0].input_layernorm.weight.device
         return gather_layers(record.counts, self._global_rows(), len(spec.sparse_layers), (spec.num_experts,),
                              torch.int64, device)
