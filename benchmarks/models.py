@@ -86,6 +86,9 @@ def hf_methods(model_path, reqs, repeats: int, single: int) -> tuple[dict, dict,
     for impl in ("grouped_mm", "eager"):
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                      experts_implementation=impl).eval()
+        # EOS becomes a token like any other: with it set, throughput.py's min_new_tokens suppresses the
+        # model's EOS id, which our ignore_eos run emits (shared/NOTES.md, transformers 5.x)
+        model.generation_config.eos_token_id = None
         runs = [(f"hf batch 64 ({impl})", reqs, 64)]
         if impl == "grouped_mm":
             runs = [("hf single", reqs[:single], 1), ("hf batch 16", reqs, 16)] + runs

@@ -114,7 +114,7 @@ class ModelRunner:
         "router_logits": a tuple with one [B, T, experts] tensor per MoE layer (the layers of
         `moe_stats()["layers"]`; `.reshape(-1, experts)` is transformers' per-layer tensor)."""
         engine = self._engine()
-        if output_router_logits and engine.observer.moe_spec is None:
+        if output_router_logits and not engine.worker.is_moe:
             info = engine.model_info
             raise InvalidRequestError(f"output_router_logits=True needs a mixture-of-experts model; "
                                       f"{info['architecture']} (kind {info['kind']!r}) has no router: call forward "
