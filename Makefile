@@ -66,7 +66,7 @@ bench-cuda-graphs: setup
 bench-parallel: setup
 	$(PY) benchmarks/parallel.py
 
-# model adapters side by side (the transformers fallback vs the native adapter, ...)
+# model families side by side: MoE (the fused experts, tiny-mixtral, small-qwen3-moe vs transformers), the transformers fallback vs the native adapter
 bench-models: setup
 	$(PY) benchmarks/models.py
 

@@ -105,12 +105,20 @@ class ModelRunner:
         return self._engine().worker.model
 
     # ---- stateless forward ----------------------------------------------------------------
-    def forward(self, input_ids, attention_mask: torch.Tensor | None = None) -> dict:
+    def forward(self, input_ids, attention_mask: torch.Tensor | None = None, *,
+                output_router_logits: bool = False) -> dict:
         """Full causal forward without the KV pool: {"logits": [B, T, V], "hidden_states": [B, T, H]}.
 
         Positions where `attention_mask` is 0 (left or right padding) are skipped and their
-        outputs are zero."""
+        outputs are zero. With `output_router_logits` (an MoE model, the seed's MoEAdapter) also
+        "router_logits": a tuple with one [B, T, experts] tensor per MoE layer (the layers of
+        `moe_stats()["layers"]`; `.reshape(-1, experts)` is transformers' per-layer tensor)."""
         engine = self._engine()
+        if output_router_logits and not engine.worker.is_moe:
+            info = engine.model_info
+            raise InvalidRequestError(f"output_router_logits=True needs a mixture-of-experts model; "
+                                      f"{info['architecture']} (kind {info['kind']!r}) has no router: call forward "
+                                      "without it")
         ids = torch.as_tensor(input_ids)
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
@@ -127,13 +135,21 @@ class ModelRunner:
         if max(map(len, rows)) > engine.max_model_len:
             raise InvalidRequestError(f"input has {max(map(len, rows))} tokens, more than max_model_len="
                                       f"{engine.max_model_len}")
-        hidden, logits = engine.forward_stateless(rows)
+        hidden, logits, *router = engine.forward_stateless(rows, output_router_logits)
         with torch.inference_mode():
             full_h = hidden.new_zeros(*ids.shape, hidden.shape[-1])
             full_l = logits.new_zeros(*ids.shape, logits.shape[-1])
             dev_mask = mask.to(hidden.device)
             full_h[dev_mask], full_l[dev_mask] = hidden, logits
-        return {"logits": full_l, "hidden_states": full_h}
+            out = {"logits": full_l, "hidden_states": full_h}
+            if router:
+                per_layer = []
+                for layer in router[0]:
+                    full = layer.new_zeros(*ids.shape, layer.shape[-1])
+                    full[dev_mask] = layer
+                    per_layer.append(full)
+                out["router_logits"] = tuple(per_layer)
+        return out
 
     # ---- engine-level API (used by the workbench session) ----------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -273,6 +289,14 @@ class ModelRunner:
     def kv_block_map(self) -> dict:
         """Which request owns which KV block, and which free blocks still hold a cached prefix."""
         return self._engine().kv_block_map()
+
+    def moe_stats(self, recent_steps: int = 64) -> dict:
+        """An MoE model's tokens per expert: {"layers": the MoE layers' global indices (the rows),
+        "num_experts", "top_k", "steps", "cumulative": [layers][experts] since load, "recent":
+        [layers][experts] over the last `recent_steps` steps, "recent_steps"}. Every engine step
+        counts each scheduled token once per expert it picked (pad rows of decode programs never);
+        each step's own counts are in `step_metrics[i].expert_counts`."""
+        return self._engine().moe_stats(recent_steps)
 
     def reset_prefix_cache(self) -> int:
         return self._engine().memory.reset_prefix_cache()

@@ -45,15 +45,25 @@ def make_tiny_hf_model(
         **({"rope_scaling": rope_scaling} if rope_scaling is not None else {}),
         **extra,
     )
+    return save_random_model(model_cls, config, tmp_path, f"tiny-{family}", seed)
+
+
+def save_random_model(model_cls, config, tmp_path: Path, prefix: str, seed: int = 0,
+                      init: float = INITIALIZER_RANGE, router_names: tuple[str, ...] = ()) -> Path:
+    """Build `model_cls(config)` from `seed` on CPU (fp32), randomise biases (std `init`), norm weights
+    (around 1) and the parameters ending in `router_names` (std 0.5: decisive routing), so a loader
+    that drops or swaps one cannot pass; save it (safetensors) in a new directory under tmp_path."""
     with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():
         torch.manual_seed(seed)
         model = model_cls(config).to(torch.float32).eval()
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
-                param.normal_(0.0, INITIALIZER_RANGE)
+                param.normal_(0.0, init)
             elif "norm" in name:
                 param.normal_(1.0, 0.1)
-    out = Path(tempfile.mkdtemp(prefix=f"tiny-{family}-", dir=tmp_path))
+            elif router_names and name.endswith(router_names):
+                param.normal_(0.0, 0.5)
+    out = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=tmp_path))
     model.save_pretrained(out)
     return out
 
@@ -64,34 +74,17 @@ IMAGE_TOKEN_ID = 511  # the tiny LLaVA's "<image>": the last id of its 512-token
 def make_tiny_llava(tmp_path: Path, seed: int = 0) -> Path:
     """A 2-layer LLaVA (CLIP vision tower 32x32 pixels in 8x8 patches: 16 image tokens, a Llama text
     model) with its tokenizer and processor, saved under tmp_path (safetensors, no download)."""
-    from transformers import CLIPImageProcessorPil, LlavaProcessor
+    from runner_core.models.presets import llava_config, save_llava_processor
 
-    from runner_core.models.presets import build_tokenizer
-
-    vision = transformers.CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
-                                           num_hidden_layers=2, num_attention_heads=2)
+    vision = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2)
     text = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                     initializer_range=INITIALIZER_RANGE, bos_token_id=1, eos_token_id=2,
                                     pad_token_id=0)
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
-                                      image_seq_length=16, vision_feature_select_strategy="default",
-                                      vision_feature_layer=-2)
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():
-        torch.manual_seed(seed)
-        model = transformers.LlavaForConditionalGeneration(config).to(torch.float32).eval()
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, INITIALIZER_RANGE)
-            elif "norm" in name:
-                param.normal_(1.0, 0.1)
-    out = Path(tempfile.mkdtemp(prefix="tiny-llava-", dir=tmp_path))
-    model.save_pretrained(out)
-    tokenizer = build_tokenizer(511, 512)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, image_token="<image>",
-                   vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(out)
+    config = llava_config(text, vision)
+    out = save_random_model(transformers.LlavaForConditionalGeneration, config, tmp_path, "tiny-llava", seed)
+    save_llava_processor(out, 512, 512, vision)
     return out
 
 

@@ -164,3 +164,16 @@ def test_compiled_llava_equals_eager(llava):
     assert [o.token_ids for o in compiled.generate(requests, GREEDY)] == eager
     stats = compiled.compile_stats()
     assert stats["warm_start"] == "aoti" and stats["recompiles_after_warmup"] == 0
+
+
+def test_tiny_llava_preset_runs_with_its_processor():
+    """The built-in preset is a LLaVA directory with a processor: it loads by name and its greedy tokens
+    equal transformers' on the same directory."""
+    runner = ModelRunner({"model": "tiny-llava", "dtype": "float32", "kv_cache_memory": 1 << 22}).load_model()
+    path = runner.model_info()["model_path"]
+    assert runner.model_info()["kind"] == "multimodal"
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    request = {"prompt": "USER: <image> what is it? ASSISTANT:", "multi_modal_data": {"image": random_image(3)}}
+    out = runner.generate([request], GREEDY)[0]
+    assert out.token_ids == _reference(hf, processor, request)[0]

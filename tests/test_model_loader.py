@@ -169,7 +169,8 @@ def test_unsupported_architecture_lists_supported(tmp_path):
         in str(err.value)
     native = str(err.value).split("(native: ")[1]
     assert all(name in native for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                           "Qwen3ForCausalLM", "LlavaForConditionalGeneration"))
+                                           "Qwen3ForCausalLM", "LlavaForConditionalGeneration",
+                                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"))
 
 
 def test_registry_lazy_targets_and_model_type_fallback():

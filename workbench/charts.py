@@ -211,13 +211,40 @@ def compile_timings(events: Sequence[Mapping[str, Any]], stats: Mapping[str, Any
     return fig
 
 
+def expert_load(rows: Rows, window: float = 5.0) -> go.Figure:
+    """An MoE model's tokens routed to each expert of each MoE layer over the rows of the last
+    `window` seconds (rows carry `expert_counts` [MoE layers][experts] and `moe_layers`, the
+    layers' global indices): a layers x experts heat map."""
+    fig = go.Figure(layout=_layout(f"Expert load (tokens routed, last {window:g} s)", ""))
+    fig.update_layout(xaxis=dict(title="expert", showgrid=False), yaxis=dict(title="layer", autorange="reversed",
+                                                                          showgrid=False, rangemode="normal"))
+    rows = [r for r in rows if r.get("expert_counts")]
+    if not rows:
+        return _empty(fig, "no expert routing yet: load an MoE model (tiny-mixtral) and generate")
+    last = rows[-1]
+    shape = (len(last["expert_counts"]), len(last["expert_counts"][0]))
+    recent = [r for r in rows if last["t"] - r["t"] < window
+              and (len(r["expert_counts"]), len(r["expert_counts"][0])) == shape]
+    z = [[sum(r["expert_counts"][i][e] for r in recent) for e in range(shape[1])] for i in range(shape[0])]
+    layers = last.get("moe_layers") or list(range(shape[0]))
+    y = [f"layer {i}" for i in layers]
+    x = [f"e{e}" for e in range(shape[1])]
+    text = [[f"layer {layers[i]}, expert {e}: {z[i][e]} tokens" for e in range(shape[1])] for i in range(shape[0])]
+    fig.add_trace(go.Heatmap(z=z, x=x, y=y, hovertext=text, hoverinfo="text", colorscale="Viridis", zmin=0,
+                             colorbar=dict(title="tokens", thickness=12), xgap=1, ygap=1))
+    total = sum(map(sum, z))
+    fig.update_layout(title=dict(text=f"Expert load: {total} routed tokens in the last {window:g} s "
+                                      f"({shape[0]} MoE layers x {shape[1]} experts)"))
+    return fig
+
+
 def all_figures(rows: Rows, events: Sequence[Mapping[str, Any]] = (), block_map: Mapping | None = None,
                 compile_stats: Mapping | None = None) -> dict[str, go.Figure]:
     """Every chart of the dashboards, by name."""
     return {
         "memory": memory_breakdown(rows), "blocks": kv_blocks(rows), "waste": waste(rows),
         "throughput": throughput(rows), "block_map": kv_block_map(block_map),
-        "compile": compile_timings(events, compile_stats),
+        "compile": compile_timings(events, compile_stats), "expert_load": expert_load(rows),
     }
 
 

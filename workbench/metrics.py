@@ -97,6 +97,7 @@ class StepAccumulator:
         self.steps = self.prefill = self.decode = self.sampled = self.preempted = 0
         self.num_seqs = self.num_running = self.num_waiting = 0
         self.step_s = self.forward_s = 0.0
+        self.expert_counts = None  # MoE: tokens per expert [MoE layers, experts] summed over the steps
 
     def add(self, m: Any) -> None:
         """Fold one StepMetrics record in (read by attribute, so new fields cost nothing)."""
@@ -112,6 +113,9 @@ class StepAccumulator:
         self.num_running, self.num_waiting = m.num_running, m.num_waiting
         self.step_s += m.total_s
         self.forward_s += m.forward_s
+        counts = getattr(m, "expert_counts", None)
+        if counts is not None:
+            self.expert_counts = counts.clone() if self.expert_counts is None else self.expert_counts + counts
 
     def flush(self, now: float, memory: Mapping[str, Any]) -> dict:
         dt = max(now - self.start, 1e-9)
@@ -133,6 +137,8 @@ class StepAccumulator:
             "forward_ms": 1e3 * self.forward_s / self.steps if self.steps else 0.0,
         }
         row.update({k: memory[k] for k in MEMORY_FIELDS if k in memory})
+        if self.expert_counts is not None:
+            row["expert_counts"] = self.expert_counts.tolist()
         self.reset(now)
         return row
 
@@ -182,7 +188,10 @@ class Telemetry:
         snapshot of the model's block map."""
         now = time.perf_counter() if now is None else now
         memory = entry.read_memory()
-        self.series.append(entry.acc.flush(now, memory))
+        row = entry.acc.flush(now, memory)
+        if "expert_counts" in row:  # an MoE model: which layers the rows are
+            row["moe_layers"] = entry.runner.moe_stats(recent_steps=1)["layers"]
+        self.series.append(row)
         snap = entry.runner.kv_block_map()
         snap["blocks_cached"] = memory.get("blocks_cached", 0)
         snap["t"] = time.time() - self.series.t0

@@ -23,7 +23,7 @@ from workbench.session import Session
 logger = logging.getLogger("workbench")
 
 REFRESH_MS = 500
-CHART_NAMES = ("throughput", "memory", "blocks", "waste", "block_map", "compile")
+CHART_NAMES = ("throughput", "memory", "blocks", "waste", "block_map", "compile", "expert_load")
 
 
 class SessionDashboard(ViewController):

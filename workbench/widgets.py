@@ -24,7 +24,7 @@ from workbench import charts
 from workbench.controller import DEFAULT_LOAD, ViewController, default_device, load_config, model_choice
 from workbench.session import Session
 
-FIGURES = ("throughput", "memory", "blocks", "block_map")
+FIGURES = ("throughput", "memory", "blocks", "block_map", "expert_load")
 FIGURE_WIDTH = 470  # two side by side in a notebook cell
 
 

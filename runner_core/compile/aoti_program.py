@@ -132,6 +132,9 @@ class AOTIProgram:
         op = torch.ops.runner_core.paged_attention.default
         if has_attention and not any(node.target is op for node in ep.graph.nodes):
             raise RuntimeError("attention was traced through instead of kept as the runner_core::paged_attention op")
+        if any(type(m).__name__ == "FusedMoE" for m in module.modules()) and not any(
+                node.target is torch.ops.runner_core.fused_moe.default for node in ep.graph.nodes):
+            raise RuntimeError("the experts were traced through instead of kept as the runner_core::fused_moe op")
         folder = self.opt.folder
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{os.getpid()}.{self.package}"  # the packager wants a name ending in .pt2

@@ -239,6 +239,8 @@ class CompileOptimizer:
             return "jit", "parallel ranks: collectives and rank-local groups need dynamo's guards"
         if len({type(t) for t in targets}) != 1:
             return "jit", "the scope's modules are of different classes"
+        if len({model_layout(t) for t in targets}) != 1:  # e.g. dense and MoE layers of one class
+            return "jit", "the scope's modules hold different parameters (one package serves only one layout)"
         failed = self.folder / AOTI_FAILED
         if failed.exists():
             return "jit", f"AOTInductor failed for this key before ({failed.read_text().strip()[:200]})"

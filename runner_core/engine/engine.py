@@ -49,7 +49,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, loaded.adapter.architecture, multimodal)
         self.sampler = Sampler()
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.observer = StepObserver(self.memory, self.scheduler, self.max_model_len)
+        self.observer = StepObserver(self.memory, self.scheduler, self.max_model_len,
+                                     moe_spec=getattr(worker.model, "moe_spec", None))
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         adapter = loaded.adapter
@@ -134,7 +135,7 @@ class LLMEngine:
         seqs = [ordered[i] for i in batch.sample_rows]
         scheduled = time.perf_counter()
         try:
-            logits, prepare_s = self.executor.call("execute_model", batch)
+            logits, prepare_s, expert_counts = self.executor.call("execute_model", batch)
             executed = time.perf_counter()
             sampled = None
             if seqs:
@@ -152,7 +153,8 @@ class LLMEngine:
         if sampled is not None:
             outputs += self._append_tokens(seqs, sampled)
         self.observer.on_step(sched, batch, len(seqs), StepTimes(start=start, scheduled=scheduled, executed=executed,
-                                                                 end=time.perf_counter(), prepare_s=prepare_s))
+                                                                 end=time.perf_counter(), prepare_s=prepare_s),
+                              expert_counts)
         return outputs
 
     def _append_tokens(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
@@ -174,9 +176,10 @@ class LLMEngine:
         return self.output_processor.output(seq, [], "")
 
     # ---- operations on every rank -----------------------------------------------------------
-    def forward_stateless(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden [N, H], logits [N, V]) of a causal forward of independent rows without the KV pool."""
-        return self.executor.call("run_stateless", rows)
+    def forward_stateless(self, rows: list[list[int]], output_router_logits: bool = False) -> tuple[torch.Tensor, ...]:
+        """(hidden [N, H], logits [N, V]) of a causal forward of independent rows without the KV pool
+        (and the router logits [MoE layers, N, experts] with `output_router_logits`)."""
+        return self.executor.call("run_stateless", rows, output_router_logits)
 
     def set_compile_mode(self, enabled: bool, *, backend: str | None = None, mode: str | None = None,
                          scope: str | None = None) -> dict:
@@ -220,6 +223,10 @@ class LLMEngine:
             stats["cuda_reserved_bytes"] = cuda.get("reserved_bytes.all.current", 0)
             stats["cuda_allocated_bytes"] = cuda.get("allocated_bytes.all.current", 0)
         return stats
+
+    def moe_stats(self, recent_steps: int = 64) -> dict:
+        """Tokens routed to each expert of each MoE layer (StepObserver.moe_stats)."""
+        return self.observer.moe_stats(recent_steps)
 
     def kv_block_map(self) -> dict:
         """Which request owns which KV block, and which free blocks still hold a cached prefix."""

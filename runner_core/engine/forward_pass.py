@@ -295,8 +295,9 @@ class ForwardPass:
         with set_forward_context(self._to_device(meta), False):
             return self.model(ids, pos)
 
-    def run_stateless(self, seqs_ids: list[list[int]]) -> torch.Tensor:
-        """Full causal forward of independent sequences without the pool; hidden states [N, H]."""
+    def run_stateless(self, seqs_ids: list[list[int]], return_order: bool = False):
+        """Full causal forward of independent sequences without the pool; hidden states [N, H] in the
+        caller's order (with `return_order`, also the index that took the model's token order there)."""
         q_lens = [len(x) for x in seqs_ids]
         num_decodes = sum(1 for n in q_lens if n == 1)
         order = sorted(range(len(q_lens)), key=lambda i: q_lens[i] > 1)
@@ -311,5 +312,5 @@ class ForwardPass:
         # back to the caller's order
         offsets = torch.cumsum(torch.tensor([0] + q_sorted), 0)
         caller_order = sorted(range(len(order)), key=lambda k: order[k])
-        back = torch.cat([torch.arange(offsets[k], offsets[k + 1]) for k in caller_order])
-        return hidden[back.to(self.device)]
+        back = torch.cat([torch.arange(offsets[k], offsets[k + 1]) for k in caller_order]).to(self.device)
+        return (hidden[back], back) if return_order else hidden[back]

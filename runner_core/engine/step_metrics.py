@@ -3,6 +3,10 @@
 contiguous allocators the paged pool is compared with (a static max_model_len reservation and a
 first-fit simulation). `memory_figures()` gives those figures on demand. It times itself, so the
 recording cost per step is a benchmark figure (benchmarks/throughput.py).
+
+For an MoE model each record also holds the step's tokens per expert (`expert_counts`, [MoE
+layers, experts], pad rows of decode programs excluded), and the observer keeps their running
+total: `moe_stats()`.
 """
 
 from __future__ import annotations
@@ -12,12 +16,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
+from runner_core.errors import InvalidRequestError
 from runner_core.memory import FragmentationTracker, MemoryManager
 from runner_core.memory.fragmentation import static_reservation_waste
 
 if TYPE_CHECKING:
     from runner_core.engine.forward_pass import StepBatch
     from runner_core.engine.scheduler import Scheduler, SchedulerOutput
+    from runner_core.models.moe_spec import MoESpec
 
 
 @dataclass(slots=True)
@@ -47,6 +55,7 @@ class StepMetrics:
     firstfit_reserved_waste: float  # a contiguous worst-case reservation per request ...
     firstfit_external_fragmentation: float  # ... and the holes between those reservations
     prefix_cache_hit_rate: float
+    expert_counts: torch.Tensor | None = None  # MoE: tokens per expert [MoE layers, experts] (int64, CPU)
 
 
 @dataclass(slots=True)
@@ -61,15 +70,23 @@ class StepTimes:
 
 
 class StepObserver:
-    def __init__(self, memory: MemoryManager, scheduler: Scheduler, max_model_len: int, history: int = 4096):
+    def __init__(self, memory: MemoryManager, scheduler: Scheduler, max_model_len: int, history: int = 4096,
+                 moe_spec: MoESpec | None = None):
         self.memory, self.scheduler, self.max_model_len = memory, scheduler, max_model_len
         self.records: deque[StepMetrics] = deque(maxlen=history)
+        self.moe_spec = moe_spec
+        self.expert_totals = (torch.zeros(len(moe_spec.sparse_layers), moe_spec.num_experts, dtype=torch.int64)
+                              if moe_spec is not None else None)  # since load: the one running total
         self.contiguous = FragmentationTracker(memory.num_blocks * memory.block_size)
         self.num_steps = 0
         self.seconds = 0.0  # spent in on_step, in all
 
-    def on_step(self, sched: SchedulerOutput, batch: StepBatch, num_sampled: int, times: StepTimes) -> None:
+    def on_step(self, sched: SchedulerOutput, batch: StepBatch, num_sampled: int, times: StepTimes,
+                expert_counts: torch.Tensor | None = None) -> None:
         t = time.perf_counter()
+        if expert_counts is not None:
+            expert_counts = expert_counts.cpu()
+            self.expert_totals += expert_counts
         for seq in sched.admitted:  # idempotent: the contiguous comparison reserves once per request
             if not seq.is_finished:
                 self.contiguous.on_admit(seq.request_id,
@@ -90,7 +107,7 @@ class StepObserver:
             internal_fragmentation=mem["internal_fragmentation"],
             static_reservation_waste=static_reservation_waste(list(tokens.values()), self.max_model_len),
             firstfit_reserved_waste=alloc.waste(tokens), firstfit_external_fragmentation=alloc.external_fragmentation(),
-            prefix_cache_hit_rate=mem["prefix_cache_hit_rate"]))
+            prefix_cache_hit_rate=mem["prefix_cache_hit_rate"], expert_counts=expert_counts))
         self.seconds += time.perf_counter() - t
 
     def on_release(self, request_id: str) -> None:
@@ -108,3 +125,21 @@ class StepObserver:
         running = self.scheduler.running
         tokens = {s.request_id: s.num_computed_tokens for s in running}
         return {**self.memory.stats(running), **self.contiguous.contiguous_figures(tokens, self.max_model_len)}
+
+    def moe_stats(self, recent_steps: int = 64) -> dict:
+        """Tokens routed to each expert (a token counts once per expert it picked, so a layer's row adds
+        up to top_k x its tokens): {"layers": global indices of the MoE layers (the rows),
+        "num_experts", "top_k", "steps": steps recorded since load, "cumulative": [layers][experts]
+        since load, "recent": [layers][experts] over the last "recent_steps" steps (at most
+        `recent_steps`, within the step history)}. Decode-program pad rows are never counted."""
+        spec = self.moe_spec
+        if spec is None:
+            raise InvalidRequestError("moe_stats() needs a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE); "
+                                      "this model has no experts")
+        if not isinstance(recent_steps, int) or recent_steps < 1:
+            raise InvalidRequestError(f"recent_steps must be an int >= 1, got {recent_steps!r}")
+        window = [r.expert_counts for r in list(self.records)[-recent_steps:] if r.expert_counts is not None]
+        recent = torch.stack(window).sum(0) if window else torch.zeros_like(self.expert_totals)
+        return {"layers": list(spec.sparse_layers), "num_experts": spec.num_experts, "top_k": spec.top_k,
+                "steps": self.num_steps, "cumulative": self.expert_totals.tolist(), "recent": recent.tolist(),
+                "recent_steps": len(window)}

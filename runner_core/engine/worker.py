@@ -24,6 +24,7 @@ from runner_core.config import RunnerConfig, resolve_max_model_len
 from runner_core.engine.encoder_cache import EncoderCache
 from runner_core.engine.forward_pass import ForwardPass, StepBatch
 from runner_core.errors import CompileError, ConfigError
+from runner_core.layers.moe_record import recording_routing
 from runner_core.memory import (
     MemoryManager,
     ModelShape,
@@ -43,6 +44,7 @@ class Worker:
     def __init__(self, config: RunnerConfig, loaded: LoadedModel):
         self.config, self.model, self.hf_config = config, loaded.model, loaded.hf_config
         self.weights_bytes = loaded.weight_bytes
+        self.is_moe = callable(getattr(self.model, "expert_counts", None))  # routing reported per step
         self.device, self.dtype = config.torch_device, config.torch_dtype
         text = self.hf_config.get_text_config()  # a multimodal config's text model
         self.vocab_size, self.hidden_size = text.vocab_size, text.hidden_size
@@ -100,13 +102,16 @@ class Worker:
         return profile_activation_peak(run, self.device)
 
     # ---- what rank 0 calls on every rank ------------------------------------------------------
-    def execute_model(self, batch: StepBatch) -> tuple[torch.Tensor, float]:
-        """(logits [sampling rows, vocab] float32, seconds spent preparing the inputs) on rank 0."""
+    def execute_model(self, batch: StepBatch) -> tuple[torch.Tensor, float, torch.Tensor | None]:
+        """(logits [sampling rows, vocab] float32, seconds spent preparing the inputs, and for an MoE
+        model the step's tokens per expert [MoE layers, experts], pad rows excluded) on rank 0."""
         t = time.perf_counter()
         inp = self.forward_pass.prepare(batch, self._image_features(batch) if batch.images else None)
         prepared = time.perf_counter() - t
-        logits = self.forward_pass.execute(inp)
-        return to_driver(logits, (len(batch.sample_rows), self.vocab_size)), prepared
+        with recording_routing(inp.num_pad_tokens) as routing:
+            logits = self.forward_pass.execute(inp)
+        counts = self.model.expert_counts(routing) if self.is_moe else None
+        return to_driver(logits, (len(batch.sample_rows), self.vocab_size)), prepared, counts
 
     def _image_features(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat positions, feature rows) of the step's image tokens; each image is encoded once
@@ -117,13 +122,18 @@ class Worker:
         rows = torch.cat([features[h][first:first + n] for _, h, first, n, _ in batch.images])
         return positions.to(self.device), rows
 
-    def run_stateless(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden [N, H], logits [N, V]) of a causal forward of independent rows without the KV pool."""
-        hidden = self.forward_pass.run_stateless(rows)
+    def run_stateless(self, rows: list[list[int]], output_router_logits: bool = False) -> tuple[torch.Tensor, ...]:
+        """(hidden [N, H], logits [N, V]) of a causal forward of independent rows without the KV pool;
+        with `output_router_logits` (an MoE model) also the router logits [MoE layers, N, experts]."""
+        with recording_routing(capture_logits=output_router_logits) as routing:
+            hidden, back = self.forward_pass.run_stateless(rows, return_order=True)
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden)
         n = hidden.shape[0]
-        return to_driver(hidden, (n, self.hidden_size)), to_driver(logits, (n, self.vocab_size))
+        out = to_driver(hidden, (n, self.hidden_size)), to_driver(logits, (n, self.vocab_size))
+        if output_router_logits:
+            return *out, self.model.router_logits(routing, n)[:, back]
+        return out
 
     def set_compile_mode(self, enabled: bool, backend: str | None = None, mode: str | None = None,
                          scope: str | None = None) -> dict:

@@ -40,7 +40,8 @@ def estimate_activation_peak(shape: ModelShape, *, num_tokens: int, num_seqs: in
     plus, in the MLP, gate_up [T, 2I], silu(gate) and the product ([T, I] each); in attention,
     qkv, the rotated q and k, the padded query grid, gathered keys and values, two outputs and
     the fused SDPA kernel's scratch;
-    in RMSNorm, float32 temporaries. The logits phase holds the final hidden states and the
+    in RMSNorm, float32 temporaries; in an MoE layer (`_moe_peak`), the routing and the tokens
+    gathered per expert. The logits phase holds the final hidden states and the
     [rows, vocab] logits (and their float32 copy below 32 bits; the gathered shards with tp).
     Index tensors (ids, positions, gather indices) add 32 bytes per token.
 
@@ -61,7 +62,8 @@ def estimate_activation_peak(shape: ModelShape, *, num_tokens: int, num_seqs: in
     vocab_shard = -(-shape.vocab_size // tp)
 
     base = 4 * t * h * b
-    mlp = base + 4 * t * inter * b
+    mlp = base + 4 * t * inter * b if shape.dense_layers else 0
+    moe = _moe_peak(shape.moe, t, h, b, tp, base) if shape.moe is not None and shape.moe.sparse_layers else 0
     keys = t if context_len is None else max(t, context_len)
     # qkv, rotated q and k, output/grid/SDPA output (3q), SDPA's softmax scratch (~q/2, measured), keys and values
     attn = base + t * b * (q + 2 * kv) + t * b * (q + kv) + t * b * (3 * q + q // 2) + 2 * keys * kv * b
@@ -79,7 +81,21 @@ def estimate_activation_peak(shape: ModelShape, *, num_tokens: int, num_seqs: in
         step += rows * ctx * 12  # decode bias (float32) and gather index (int64)
         heads = shape.num_heads // tp
         attn = max(attn, base + rows * b * (3 * q + 2 * kv) + rows * ctx * b * (2 * kv + 2 * heads))
-    return int(max(mlp, attn, norm, logits) + step)
+    return int(max(mlp, moe, attn, norm, logits) + step)
+
+
+def _moe_peak(moe, t: int, h: int, b: int, tp: int, base: int) -> int:
+    """An MoE layer (layers/fused_moe.py) over t tokens: router logits [t, E] and their float32
+    softmax, the top-k weights and ids and the sort's index tensors (t*k each), the tokens gathered
+    per expert and the experts' outputs ([t*k, H] each), then either one expert's gated activation
+    over at most t tokens (gate_up [t, 2I], silu and product [t, I]) or the weighted outputs
+    (float32 [t*k, H], a cast copy below 32 bits) and the summed result [t, H]. A shared expert runs
+    after the experts, alongside their result."""
+    k, inter = moe.top_k, -(-moe.intermediate_size // tp)
+    routed = base + t * moe.num_experts * (b + 4) + t * k * 48 + 2 * t * k * h * b
+    experts = max(4 * t * inter * b, t * k * h * (4 + (b if b != 4 else 0)) + t * h * b)
+    shared = -(-moe.shared_expert_intermediate_size // tp)
+    return max(routed + experts, base + 2 * t * h * b + 4 * t * shared * b if shared else 0)
 
 
 # ---- the estimate -------------------------------------------------------------------------
@@ -255,7 +271,16 @@ def vision_tensors(hf_config) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _packed_decode_bytes(shape: ModelShape) -> int:
-    """The runner's fused linear weights (qkv, o, gate_up, down per layer) as MKL packs them."""
+    """The runner's fused linear weights (qkv, o per layer; gate_up, down per dense layer; an MoE
+    layer's router, shared expert and its gate; experts are no linear layers) as MKL packs them."""
     h, i, d, n = shape.hidden_size, shape.intermediate_size, shape.head_dim, shape.num_layers
     q, kv = shape.num_heads * d, shape.num_kv_heads * d
-    return packed_bytes(Counter({(q + 2 * kv, h): n, (h, q): n, (2 * i, h): n, (h, i): n}))
+    dense, moe = len(shape.dense_layers), shape.moe
+    shapes = Counter({(q + 2 * kv, h): n, (h, q): n})
+    shapes.update({(2 * i, h): dense, (h, i): dense})
+    if moe is not None and moe.sparse_layers:
+        sparse, s = len(moe.sparse_layers), moe.shared_expert_intermediate_size
+        shapes.update({(moe.num_experts, h): sparse})
+        if s:
+            shapes.update({(2 * s, h): sparse, (h, s): sparse, (1, h): sparse})
+    return packed_bytes(Counter({k: v for k, v in shapes.items() if v}))

@@ -7,7 +7,9 @@ and max(1, kv_heads/tp) KV heads (KV heads replicate when there are fewer than r
 norms and row-parallel biases replicate. With pipeline parallelism stage s holds its
 contiguous share of the layers (`stage_layer_ranges`: as configured, else earlier stages
 take the remainder), the embedding lives on the first stage, the final norm and LM head on
-the last (tied embeddings count once unless those are different stages).
+the last (tied embeddings count once unless those are different stages). MoE layers: every
+expert's gate/up/down is split like an MLP's (1/tp each); the router and the shared-expert gate
+replicate.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from runner_core.config import dtype_bytes
 from runner_core.errors import ConfigError, ModelLoadError
+from runner_core.models.moe_spec import MoESpec
 
 _MiB = 2**20
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -46,6 +49,8 @@ class ModelShape:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool = False  # per-head q/k RMSNorm weights (Qwen3)
+    moe: MoESpec | None = None  # experts (None: a dense model)
+    model_type: str = "llama"
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelShape:
@@ -57,6 +62,10 @@ class ModelShape:
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or (1 if getattr(cfg, "multi_query", False) else heads)
         inter = next((v for v in (getattr(cfg, n, None) for n in _MLP_WIDTH_NAMES) if v), 4 * cfg.hidden_size)
+        try:
+            moe = MoESpec.from_hf_config(cfg)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return cls(
             num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
             intermediate_size=inter, vocab_size=cfg.vocab_size, num_heads=heads,
@@ -64,11 +73,19 @@ class ModelShape:
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=bool(getattr(cfg, "attention_bias", False)) or getattr(cfg, "model_type", "") == "qwen2",
+            qkv_bias=(bool(getattr(cfg, "attention_bias", False)) or bool(getattr(cfg, "qkv_bias", False))
+                      or getattr(cfg, "model_type", "") == "qwen2"),
             o_bias=bool(getattr(cfg, "attention_bias", False)),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=getattr(cfg, "model_type", "") in ("qwen3", "qwen3_moe"),
+            moe=moe, model_type=getattr(cfg, "model_type", "llama"),
         )
+
+    @property
+    def dense_layers(self) -> list[int]:
+        """The layers with a plain MLP of `intermediate_size`."""
+        sparse = set(self.moe.sparse_layers) if self.moe else set()
+        return [n for n in range(self.num_layers) if n not in sparse]
 
     def kv_heads_per_device(self, tp: int) -> int:
         return max(1, self.num_kv_heads // tp)
@@ -85,9 +102,16 @@ class ModelShape:
         if kv < tp and tp % kv:
             return (f"tensor_parallel_size={tp} is not a multiple of num_key_value_heads={kv}: with fewer "
                     f"KV heads than ranks each KV head is replicated on tp/kv_heads ranks")
-        if self.intermediate_size % tp:
-            return (f"tensor_parallel_size={tp} does not divide intermediate_size={self.intermediate_size} "
-                    "(the MLP width)")
+        widths = [("intermediate_size", self.intermediate_size, "the MLP width")] if self.dense_layers else []
+        if self.moe is not None and self.moe.sparse_layers:
+            field = "intermediate_size" if self.model_type == "mixtral" else "moe_intermediate_size"
+            widths.append((field, self.moe.intermediate_size, "each expert's width: gate/up split by columns"))
+            if self.moe.shared_expert_intermediate_size:
+                widths.append(("shared_expert_intermediate_size", self.moe.shared_expert_intermediate_size,
+                               "the shared expert's width"))
+        for field, width, what in widths:
+            if width % tp:
+                return f"tensor_parallel_size={tp} does not divide {field}={width} ({what})"
         return None
 
     def checkpoint_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -99,9 +123,12 @@ class ModelShape:
             p = f"model.layers.{n}."
             out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
                     (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                    (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                    (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
-                    (p + "mlp.down_proj.weight", (h, i))]
+                    (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q))]
+            if self.moe is not None and self.moe.is_sparse(n):
+                out += self._expert_tensors(p)
+            else:
+                out += [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                        (p + "mlp.down_proj.weight", (h, i))]
             if self.qkv_bias:
                 out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
                         (p + "self_attn.v_proj.bias", (kv,))]
@@ -115,6 +142,27 @@ class ModelShape:
         out.append(("model.norm.weight", (h,)))
         if not self.tie_word_embeddings:
             out.append(("lm_head.weight", (self.vocab_size, h)))
+        return out
+
+
+    def _expert_tensors(self, p: str) -> list[tuple[str, tuple[int, ...]]]:
+        """An MoE layer's tensors under the per-expert names `save_pretrained` writes."""
+        moe, h = self.moe, self.hidden_size
+        i, e = moe.intermediate_size, moe.num_experts
+        if self.model_type == "mixtral":
+            block, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
+        else:
+            block, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        out = [(block + "gate.weight", (e, h))]
+        for x in range(e):
+            out += [(f"{block}experts.{x}.{names[0]}.weight", (i, h)),
+                    (f"{block}experts.{x}.{names[1]}.weight", (i, h)),
+                    (f"{block}experts.{x}.{names[2]}.weight", (h, i))]
+        s = moe.shared_expert_intermediate_size
+        if s:
+            shared = block + "shared_expert."
+            out += [(shared + "gate_proj.weight", (s, h)), (shared + "up_proj.weight", (s, h)),
+                    (shared + "down_proj.weight", (h, s)), (block + "shared_expert_gate.weight", (1, h))]
         return out
 
 
@@ -154,6 +202,8 @@ def _numel_per_device(name: str, shape: tuple[int, ...], tp: int, shape_info: Mo
         return -(-shape[0] // tp) * math.prod(shape[1:])  # vocabulary rows, padded to equal shards
     if len(shape) == 1 and "norm" in name:
         return numel
+    if name.endswith((".gate.weight", "shared_expert_gate.weight")):
+        return numel  # MoE router and shared-expert gate: replicated
     if "k_proj" in name or "v_proj" in name:
         kv = shape_info.num_kv_heads
         return numel // tp if kv >= tp else numel // kv  # fewer KV heads than ranks: one head each

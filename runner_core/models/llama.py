@@ -74,7 +74,8 @@ class LlamaAttention(nn.Module):
         """`qk_norm`: RMSNorm over each head of q and k before rope (Qwen3)."""
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        qkv_bias = (getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False)
+                    or config.model_type == "qwen2")  # Qwen2-MoE: `qkv_bias`
         o_bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=qkv_bias)

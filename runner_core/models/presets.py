@@ -1,6 +1,8 @@
-"""Built-in presets: small random-weight Llama models made from a seed on first use.
+"""Built-in presets: small random-weight models made from a seed on first use (Llama, the MoE
+families Mixtral and Qwen3-MoE, and LLaVA with its processor).
 
-No download: each preset is built with transformers' own classes and a byte-level
+No download: each preset is built with transformers' own classes (the spec names its config and
+model class and any config fields beyond the common ones) and a byte-level
 BPE tokenizer whose merges are generated, not trained, then cached under
 `$RUNNER_WORKBENCH_CACHE/presets/<name>-<hash of the spec>`. The build goes to a
 temporary sibling directory renamed into place, so concurrent builders never
@@ -47,6 +49,12 @@ class PresetSpec:
     # (median top-1/top-2 gap ~0.25) without collapsing into one repeated token.
     initializer_range: float = 0.02
     seed: int = 0
+    config_class: str = "LlamaConfig"  # transformers' config and model classes
+    model_class: str = "LlamaForCausalLM"
+    extra: dict = dataclasses.field(default_factory=dict)  # further config fields (experts, head_dim, ...)
+    # CLIP vision tower fields: the model is a LLaVA (model_class) around the text model, the last
+    # vocabulary id is its "<image>" token, and a LlavaProcessor is saved beside the tokenizer
+    vision: dict = dataclasses.field(default_factory=dict)
 
 
 PRESETS: dict[str, PresetSpec] = {
@@ -61,6 +69,38 @@ PRESETS: dict[str, PresetSpec] = {
         vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
         initializer_range=0.05,
+    ),
+    "tiny-mixtral": PresetSpec(
+        description="~3.5M-parameter Mixtral (8 experts, top-2, GQA 4/2) for tests and demos",
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        initializer_range=0.1, config_class="MixtralConfig", model_class="MixtralForCausalLM",
+        extra={"num_local_experts": 8, "num_experts_per_tok": 2},
+    ),
+    "tiny-qwen3-moe": PresetSpec(
+        description="~1.6M-parameter Qwen3-MoE (16 experts, top-4, a dense first layer, q/k norm) for tests",
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        initializer_range=0.1, config_class="Qwen3MoeConfig", model_class="Qwen3MoeForCausalLM",
+        extra={"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 64, "norm_topk_prob": True,
+               "mlp_only_layers": [0], "head_dim": 32},
+    ),
+    "small-qwen3-moe": PresetSpec(
+        description="~90M-parameter Qwen3-MoE (16 experts, top-4, ~25M active per token), the MoE benchmark model",
+        vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+        initializer_range=0.05, config_class="Qwen3MoeConfig", model_class="Qwen3MoeForCausalLM",
+        extra={"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 384, "norm_topk_prob": True,
+               "head_dim": 64},
+    ),
+    "tiny-llava": PresetSpec(
+        description="~1.0M-parameter LLaVA (CLIP tower, 32x32 images in 8x8 patches: 16 image tokens; a "
+                    "Llama text model) with its processor, for tests and demos",
+        vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        initializer_range=0.1, model_class="LlavaForConditionalGeneration",
+        vision={"image_size": 32, "patch_size": 8, "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 2},
     ),
 }
 
@@ -109,27 +149,61 @@ def _build(spec: PresetSpec, name: str, out: Path) -> None:
     import transformers  # heavy: only needed when a preset is built
 
     with tqdm(total=3, desc=f"Building preset {name} (first use)", unit="step") as bar:
-        config = transformers.LlamaConfig(
+        config = getattr(transformers, spec.config_class)(
             vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
             intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
             num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
             max_position_embeddings=spec.max_position_embeddings,
             rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
             initializer_range=spec.initializer_range, tie_word_embeddings=False,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, **spec.extra,
         )
+        if spec.vision:
+            config = llava_config(config, spec.vision)
         # A private RNG on CPU: the caller's RNG state and default device neither matter nor change.
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(spec.seed)
-            model = transformers.LlamaForCausalLM(config).to(torch.float32)
+            model = getattr(transformers, spec.model_class)(config).to(torch.float32)
         model.generation_config = transformers.GenerationConfig(
             bos_token_id=1, eos_token_id=2, pad_token_id=0, do_sample=False
         )
         bar.update()
         model.save_pretrained(out)
         bar.update()
-        build_tokenizer(spec.vocab_size, spec.max_position_embeddings).save_pretrained(out)
+        if spec.vision:
+            save_llava_processor(out, spec.vocab_size, spec.max_position_embeddings, spec.vision)
+        else:
+            build_tokenizer(spec.vocab_size, spec.max_position_embeddings).save_pretrained(out)
         bar.update()
+
+
+IMAGE_TOKEN = "<image>"
+
+
+def llava_config(text_config, vision: dict):
+    """A LlavaConfig around `text_config` with a CLIP tower of `vision`'s fields; the image token is the
+    last vocabulary id and each image becomes (image_size / patch_size)^2 tokens (CLS dropped)."""
+    import transformers
+
+    tower = transformers.CLIPVisionConfig(**vision)
+    return transformers.LlavaConfig(
+        vision_config=tower, text_config=text_config, image_token_id=text_config.vocab_size - 1,
+        image_seq_length=(tower.image_size // tower.patch_size) ** 2,
+        vision_feature_select_strategy="default", vision_feature_layer=-2)
+
+
+def save_llava_processor(out: Path, vocab_size: int, model_max_length: int, vision: dict) -> None:
+    """The tokenizer (`vocab_size` - 1 ids plus the image token) and a LlavaProcessor (CLIP resize and
+    crop to the tower's image size) saved under `out`."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    tokenizer = build_tokenizer(vocab_size - 1, model_max_length)
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    side = vision["image_size"]
+    images = CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=vision["patch_size"],
+                   image_token=IMAGE_TOKEN, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1).save_pretrained(out)
 
 
 def build_tokenizer(vocab_size: int, model_max_length: int):

@@ -24,6 +24,9 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "llava": "LlavaForConditionalGeneration",
 }
 
@@ -127,6 +130,9 @@ MODEL_REGISTRY = ModelAdapterRegistry()
 for _arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
     MODEL_REGISTRY.register(_arch, "runner_core.models.llama:LlamaForCausalLM")
 MODEL_REGISTRY.register("Qwen3ForCausalLM", "runner_core.models.llama:Qwen3ForCausalLM")
+MODEL_REGISTRY.register("MixtralForCausalLM", "runner_core.models.mixtral:MixtralForCausalLM", kind="moe")
+MODEL_REGISTRY.register("Qwen2MoeForCausalLM", "runner_core.models.qwen_moe:Qwen2MoeForCausalLM", kind="moe")
+MODEL_REGISTRY.register("Qwen3MoeForCausalLM", "runner_core.models.qwen_moe:Qwen3MoeForCausalLM", kind="moe")
 MODEL_REGISTRY.register("LlavaForConditionalGeneration", "runner_core.models.llava:LlavaForConditionalGeneration",
                         kind="multimodal")
 

@@ -165,6 +165,17 @@ def min_over_ranks(n: int) -> int:
     return int(t)
 
 
+def world_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """`x` summed over every rank (every rank calls it); `x` itself in one process."""
+    group = getattr(_LOCAL, "world_group", None)
+    if group is None:
+        return x
+    t = time.perf_counter()
+    dist.all_reduce(x, group=group)
+    COMM_STATS.add("all_reduce", _nbytes(x), time.perf_counter() - t)
+    return x
+
+
 def to_driver(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """The last pipeline stage's `x` (of `shape`) on rank 0, which drives the engine; `x` itself
     without pipeline parallelism, and on ranks that neither send nor receive it."""
