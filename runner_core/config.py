@@ -131,6 +131,20 @@ def _normalise_device(value: Any) -> int | str:
     raise _bad("device", value, "a GPU index >= 0, 'cpu', 'cuda' or 'cuda:N'")
 
 
+def auto_dtype(device_type: str) -> tuple[str, str]:
+    """What dtype="auto" becomes on a device type, and why: float16 on CUDA; on the CPU bfloat16 where
+    its matmuls are native (AVX512-BF16 or AMX), else float32 (bfloat16 would be emulated, and slower).
+    RUNNER_CORE_CPU_BF16=1 or 0 overrides the CPU check (the tests pin it, so they run alike anywhere)."""
+    if device_type == "cuda":
+        return "float16", "a CUDA device"
+    forced = os.environ.get("RUNNER_CORE_CPU_BF16")
+    if forced in ("0", "1"):
+        return ("bfloat16", "RUNNER_CORE_CPU_BF16=1") if forced == "1" else ("float32", "RUNNER_CORE_CPU_BF16=0")
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return "bfloat16", "this CPU has native bfloat16 matmuls (AVX512-BF16 or AMX)"
+    return "float32", "this CPU has no AVX512-BF16 or AMX: bfloat16 would be emulated"
+
+
 def _resolve_device(device: int | str) -> torch.device:
     """The torch.device to run on; falls back to the CPU (one info line) without CUDA."""
     if device == "cpu":
@@ -320,9 +334,7 @@ class RunnerConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.float16 if self._torch_device.type == "cuda" else torch.float32
-        return TORCH_DTYPES[self.dtype]
+        return TORCH_DTYPES[auto_dtype(self._torch_device.type)[0] if self.dtype == "auto" else self.dtype]
 
     @property
     def effective_encoder_cache_tokens(self) -> int:

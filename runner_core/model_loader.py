@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
-from runner_core.config import RunnerConfig
+from runner_core.config import RunnerConfig, auto_dtype
 from runner_core.errors import ModelLoadError
 from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
 from runner_core.models.registry import MODEL_ATTRIBUTES, ModelAdapter
@@ -69,6 +69,8 @@ class ModelLoader:
                                              pipeline_parallel_size=cfg.pipeline_parallel_size)
         logger.info("%s: %s adapter %s (%s)", adapter.architecture, adapter.impl, adapter.model_class.__name__,
                     adapter.reason)
+        if cfg.dtype == "auto":
+            logger.info("dtype auto -> %s: %s", *auto_dtype(cfg.torch_device.type))
         model = self._build(adapter.model_class, hf_config)
         bytes_read = self._load_weights(model, path)
         tokenizer_path = resolve_model_path(cfg.tokenizer) if cfg.tokenizer else path

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runner_core.config import RunnerConfig
+from runner_core import ModelRunner
+from runner_core.config import RunnerConfig, auto_dtype
 from runner_core.errors import ConfigError
 
 DEFAULTS = {
@@ -202,10 +203,27 @@ def test_explicit_dtype_gives_torch_dtype():
     assert RunnerConfig(model="m", dtype="bf16", device="cpu").torch_dtype is torch.bfloat16
 
 
-def test_auto_dtype_is_float32_on_cpu(no_cuda):
+@pytest.mark.parametrize("avx512_bf16, amx, expected", [
+    (False, False, torch.float32), (True, False, torch.bfloat16), (False, True, torch.bfloat16)])
+def test_auto_dtype_on_cpu_is_bfloat16_only_where_it_is_native(no_cuda, monkeypatch, avx512_bf16, amx, expected):
+    monkeypatch.delenv("RUNNER_CORE_CPU_BF16", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     config = RunnerConfig(model="m")
     assert config.torch_device == torch.device("cpu")
-    assert config.torch_dtype is torch.float32
+    assert config.torch_dtype is expected
+    assert auto_dtype("cpu")[1].startswith("this CPU has " + ("no " if expected is torch.float32 else "native"))
+
+
+def test_auto_dtype_override_and_its_reason_in_model_info(no_cuda, monkeypatch, tiny_llama_path, caplog):
+    monkeypatch.setenv("RUNNER_CORE_CPU_BF16", "1")
+    with caplog.at_level(logging.INFO, logger="runner_core"):
+        runner = ModelRunner(model=str(tiny_llama_path), kv_cache_memory=1 << 20, max_model_len=256).load_model()
+    info = runner.model_info()
+    assert (info["dtype"], info["dtype_reason"]) == ("bfloat16", "auto: RUNNER_CORE_CPU_BF16=1")
+    assert "dtype auto -> bfloat16" in caplog.text
+    assert next(runner.engine.worker.model.parameters()).dtype is torch.bfloat16
+    runner.shutdown()
 
 
 def test_auto_dtype_is_float16_on_cuda(two_gpus):

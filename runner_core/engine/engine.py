@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from runner_core.config import RunnerConfig
+from runner_core.config import RunnerConfig, auto_dtype
 from runner_core.engine.forward_pass import StepBatch
 from runner_core.engine.input_processor import InputProcessor
 from runner_core.engine.multimodal import MultiModalItem, MultiModalProcessor
@@ -58,7 +58,8 @@ class LLMEngine:
             "architecture": adapter.architecture, "model_impl": adapter.impl, "kind": adapter.kind,
             "model_class": adapter.model_class.__name__, "reason": adapter.reason, "model_path": str(loaded.model_path),
             "num_parameters": sum(p.numel() for p in worker.model.parameters()), "weights_bytes": loaded.weight_bytes,
-            "dtype": str(worker.dtype).removeprefix("torch."), "device": str(worker.device),
+            "dtype": str(worker.dtype).removeprefix("torch."), "dtype_reason": _dtype_reason(config),
+            "device": str(worker.device),
             "max_model_len": self.max_model_len, "vocab_size": self.vocab_size}
         torch.manual_seed(config.seed)
 
@@ -240,3 +241,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _dtype_reason(config: RunnerConfig) -> str:
+    return f"auto: {auto_dtype(config.torch_device.type)[1]}" if config.dtype == "auto" else "set in the config"

@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from runner_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, dtype_bytes, normalise_dtype, resolve_max_model_len
+from runner_core.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    auto_dtype,
+    dtype_bytes,
+    normalise_dtype,
+    resolve_max_model_len,
+)
 from runner_core.errors import ConfigError
 from runner_core.layers.linear import packed_bytes
 from runner_core.memory.shapes import (
@@ -159,9 +165,7 @@ class MemoryEstimate:
 
 def _dtype_name(dtype: str | torch.dtype, device: str) -> str:
     name = normalise_dtype(dtype)
-    if name == "auto":
-        return "float16" if device.startswith("cuda") else "float32"
-    return name
+    return auto_dtype(device.split(":")[0])[0] if name == "auto" else name
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,6 @@ class ModelShape:
             out.append(("lm_head.weight", (self.vocab_size, h)))
         return out
 
-
     def _expert_tensors(self, p: str) -> list[tuple[str, tuple[int, ...]]]:
         """An MoE layer's tensors under the per-expert names `save_pretrained` writes."""
         moe, h = self.moe, self.hidden_size
