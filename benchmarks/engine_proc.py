@@ -11,7 +11,8 @@ starts cold, runs alone on the machine and is measured the same way:
   batch1_decode_tok_s  one request, `--batch1-prompt` token prompt: 128 / (seconds for 129 output
                    tokens - seconds for 1), so prefill and start-up cancel out; fastest of `--repeats`
 
-The last stdout line is one JSON object with these figures and the workload's output token ids.
+They go to the `--out` file as one JSON object, with the workload's output token ids (stdout is
+left to the engine: vLLM logs there).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--batch1-prompt", type=int, default=32)
+    ap.add_argument("--out", required=True, help="where the JSON figures go")
     args = ap.parse_args()
     launched = args.launched_at or time.time()
     with open(args.requests) as f:
@@ -96,9 +98,10 @@ def main() -> None:
     prompt = [7 + i % 100 for i in range(args.batch1_prompt)]
     one, _ = _fastest(args.repeats, lambda: engine.generate([(prompt, 1)]))
     many, _ = _fastest(args.repeats, lambda: engine.generate([(prompt, 129)]))
-    print(json.dumps({"engine": args.engine, "dtype": args.dtype, "compile": args.compile, "load_s": load_s,
-                      "first_token_s": first_token_s, "seconds": seconds,
-                      "batch1_decode_tok_s": 128 / max(many - one, 1e-9), "tokens": tokens}))
+    with open(args.out, "w") as f:
+        json.dump({"engine": args.engine, "dtype": args.dtype, "compile": args.compile, "load_s": load_s,
+                   "first_token_s": first_token_s, "seconds": seconds,
+                   "batch1_decode_tok_s": 128 / max(many - one, 1e-9), "tokens": tokens}, f)
 
 
 if __name__ == "__main__":

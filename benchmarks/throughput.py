@@ -161,19 +161,18 @@ def run_engine(engine: str, compile_: bool, model_dir: str, reqs: list[Request],
     python = sys.executable if engine == "ours" else str(PEER_PYTHON)
     if engine == "vllm" and not PEER_PYTHON.exists():
         return {"error": f"no peer venv at {PEER_PYTHON.parent.parent} (make bench-peers makes it)"}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump([[r.prompt_ids, r.max_tokens] for r in reqs], f)
-    cmd = [python, str(ROOT / "benchmarks" / "engine_proc.py"), "--engine", engine, "--model", model_dir,
-           "--dtype", args.dtype, "--requests", f.name, "--repeats", str(args.repeats),
-           "--launched-at", repr(time.time())] + (["--compile"] if compile_ else [])
-    env = {**os.environ, "PYTHONPATH": str(ROOT)} if engine == "ours" else dict(os.environ)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.engine_timeout)
-    os.unlink(f.name)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"error": f"{engine} exited {proc.returncode}: {' | '.join(tail)}"}
-    return json.loads(lines[-1])
+    with tempfile.TemporaryDirectory() as tmp:
+        requests, out = Path(tmp) / "requests.json", Path(tmp) / "figures.json"
+        requests.write_text(json.dumps([[r.prompt_ids, r.max_tokens] for r in reqs]))
+        cmd = [python, str(ROOT / "benchmarks" / "engine_proc.py"), "--engine", engine, "--model", model_dir,
+               "--dtype", args.dtype, "--requests", str(requests), "--out", str(out), "--repeats", str(args.repeats),
+               "--launched-at", repr(time.time())] + (["--compile"] if compile_ else [])
+        env = {**os.environ, "PYTHONPATH": str(ROOT)} if engine == "ours" else dict(os.environ)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.engine_timeout)
+        if proc.returncode or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return {"error": f"{engine} exited {proc.returncode}: {' | '.join(tail)}"}
+        return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -195,7 +194,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
 
     model_dir = str(resolve_model_path(args.model))
-    shape = ModelShape.from_hf_config(read_hf_config(model_dir))
+    shape = ModelShape.from_hf_config(read_hf_config(Path(model_dir)))
     n = args.num_requests or (8 if args.quick else 64)
     lens = dict(prompt_len=(16, 64), output_len=(8, 32)) if args.quick else {}
     reqs = make_workload(n, seed=args.seed, vocab_size=shape.vocab_size, **lens)

@@ -1,7 +1,9 @@
 """Native kernels, built on first use with torch's C++ extension tooling and cached.
 
 `paged_decode_attention()` reads keys and values in place from the KV pool through block
-tables (no gathered copy). If the build fails, or RUNNER_CORE_NO_KERNELS=1 is set, callers
+tables (no gathered copy); `skinny_linear()` is x W^T + b for a few rows of x, streaming the
+weights once (decode at small batch sizes, where BLAS is far from the memory bandwidth on these
+CPUs). If the build fails, or RUNNER_CORE_NO_KERNELS=1 is set, callers
 get None and keep the pure-torch path; the reason is logged once. Under CI=true a failed
 build is an error, so a broken toolchain cannot hide behind the fallback.
 """
@@ -20,7 +22,7 @@ import torch
 from runner_core.config import cache_root
 
 logger = logging.getLogger("runner_core")
-_SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "skinny_linear_cpu.cpp"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -28,8 +30,9 @@ _state: dict[str, object] = {}
 def _build_dir() -> Path:
     # -march=native: the build is only valid for this CPU, so its flags are part of the key
     cpu = platform.machine() + "".join(line for line in _cpuinfo().splitlines() if line.startswith("flags"))[:4096]
-    tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + cpu.encode()).hexdigest()[:12]
-    path = cache_root() / "kernels" / f"paged_attention_cpu-{tag}"
+    code = b"".join(source.read_bytes() for source in _SOURCES)
+    tag = hashlib.sha256(code + torch.__version__.encode() + cpu.encode()).hexdigest()[:12]
+    path = cache_root() / "kernels" / f"cpu_kernels-{tag}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -50,7 +53,7 @@ def _ensure_ninja_on_path() -> None:
 
 
 def _load() -> bool:
-    if hasattr(torch.ops.runner_kernels, "paged_decode_attention"):
+    if hasattr(torch.ops.runner_kernels, "skinny_linear"):
         return True
     from torch.utils import cpp_extension
 
@@ -58,13 +61,16 @@ def _load() -> bool:
     build_dir = _build_dir()
     # build from a copy inside the (content-keyed) build folder: the compile command then does not
     # depend on where this package lives, so checkouts sharing a cache do not rebuild each other
-    source = build_dir / _SOURCE.name
-    if not source.exists() or source.read_bytes() != _SOURCE.read_bytes():
-        tmp = build_dir / f".{_SOURCE.name}.{os.getpid()}"
-        tmp.write_bytes(_SOURCE.read_bytes())
-        os.replace(tmp, source)
+    sources = []
+    for original in _SOURCES:
+        source = build_dir / original.name
+        if not source.exists() or source.read_bytes() != original.read_bytes():
+            tmp = build_dir / f".{original.name}.{os.getpid()}"
+            tmp.write_bytes(original.read_bytes())
+            os.replace(tmp, source)
+        sources.append(str(source))
     cpp_extension.load(
-        name="runner_core_paged_attention_cpu", sources=[str(source)], build_directory=str(build_dir),
+        name="runner_core_cpu_kernels", sources=sources, build_directory=str(build_dir),
         extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], is_python_module=False, verbose=False)
     return True
 
@@ -83,7 +89,7 @@ def cpu_kernels_available() -> bool:
                         raise
                     _state["ok"], _state["why"] = False, f"{type(e).__name__}: {e}"
             if not _state["ok"]:
-                logger.warning("native CPU attention kernel unavailable (%s); using the torch gather path",
+                logger.warning("native CPU kernels unavailable (%s); using the torch paths",
                                _state["why"])
         return bool(_state["ok"])
 
@@ -92,3 +98,7 @@ def paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens,
                            scale: float, sliding_window: int | None) -> None:
     torch.ops.runner_kernels.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens,
                                                  block_size, scale, sliding_window or 0)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.runner_kernels.skinny_linear(x, weight, bias)

@@ -23,7 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner_core.kernels import cpu_kernels_available, skinny_linear
 from runner_core.parallel.state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+# eager float32 CPU steps of at most this many rows use the streaming kernel (kernels/skinny_linear_cpu.cpp)
+SKINNY_MAX_ROWS = 4
 
 
 def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -115,6 +119,10 @@ class LinearBase(nn.Module):
         if "packed_weight" in self._buffers and not torch.compiler.is_dynamo_compiling() and _PACKED_IN_USE.get():
             y = packed_linear(x, self._buffers["packed_weight"], self.weight)
             return y if bias is None else y + bias
+        # (is_compiling first: comparing a traced, symbolic batch size would specialise it)
+        if not torch.compiler.is_compiling() and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype == torch.float32 \
+                and x.device.type == "cpu" and cpu_kernels_available():
+            return skinny_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
