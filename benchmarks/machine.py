@@ -54,8 +54,9 @@ def _linear_params_per_layer(shape: ModelShape) -> int:
     return shape.hidden_size * (2 * q + 2 * kv) + 3 * shape.hidden_size * shape.intermediate_size
 
 
-def workload_flops(shape: ModelShape, requests: list[tuple[int, int]]) -> float:
-    """FLOPs of the useful work of (prompt_len, output_len) requests on a dense model."""
+def workload_flops(shape: ModelShape, requests: list[tuple[int, int]], attention: bool = True) -> float:
+    """FLOPs of the useful work of (prompt_len, output_len) requests on a dense model (`attention`
+    False: the matmuls with weights alone)."""
     per_token = 2 * shape.num_layers * _linear_params_per_layer(shape)
     attn = 4 * shape.num_layers * shape.num_heads * shape.head_dim  # per (query, key) pair: QK^T + PV
     head = 2 * shape.hidden_size * shape.vocab_size
@@ -63,7 +64,7 @@ def workload_flops(shape: ModelShape, requests: list[tuple[int, int]]) -> float:
     for prompt, out in requests:
         tokens = prompt + out - 1  # the last output token is sampled, never fed back
         pairs = tokens * (tokens + 1) / 2  # causal: position p attends to p + 1 keys
-        total += tokens * per_token + pairs * attn + out * head
+        total += tokens * per_token + (pairs * attn if attention else 0) + out * head
     return total
 
 
