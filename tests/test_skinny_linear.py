@@ -7,8 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner_core.kernels import skinny_linear
+from runner_core.kernels import cpu_kernels_available, skinny_linear
 from runner_core.layers import linear
+
+
+@pytest.fixture(autouse=True, scope="module")
+def built():
+    assert cpu_kernels_available(), "gcc and ninja are project requirements; see the warning logged above"
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
