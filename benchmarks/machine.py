@@ -49,15 +49,12 @@ def read_bandwidth(mib: int = 512, calls: int = 5) -> float:
     return x.numel() * 4 / _fastest(lambda: x.sum(), calls) / 1e9
 
 
-def _linear_params_per_layer(shape: ModelShape) -> int:
-    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    return shape.hidden_size * (2 * q + 2 * kv) + 3 * shape.hidden_size * shape.intermediate_size
-
-
 def workload_flops(shape: ModelShape, requests: list[tuple[int, int]], attention: bool = True) -> float:
     """FLOPs of the useful work of (prompt_len, output_len) requests on a dense model (`attention`
     False: the matmuls with weights alone)."""
-    per_token = 2 * shape.num_layers * _linear_params_per_layer(shape)
+    # every layer's projection weights (the checkpoint's *_proj.weight tensors), two FLOPs per weight
+    per_token = 2 * sum(math.prod(dims) for name, dims in shape.checkpoint_tensors()
+                        if name.startswith("model.layers.") and name.endswith("_proj.weight"))
     attn = 4 * shape.num_layers * shape.num_heads * shape.head_dim  # per (query, key) pair: QK^T + PV
     head = 2 * shape.hidden_size * shape.vocab_size
     total = 0.0

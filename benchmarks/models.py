@@ -213,7 +213,7 @@ def bench_llava(args) -> dict:
     for label, cache in (("cache", None), ("no_cache", 0)):
         runner = ModelRunner({"model": args.llava_model, "dtype": "float32", "encoder_cache_tokens": cache,
                               "max_num_seqs": 64}).load_model()
-        runner.generate(requests[:1], params)  # warm-up (and, with the cache, not its images: stats below count)
+        runner.generate(requests[:1], params)  # warm-up (it encodes the first image: counted before `before`)
         before = runner.memory_stats()
         t = time.perf_counter()
         outs = runner.generate(requests, params)

@@ -223,6 +223,8 @@ def main() -> None:
         else:
             engines[name] = res
 
+    if "ours" not in engines:
+        raise SystemExit(f"ours did not run: {errors['ours']}")
     rows = {name: (n, r["seconds"], useful / r["seconds"]) for name, r in engines.items()}
     ours = engines["ours"]["tokens"]
     match = {name: (matches(ours, r["tokens"]), n) for name, r in engines.items() if name != "ours"}

@@ -138,7 +138,10 @@ def auto_dtype(device_type: str) -> tuple[str, str]:
     if device_type == "cuda":
         return "float16", "a CUDA device"
     forced = os.environ.get("RUNNER_CORE_CPU_BF16")
-    if forced in ("0", "1"):
+    if forced is not None and forced not in ("0", "1"):
+        raise ConfigError(f"environment variable RUNNER_CORE_CPU_BF16={forced!r}; allowed: '1' (dtype auto is "
+                          "bfloat16 on the CPU), '0' (float32), or unset (decided by the CPU's instructions)")
+    if forced:
         return ("bfloat16", "RUNNER_CORE_CPU_BF16=1") if forced == "1" else ("float32", "RUNNER_CORE_CPU_BF16=0")
     if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
         return "bfloat16", "this CPU has native bfloat16 matmuls (AVX512-BF16 or AMX)"

@@ -215,6 +215,12 @@ def test_auto_dtype_on_cpu_is_bfloat16_only_where_it_is_native(no_cuda, monkeypa
     assert auto_dtype("cpu")[1].startswith("this CPU has " + ("no " if expected is torch.float32 else "native"))
 
 
+def test_a_bad_bf16_override_is_refused_with_the_allowed_values(no_cuda, monkeypatch):
+    monkeypatch.setenv("RUNNER_CORE_CPU_BF16", "yes")
+    with pytest.raises(ConfigError, match=r"RUNNER_CORE_CPU_BF16='yes'; allowed: '1' .* '0' .* or unset"):
+        auto_dtype("cpu")
+
+
 def test_auto_dtype_override_and_its_reason_in_model_info(no_cuda, monkeypatch, tiny_llama_path, caplog):
     monkeypatch.setenv("RUNNER_CORE_CPU_BF16", "1")
     with caplog.at_level(logging.INFO, logger="runner_core"):

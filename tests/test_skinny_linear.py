@@ -44,5 +44,6 @@ def test_linear_layers_take_the_kernel_only_for_small_eager_float32_batches(monk
     torch.nn.init.normal_(layer.bias)
     for rows in (1, linear.SKINNY_MAX_ROWS, linear.SKINNY_MAX_ROWS + 1):
         layer(torch.randn(rows, 16))
+    layer(torch.randn(1, 1, 16))  # not a flat batch: the plain path
     layer.to(torch.bfloat16)(torch.randn(1, 16, dtype=torch.bfloat16))
     assert calls == [1, linear.SKINNY_MAX_ROWS]

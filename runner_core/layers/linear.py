@@ -120,8 +120,8 @@ class LinearBase(nn.Module):
             y = packed_linear(x, self._buffers["packed_weight"], self.weight)
             return y if bias is None else y + bias
         # (is_compiling first: comparing a traced, symbolic batch size would specialise it)
-        if not torch.compiler.is_compiling() and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype == torch.float32 \
-                and x.device.type == "cpu" and cpu_kernels_available():
+        if not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS \
+                and x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels_available():
             return skinny_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
