@@ -46,9 +46,76 @@ def check_compile_tuning(nb) -> None:
     assert "aoti.pt2" in text and "decode-1.pt2" in text  # the packages in the cache folder
 
 
+# ---- lessons 06-08 (parallelism, model adapters, performance) -------------------------------------
+def _figures(nb) -> list:
+    """The plotly figures a notebook displayed, decoded."""
+    import json
+
+    import plotly.io as pio
+
+    return [pio.from_json(json.dumps(o["data"]["application/vnd.plotly.v1+json"])) for o in _outputs(nb)
+            if "application/vnd.plotly.v1+json" in o.get("data", {})]
+
+
+def check_parallelism(nb) -> None:
+    text = _stream_text(nb)
+    assert "TP=2 greedy tokens equal one process: True" in text
+    assert "PP=2 greedy tokens equal one process: True" in text
+    assert "2 ranks over gloo" in text
+    calls, layers = map(int, re.search(r"all-reduces per step: (\d+) = 2 x (\d+) layers", text).groups())
+    assert calls == 2 * layers + 1
+    assert re.search(r"send\s+1\.0 calls", text) and re.search(r"recv\s+1\.0 calls", text)  # PP: one hop each way
+    # the 70B plan: the chosen layout fits, every layout on fewer devices does not (the rule: fewest devices)
+    tp, pp = map(int, re.search(r"'tensor_parallel_size': (\d+), 'pipeline_parallel_size': (\d+)", text).groups())
+    layouts = {(int(a), int(b)): verdict for a, b, verdict in
+               re.findall(r"tp=(\d+) pp=(\d+):\s+[\d.]+ GiB per device, (fits|too big)", text)}
+    assert layouts[(tp, pp)] == "fits" and tp * pp > 1
+    assert all(v == "too big" for (a, b), v in layouts.items() if a * b < tp * pp)
+    comm, plan = _figures(nb)
+    assert {t.name for t in comm.data} == {"TP=2", "PP=2"} and max(comm.data[0].y) > 0
+    assert len(plan.data[0].y) == len(layouts)
+
+
+def check_model_adapters(nb) -> None:
+    text = _stream_text(nb)
+    assert "MixtralForCausalLM: 4 MoE layers x 8 experts, top-2" in text
+    picks = re.findall(r"token +\d+ \(id +\d+\): experts (\d), (\d)", text)
+    assert picks and all(a != b for a, b in picks)
+    assert all(float(x) >= 1.0 for x in re.findall(r"busiest expert e\d took ([\d.]+)x", text))
+    heat = _figures(nb)[0].data[0]
+    assert heat.type == "heatmap" and len(heat.z) == 4 and len(heat.z[0]) == 8 and sum(map(sum, heat.z)) > 0
+    text_len, expanded = map(int, re.search(r"prompt: (\d+) tokens, <image> among them; with the image expanded: "
+                                            r"(\d+) tokens", text).groups())
+    assert expanded == text_len - 1 + 16  # tiny-llava: one <image> becomes 16 feature rows
+    assert "same image again, same tokens: True" in text and "1 hit, 1 miss" in text
+    assert "image/png" in _mime_kinds(nb)
+    assert "TransformersForCausalLM" in text and "fallback greedy tokens equal native: True" in text
+    assert "registered: native" in text and "batched tokens equal one-at-a-time: True" in text
+
+
+def check_performance(nb) -> None:
+    text = _stream_text(nb)
+    engines = re.findall(r"^(ours[^\n]*?|transformers[^\n]*?) +[\d.]+ s +([\d.]+) tok/s +MFU +([\d.]+)% +"
+                         r"greedy tokens equal ours: (\d+)/(\d+)", text, re.M)
+    assert len(engines) == 3
+    assert all(float(tps) > 0 and 0 < float(mfu) <= 100 for _, tps, mfu, _, _ in engines)
+    assert engines[1][3] == engines[1][4]  # transformers one at a time (unpadded): every request's tokens equal
+    vllm = (REPO / ".venv-peers" / "bin" / "python").exists()
+    assert ("vLLM: " in text) if vllm else ("vLLM not measured: no peer venv" in text)
+    throughput_fig, profile_fig = _figures(nb)[:2]
+    assert len(throughput_fig.data[0].x) == len(engines) + vllm
+    cases = profile_fig.data[0].y
+    assert len(cases) == 3
+    for row in range(len(cases)):  # each case's op kinds add up to its whole CPU time
+        assert abs(sum(t.x[row] for t in profile_fig.data) - 100) < 1
+
+
 CHECKS = {
     "01-quickstart.ipynb": check_quickstart,
     "02-compile-tuning.ipynb": check_compile_tuning,
+    "06-parallelism.ipynb": check_parallelism,
+    "07-model-adapters.ipynb": check_model_adapters,
+    "08-performance.ipynb": check_performance,
 }
 
 
