@@ -3,7 +3,8 @@
 Builds the corpus (`runner_core.training.corpus`), trains a byte-level BPE tokenizer on it with
 `tokenizers`, trains a small transformers `LlamaForCausalLM` with torch (AdamW, warm-up then cosine
 decay, loss shown by tqdm) and saves the model in safetensors (bfloat16), its
-`PreTrainedTokenizerFast`, a greedy generation config and `training_summary.json`. A run is
+`PreTrainedTokenizerFast`, a greedy generation config, `training_summary.json` and the corpus's word
+list (`corpus_words.txt`, what tests check its greedy text against). A run is
 reproducible given `--seed` and `--steps`; with `--minutes` alone the step count is chosen from the
 measured speed of the first steps (and written to the summary, so it can be replayed with `--steps`).
 """
@@ -20,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from runner_core.models.presets import SPECIAL_TOKENS
-from runner_core.training.corpus import LICENCE, build_corpus, stdlib_dir
+from runner_core.training.corpus import LICENCE, WORDS_FILE, build_corpus, corpus_words, stdlib_dir
 
 DEFAULT_OUT = Path(__file__).parent / "models" / "preset_data" / "tiny-speaker"
 SAMPLE_PROMPTS = ("The function returns", "This module provides", "If the file")
@@ -138,15 +139,14 @@ def _train(args: argparse.Namespace) -> dict:
     model = build_model(args, len(tokenizer)).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     batches = torch.Generator().manual_seed(args.seed)
-    offsets = torch.arange(args.seq_len + 1)
+    offsets = torch.arange(args.seq_len)
 
     def step(index: int, total: int) -> float:
         for group in optimizer.param_groups:
             group["lr"] = _lr(index, total, args.lr)
         starts = torch.randint(0, len(stream) - args.seq_len - 1, (args.batch_size, 1), generator=batches)
         window = stream[starts + offsets]
-        loss = model(input_ids=window[:, :-1], labels=window[:, :-1].clone()).loss
-        # labels are shifted inside the model; the last position's target is cut off, which is fine
+        loss = model(input_ids=window, labels=window).loss  # the model shifts the labels
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -182,6 +182,7 @@ def _train(args: argparse.Namespace) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
+    (args.out / WORDS_FILE).write_text("\n".join(sorted(corpus_words(paragraphs))) + "\n")
     tail = losses[-20:]
     summary = {
         "corpus": {"source": "Python standard library docstrings", "licence": LICENCE,

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+WORDS_FILE = "corpus_words.txt"  # saved beside the model: the corpus's words, one a line
 LICENCE = "PSF License (Python Software Foundation License Version 2)"
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 _ROLE = re.compile(r":[\w:.-]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`")  # :func:`name`, :ref:`text <target>`
