@@ -38,7 +38,7 @@ def engine_throughput(rows: Sequence[Mapping], title: str = "Useful tokens/s by 
     fig = _figure(title, "", "useful tokens/s")
     if not rows:
         return _empty(fig, "no engine measured yet")
-    labels = [f"{r['tok_s']:.0f} tok/s" + (f"<br>MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "")
+    labels = [f"{r['tok_s']:.3g} tok/s" + (f"<br>MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "")
               for r in rows]
     fig.add_trace(go.Bar(x=[r["engine"] for r in rows], y=[r["tok_s"] for r in rows], text=labels,
                          textposition="outside", cliponaxis=False, hovertext=[r.get("note", "") for r in rows],
@@ -52,7 +52,7 @@ def time_by_kind(cases: Mapping[str, Mapping[str, float]], title: str = "Where a
     op ({case: {kind: share in 0..1}}, as `benchmarks/profile_step.profile_case` returns; keys
     that are not shares of the op time, "step_ms" and "outside_forward", are left out of the
     stack and the step time goes into the case's label)."""
-    fig = _figure(title, "share of the step's CPU time (%)", "", height=max(260, 110 + 60 * len(cases)))
+    fig = _figure(title, "share of the step's CPU time (%)", "", height=max(300, 170 + 60 * len(cases)))
     if not cases:
         return _empty(fig, "no profiled case yet")
     skip = {"step_ms", "outside_forward"}
@@ -64,7 +64,8 @@ def time_by_kind(cases: Mapping[str, Mapping[str, float]], title: str = "Where a
         fig.add_trace(go.Bar(name=kind, y=labels, x=values, orientation="h", marker_color=PALETTE[i % len(PALETTE)],
                              text=[f"{v:.0f}%" if v >= 6 else "" for v in values], textposition="inside",
                              hovertemplate=f"{kind}: %{{x:.1f}}%<extra></extra>"))
-    fig.update_layout(barmode="stack", xaxis=dict(range=[0, 100]), yaxis=dict(autorange="reversed"))
+    fig.update_layout(barmode="stack", xaxis=dict(range=[0, 100]), yaxis=dict(autorange="reversed"),
+                      legend=dict(orientation="h", y=-0.45, x=0, traceorder="normal"), margin=dict(b=110))
     return fig
 
 
