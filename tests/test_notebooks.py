@@ -66,7 +66,8 @@ def check_parallelism(nb) -> None:
     assert calls == 2 * layers + 1
     assert re.search(r"send\s+1\.0 calls", text) and re.search(r"recv\s+1\.0 calls", text)  # PP: one hop each way
     # the 70B plan: the chosen layout fits, every layout on fewer devices does not (the rule: fewest devices)
-    tp, pp = map(int, re.search(r"'tensor_parallel_size': (\d+), 'pipeline_parallel_size': (\d+)", text).groups())
+    chosen = re.search(r"as a config: tensor_parallel_size=(\d+), pipeline_parallel_size=(\d+)", text)
+    tp, pp = map(int, chosen.groups())
     layouts = {(int(a), int(b)): verdict for a, b, verdict in
                re.findall(r"tp=(\d+) pp=(\d+):\s+[\d.]+ GiB per device, (fits|too big)", text)}
     assert layouts[(tp, pp)] == "fits" and tp * pp > 1
