@@ -10,7 +10,7 @@ MODEL ?= tiny-llama
 PROMPT ?= Once upon a time
 PORT ?= 5006
 
-.PHONY: setup preset run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel bench-models bench-peers clean
+.PHONY: setup preset run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel bench-models bench-peers soak fuzz clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,13 @@ lint: setup
 
 test: setup browser lint
 	$(PY) -m pytest -q -x
+
+# the full-size reliability runs (make test runs them small): a 1,200-request session soak, 500 fuzz examples per target
+soak: setup
+	RUNNER_SOAK_REQUESTS=1200 $(PY) -m pytest -q -s tests/test_soak.py
+
+fuzz: setup
+	RUNNER_FUZZ_EXAMPLES=500 $(PY) -m pytest -q tests/test_fuzz.py
 
 bench: setup
 	$(PY) benchmarks/throughput.py
