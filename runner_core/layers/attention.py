@@ -2,8 +2,11 @@
 
 The batch is laid out decodes first (one query token per sequence), then prefill
 chunks. K/V of every token are written into the KV pool at `slot_mapping`; queries
-then read their sequence's keys through gather indices derived from block tables
-(built once per step by ForwardPass and shared by all layers through the forward context).
+then read their sequence's keys by one of three backends, chosen by ForwardPass
+(`attention_backend`) through the metadata it builds once per step for all layers:
+"gather" copies each sequence's keys out of the pool through gather indices derived
+from block tables; "native" runs the CPU decode kernel over the pool in place (prefills
+gather); "flex" runs FlexAttention over the pool in place for every token (flex_attention.py).
 Under torch.compile the whole of it is one custom op, opaque to the graph.
 
 The forward context (the step's metadata, and whether the KV pool is used) is set by ForwardPass
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner_core.kernels import paged_decode_attention
+from runner_core.layers.flex_attention import flex_paged_attention
 
 
 @dataclass
@@ -50,6 +54,15 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [D]
     block_size: int = 0
     sliding_window: int | None = None
+    # set instead of all the above (but the slot mapping) by the flex backend: flex_attention.py
+    flex_q_rows: torch.Tensor | None = None  # [N]
+    flex_row_seq: torch.Tensor | None = None  # [R]
+    flex_row_pos: torch.Tensor | None = None  # [R]
+    flex_kv_num_blocks: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK]
+    flex_kv_indices: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK, W]
+    flex_block_tables: torch.Tensor | None = None  # [S, W]
+    flex_num_blocks: torch.Tensor | None = None  # [S]
+    flex_logical_of: torch.Tensor | None = None  # [pool blocks + 1], made on the device
 
 
 # ---- the forward context: the step's metadata, set by ForwardPass around a model call -----------
@@ -117,6 +130,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         k_src, v_src = kv_cache[0], kv_cache[1]
     else:
         k_src, v_src = k, v
+    if ctx.use_kv_cache and meta.flex_q_rows is not None:
+        return flex_paged_attention(q, k_src, v_src, meta, scale).reshape(n, num_heads * head_dim)
     d = meta.num_decode_tokens
     out = torch.empty_like(q)
     if d and meta.decode_block_tables is not None:
