@@ -116,16 +116,19 @@ def test_backend_choice():
 
 
 def test_engine_with_flex_equals_transformers(tiny_llama_path):
-    runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 21,
-                          "attention_backend": "flex", "max_num_batched_tokens": 256, "max_model_len": 512})
+    # eager flex on the CPU costs ~0.3 s a layer call: few steps, a small pool
+    runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 20,
+                          "attention_backend": "flex", "max_num_seqs": 8, "max_num_batched_tokens": 128,
+                          "max_model_len": 256})
     runner.load_model()
     assert runner.engine.worker.forward_pass.attention_backend == "flex"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(2)
-    # the 300-token prompt is prefilled in two chunks (the second continues from the pool)
-    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (3, 300, 17)]
-    outs = runner.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    # the 200-token prompt is prefilled in chunks (the later ones continue from the pool)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (3, 200, 17)]
+    outs = runner.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert any(m.num_prefill_tokens and m.num_decode_tokens for m in runner.engine.step_metrics)  # mixed steps
     for prompt, out in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
         assert out.token_ids == ref

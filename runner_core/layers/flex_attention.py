@@ -101,8 +101,10 @@ def _mask_mod(row_seq, row_pos, logical_of, block_tables, block_size: int, slidi
 
 
 @functools.cache
-def _compiled_flex():
-    return torch.compile(flex_attention, fullgraph=True)
+def _compiled_flex(device_type: str):
+    # on the CPU (tests only) one program per shape: with dynamic shapes inductor's C++ flex template
+    # fails to compile in torch 2.13 ("'cur_kvSplitSize9' was not declared in this scope")
+    return torch.compile(flex_attention, fullgraph=True, dynamic=False if device_type == "cpu" else None)
 
 
 def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
@@ -124,7 +126,7 @@ def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     options = None
     if q.is_cuda:  # one Triton tile per flex block; the decoding kernel assumes a dense layout
         options = {"BLOCK_M": Q_BLOCK, "BLOCK_N": min(block_size, 64), "FORCE_USE_FLEX_ATTENTION": True}
-    fn = _compiled_flex() if compiled else flex_attention
+    fn = _compiled_flex(q.device.type) if compiled else flex_attention
     out = fn(grid.transpose(0, 1).unsqueeze(0), k_cache.unsqueeze(0), v_cache.unsqueeze(0), block_mask=block_mask,
              scale=scale, enable_gqa=k_cache.shape[0] != num_heads, kernel_options=options)
     return out[0].transpose(0, 1)[meta.flex_q_rows]
