@@ -11,9 +11,9 @@ from torch.nn.attention.flex_attention import create_mask
 
 from runner_core import ModelRunner, SamplingParams
 from runner_core.engine import InputBuffers
-from runner_core.engine.forward_pass import build_metadata, resolve_attention_backend
+from runner_core.engine.forward_pass import build_metadata
 from runner_core.errors import ConfigError
-from runner_core.layers.attention import Attention, set_forward_context
+from runner_core.layers.attention import Attention, resolve_attention_backend, set_forward_context
 from runner_core.layers.flex_attention import Q_BLOCK, _mask_mod, finish_flex_fields, flex_paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, POOL_BLOCKS = 8, 2, 16, 4, 48

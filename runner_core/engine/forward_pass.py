@@ -4,8 +4,8 @@ Layout: decode sequences (one new token) first, then prefill chunks. A `StepBatc
 sequence, where its new tokens start, how many there are, those tokens and its block table;
 everything the attention layers need (slot mapping, gather indices, masks) is derived from it
 with tensor operations, into buffers allocated once (`InputBuffers`); no per-token loops. Every
-rank of a parallel runner prepares the same batch over its own KV shard. Which attention backend
-reads the pool (`attention_backend`: flex, the native CPU decode kernel, or gather) is decided here.
+rank of a parallel runner prepares the same batch over its own KV shard. The metadata follows the
+attention backend (`resolve_attention_backend`): flex, the native CPU decode kernel, or gather.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from runner_core.config import ATTENTION_BACKENDS
-from runner_core.errors import ConfigError
-from runner_core.kernels import cpu_kernels_available
-from runner_core.layers.attention import Attention, AttentionMetadata, set_forward_context
+from runner_core.layers.attention import (
+    Attention,
+    AttentionMetadata,
+    resolve_attention_backend,
+    set_forward_context,
+)
 from runner_core.layers.flex_attention import build_flex_fields, finish_flex_fields
 
 if TYPE_CHECKING:
@@ -153,24 +155,6 @@ def _visible(q_pos: torch.Tensor, key_len: int, sliding_window: int | None) -> t
     if sliding_window is not None:
         mask &= q_pos.unsqueeze(-1) - j < sliding_window
     return mask
-
-
-def resolve_attention_backend(choice: str, device: torch.device, block_size: int) -> str:
-    """The backend `choice` (RunnerConfig.attention_backend) runs as on `device`: "auto" is flex on
-    CUDA, the native decode kernel on the CPU when it is built, else gather."""
-    if choice not in ATTENTION_BACKENDS:
-        raise ConfigError(f"config field 'attention_backend' got {choice!r}; allowed: one of "
-                          + ", ".join(map(repr, ATTENTION_BACKENDS)))
-    if choice == "auto":
-        choice = "flex" if device.type == "cuda" else "native" if cpu_kernels_available() else "gather"
-    if choice == "native" and (device.type != "cpu" or not cpu_kernels_available()):
-        why = "it is a CPU kernel" if device.type != "cpu" else "it did not build (see the warning logged above)"
-        raise ConfigError(f"config field 'attention_backend' got 'native' on {device.type}, but {why}; "
-                          "use 'auto', 'flex' or 'gather'")
-    if choice == "flex" and device.type == "cuda" and block_size < 16:
-        raise ConfigError(f"config field 'attention_backend' got 'flex' with block_size={block_size}; on CUDA "
-                          "its kernel needs block_size >= 16 (one Triton tile per block): raise block_size")
-    return choice
 
 
 def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block_size: int,

@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner_core.kernels import paged_decode_attention
+from runner_core.config import ATTENTION_BACKENDS
+from runner_core.errors import ConfigError
+from runner_core.kernels import cpu_kernels_available, paged_decode_attention
 from runner_core.layers.flex_attention import flex_paged_attention
 
 
@@ -63,6 +65,24 @@ class AttentionMetadata:
     flex_block_tables: torch.Tensor | None = None  # [S, W]
     flex_num_blocks: torch.Tensor | None = None  # [S]
     flex_logical_of: torch.Tensor | None = None  # [pool blocks + 1], made on the device
+
+
+def resolve_attention_backend(choice: str, device: torch.device, block_size: int) -> str:
+    """The backend `choice` (RunnerConfig.attention_backend) runs as on `device`: "auto" is flex on
+    CUDA, the native decode kernel on the CPU when it is built, else gather."""
+    if choice not in ATTENTION_BACKENDS:
+        raise ConfigError(f"config field 'attention_backend' got {choice!r}; allowed: one of "
+                          + ", ".join(map(repr, ATTENTION_BACKENDS)))
+    if choice == "auto":
+        choice = "flex" if device.type == "cuda" else "native" if cpu_kernels_available() else "gather"
+    if choice == "native" and (device.type != "cpu" or not cpu_kernels_available()):
+        why = "it is a CPU kernel" if device.type != "cpu" else "it did not build (see the warning logged above)"
+        raise ConfigError(f"config field 'attention_backend' got 'native' on {device.type}, but {why}; "
+                          "use 'auto', 'flex' or 'gather'")
+    if choice == "flex" and device.type == "cuda" and block_size < 16:
+        raise ConfigError(f"config field 'attention_backend' got 'flex' with block_size={block_size}; on CUDA "
+                          "its kernel needs block_size >= 16 (one Triton tile per block): raise block_size")
+    return choice
 
 
 # ---- the forward context: the step's metadata, set by ForwardPass around a model call -----------
