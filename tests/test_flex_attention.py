@@ -15,6 +15,7 @@ from runner_core.engine.forward_pass import build_metadata
 from runner_core.errors import ConfigError
 from runner_core.layers.attention import Attention, resolve_attention_backend, set_forward_context
 from runner_core.layers.flex_attention import Q_BLOCK, _mask_mod, finish_flex_fields, flex_paged_attention
+from tests.test_decode_programs import _EagerAtSizes
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, POOL_BLOCKS = 8, 2, 16, 4, 48
 # decodes (context 1..), fresh prompts, a chunk continuing a prompt whose first 13 tokens are in the pool
@@ -121,13 +122,19 @@ def test_engine_with_flex_equals_transformers(tiny_llama_path):
                           "attention_backend": "flex", "max_num_seqs": 8, "max_num_batched_tokens": 128,
                           "max_model_len": 256})
     runner.load_model()
-    assert runner.engine.worker.forward_pass.attention_backend == "flex"
+    fp = runner.engine.worker.forward_pass
+    assert fp.attention_backend == "flex"
+    # pure-decode steps run at size 4 over static-length metadata, as CUDA graphs replay them
+    programs = _EagerAtSizes(runner.model, [4])
+    programs.static_decode_len = fp.buffers.max_blocks * fp.block_size
+    fp.decode_programs = programs
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(2)
-    # the 200-token prompt is prefilled in chunks (the later ones continue from the pool)
-    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (3, 200, 17)]
+    # the 200-token prompt is prefilled in chunks (the later ones continue from the pool, beside decodes)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (3, 200, 17, 9)]
     outs = runner.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert any(m.num_prefill_tokens and m.num_decode_tokens for m in runner.engine.step_metrics)  # mixed steps
+    assert programs.runs[4] and programs.padded_rows  # and padded static decodes
     for prompt, out in zip(prompts, outs):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
