@@ -124,8 +124,8 @@ def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if compiled is None:
         compiled = q.is_cuda
     options = None
-    if q.is_cuda:  # one Triton tile per flex block; the decoding kernel assumes a dense layout
-        options = {"BLOCK_M": Q_BLOCK, "BLOCK_N": min(block_size, 64), "FORCE_USE_FLEX_ATTENTION": True}
+    if q.is_cuda:  # the main Triton kernel (not flex decoding), its tiles dividing the flex blocks
+        options = {"BACKEND": "TRITON", "BLOCK_M": Q_BLOCK, "BLOCK_N": min(block_size, 64)}
     fn = _compiled_flex(q.device.type) if compiled else flex_attention
     out = fn(grid.transpose(0, 1).unsqueeze(0), k_cache.unsqueeze(0), v_cache.unsqueeze(0), block_mask=block_mask,
              scale=scale, enable_gqa=k_cache.shape[0] != num_heads, kernel_options=options)
