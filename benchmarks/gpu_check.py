@@ -6,8 +6,9 @@ own with a time limit (together under 8 minutes), and goes on when one fails:
                attention_backend "flex" and "gather": small-llama, and a tiny Mistral with a
                sliding window of 24; prompts of 3-300 tokens, the longest prefilled in chunks
   cuda_graphs  benchmarks/cuda_graphs.py (eager vs compiled vs decode CUDA graphs)
-  throughput   benchmarks/throughput.py --dtype bfloat16 --skip-hf
-Then one summary: each part's status, seconds and figures (the last JSON line it printed); the
+  throughput   benchmarks/throughput.py --dtype bfloat16 --skip-hf --skip-compiled (ours eager,
+               vLLM where its venv exists)
+Then one summary: each part's status, seconds and figures (the last JSON object line it printed); the
 summary is also the last stdout line, one JSON object, and is written to --out when given.
 
 Run:  make gpu-check    or    .venv/bin/python benchmarks/gpu_check.py [--out summary.json]
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,14 +32,17 @@ ROOT = Path(__file__).resolve().parent.parent
 PARTS = {  # name: (command after the python executable, seconds allowed)
     "parity": (["benchmarks/gpu_check.py", "--parity"], 150),
     "cuda_graphs": (["benchmarks/cuda_graphs.py", "--rounds", "1"], 150),
-    "throughput": (["benchmarks/throughput.py", "--dtype", "bfloat16", "--skip-hf", "--engine-timeout", "150"], 170),
+    # --skip-compiled: its compile=True run (max-autotune) could take the whole budget; cuda_graphs
+    # measures our compiled modes on CUDA. A timed-out engine process would stop throughput.py whole.
+    "throughput": (["benchmarks/throughput.py", "--dtype", "bfloat16", "--skip-hf", "--skip-compiled",
+                    "--engine-timeout", "130"], 150),
 }
 PROMPT_LENGTHS = (3, 40, 300, 17)
 NEW_TOKENS = 24
 
 
-def parity() -> dict:
-    """{case: {backend: greedy sequences equal to transformers' (of len(PROMPT_LENGTHS))}}."""
+def parity(device: str) -> dict:
+    """{case: {backend: greedy sequences equal to transformers' (of len(PROMPT_LENGTHS))}} on `device`."""
     import transformers
 
     from runner_core import ModelRunner, SamplingParams
@@ -51,24 +56,33 @@ def parity() -> dict:
              "mistral-window-24": make_tiny_hf_model(tmp, "mistral", sliding_window=24)}
     result = {}
     for case, path in cases.items():
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-        refs = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW_TOKENS, do_sample=False,
+        refs = [hf.generate(torch.tensor([p], device=device), max_new_tokens=NEW_TOKENS, do_sample=False,
                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
         del hf
         result[case] = {}
         for backend in ("flex", "gather"):
-            runner = ModelRunner({"model": str(path), "dtype": "float32", "device": 0, "attention_backend": backend,
-                                  "max_num_batched_tokens": 128, "max_num_seqs": 16, "max_model_len": 512,
-                                  "kv_cache_memory": 1 << 28}).load_model()
+            runner = ModelRunner({"model": str(path), "dtype": "float32", "device": device,
+                                  "attention_backend": backend, "max_num_batched_tokens": 128,
+                                  "max_num_seqs": 16, "max_model_len": 512,
+                                  "kv_cache_memory": 1 << (28 if device == "cuda" else 24)}).load_model()
             outs = runner.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
             result[case][backend] = sum(o.token_ids == r for o, r in zip(outs, refs))
             print(f"parity {case} {backend}: {result[case][backend]}/{len(prompts)} greedy sequences equal "
                   "transformers'", flush=True)
             del runner
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return result
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def run_part(name: str) -> dict:
@@ -76,18 +90,17 @@ def run_part(name: str) -> dict:
     cmd, limit = PARTS[name]
     print(f"== {name}: {' '.join(cmd)} (limit {limit} s)", flush=True)
     t = time.perf_counter()
+    # a session of its own, so a timeout ends the part's own child processes too (throughput's engines)
+    proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
     try:
-        proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=limit,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
-        out, status = proc.stdout + proc.stderr, "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-        last = proc.stdout.strip().splitlines()[-1:] or [""]
-    except subprocess.TimeoutExpired as e:
-        out, status, last = (e.stdout or b"").decode() + (e.stderr or b"").decode(), "timeout", [""]
+        out = proc.communicate(timeout=limit)[0]
+        status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, status = proc.communicate()[0], "timeout"
     print(out[-4000:], flush=True)
-    try:
-        figures = json.loads(last[0])
-    except json.JSONDecodeError:
-        figures = None
+    figures = next((json.loads(line) for line in reversed(out.splitlines()) if _is_json_object(line)), None)
     return {"status": status, "seconds": round(time.perf_counter() - t, 1), "figures": figures,
             "tail": out.strip().splitlines()[-3:]}
 
@@ -95,14 +108,16 @@ def run_part(name: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parity", action="store_true", help="only the parity part, in this process")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="the parity part's device (cpu: a dry run of its logic, slow: eager flex)")
     ap.add_argument("--out", type=Path, default=None, help="also write the summary JSON here")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not (args.parity and args.device == "cpu"):
         print("benchmarks/gpu_check.py needs CUDA: no CUDA device is visible here (run it on a GPU machine)",
               file=sys.stderr)
         sys.exit(2)
     if args.parity:
-        result = parity()
+        result = parity(args.device)
         print(json.dumps(result))
         sys.exit(0 if all(n == len(PROMPT_LENGTHS) for case in result.values() for n in case.values()) else 1)
     summary = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
