@@ -64,33 +64,49 @@ def test_flex_equals_gather_on_a_mixed_batch(window):
     torch.testing.assert_close(out, ref)
 
 
+def _listed(counts, indices):
+    listed = torch.zeros(counts.shape[-1], POOL_BLOCKS, dtype=torch.bool)
+    for b in range(listed.shape[0]):
+        listed[b, indices[0, 0, b, : counts[0, 0, b]].long()] = True
+    return listed
+
+
 @pytest.mark.parametrize("window", [None, 7])
 def test_block_lists_cover_the_mask(window):
-    """Every (query block, pool block) pair where the mask lets some query see some key is among the
-    blocks the BlockMask lists for that query block: the compiled kernels skip all others."""
+    """Every (query block, pool block) pair where the mask lets some query see some key is listed,
+    as partial or full, for that query block (the compiled kernels skip all others); in a full block
+    every real query of the query block sees every key (the kernels skip the mask there)."""
     meta = _metadata(_batch()[0], window, flex=True)
     rows = meta.flex_row_seq.shape[0]
     mask_mod = _mask_mod(meta.flex_row_seq, meta.flex_row_pos, meta.flex_logical_of, meta.flex_block_tables,
                          BLOCK, window)
     dense = create_mask(mask_mod, 1, 1, rows, POOL_BLOCKS * BLOCK, device="cpu")[0, 0]
-    needed = dense.view(rows // Q_BLOCK, Q_BLOCK, POOL_BLOCKS, BLOCK).any(3).any(1)
-    counts, indices = meta.flex_kv_num_blocks[0, 0], meta.flex_kv_indices[0, 0]
-    listed = torch.zeros_like(needed)
-    for b in range(needed.shape[0]):
-        listed[b, indices[b, : counts[b]].long()] = True
+    tiles = dense.view(rows // Q_BLOCK, Q_BLOCK, POOL_BLOCKS, BLOCK)
+    needed = tiles.any(3).any(1)
+    partial = _listed(meta.flex_kv_num_blocks, meta.flex_kv_indices)
+    full = _listed(meta.flex_full_kv_num_blocks, meta.flex_full_kv_indices)
     assert needed.any(1).all()  # every query block sees something (no empty rows in the batch)
-    assert not (needed & ~listed).any(), "a block the mask needs is missing from the BlockMask"
-    if window is not None:  # the window prunes: the long prompt's last query block skips its first blocks
-        assert (listed.sum(1) < torch.tensor([-(-(s + n) // BLOCK) for s, n in zip(STARTS, Q_LENS)
-                                              for _ in range(-(-n // Q_BLOCK))])).any()
+    assert not (needed & ~(partial | full)).any(), "a block the mask needs is missing from the BlockMask"
+    assert not (partial & full).any()
+    real = (meta.flex_row_pos >= 0).view(rows // Q_BLOCK, Q_BLOCK)
+    whole = (tiles.all(3) | ~real.unsqueeze(2)).all(1)  # every real row sees every key of the block
+    assert full.any() and not (full & ~whole).any(), "a block listed full is not entirely visible"
+    if window is not None:  # the window prunes: some query block skips blocks of its sequence it would see
+        seen = partial | full
+        assert (seen.sum(1) < torch.tensor([-(-(s + n) // BLOCK) for s, n in zip(STARTS, Q_LENS)
+                                            for _ in range(-(-n // Q_BLOCK))])).any()
 
 
 def test_compiled_flex_kernel_equals_gather():
-    """The compiled CPU kernel visits only the listed blocks (about 10-30 s of inductor compile here)."""
-    window = 7
+    """The compiled CPU kernel visits only the listed blocks and skips the mask in full ones (about
+    10-30 s of inductor compile here). A window of 20 gives prefill query blocks full blocks, partial
+    ones and blocks pruned before the window."""
+    window = 20
     tables, cache, q, k, v = _batch(seed=3)
     ref, _ = _attend(_metadata(tables, window, flex=False), cache, q, k, v)
     meta = _metadata(tables, window, flex=True)
+    prefill_blocks = meta.flex_full_kv_num_blocks[0, 0, NUM_DECODES:]
+    assert prefill_blocks.any() and (meta.flex_kv_num_blocks[0, 0, NUM_DECODES:] > 0).all()
     pool = cache.clone()
     with torch.inference_mode():
         k_new = k.view(-1, KV_HEADS, HEAD_DIM).transpose(0, 1)

@@ -62,6 +62,8 @@ class AttentionMetadata:
     flex_row_pos: torch.Tensor | None = None  # [R]
     flex_kv_num_blocks: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK]
     flex_kv_indices: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK, W]
+    flex_full_kv_num_blocks: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK]
+    flex_full_kv_indices: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK, W]
     flex_block_tables: torch.Tensor | None = None  # [S, W]
     flex_num_blocks: torch.Tensor | None = None  # [S]
     flex_logical_of: torch.Tensor | None = None  # [pool blocks + 1], made on the device

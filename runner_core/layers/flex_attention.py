@@ -11,8 +11,9 @@ as it is: no gathered copy. Two things describe the mask:
   index (its block table says so) and the position is causal (and inside the sliding window).
 * the BlockMask only skips work: query block b visits the KV blocks its sequence's block table
   lists, from the window's first block to the block of b's last position (the flex KV block is
-  the pool's block). Eager flex_attention evaluates `mask_mod` densely and ignores the sparsity;
-  the compiled kernels (Triton on CUDA, the C++ template on the CPU) visit only the listed blocks.
+  the pool's block), and those all of b's queries see whole are "full" (mask_mod not evaluated).
+  Eager flex_attention evaluates `mask_mod` densely and ignores the sparsity; the compiled kernels
+  (Triton on CUDA, the C++ template on the CPU) visit only the listed blocks.
 
 Built on the CPU with tensor operations once per step (`build_flex_fields`), finished on the
 device (`finish_flex_fields`, the physical-to-logical map) and shared by every layer. On the CPU
@@ -36,7 +37,8 @@ def build_flex_fields(starts: torch.Tensor, q_lens: torch.Tensor, block_tables: 
 
     flex_q_rows [N]: padded row of each flat token; flex_row_seq / flex_row_pos [R]: sequence and
     position of each row (-1: a pad row, masked entirely); flex_kv_num_blocks [1, 1, QB] and
-    flex_kv_indices [1, 1, QB, W]: the BlockMask's blocks per query block; flex_block_tables [S, W];
+    flex_kv_indices [1, 1, QB, W]: the BlockMask's partial blocks per query block (mask_mod applies),
+    flex_full_kv_*: its full ones (every query sees every key); flex_block_tables [S, W];
     flex_num_blocks [S]: blocks each sequence's keys fill, so far."""
     num_seqs, width = block_tables.shape
     seq_ids = torch.arange(num_seqs)
@@ -50,22 +52,40 @@ def build_flex_fields(starts: torch.Tensor, q_lens: torch.Tensor, block_tables: 
     row_seq = torch.repeat_interleave(seq_ids, q_blocks * Q_BLOCK)
     row_pos = torch.full((num_rows,), -1, dtype=torch.long)
     row_pos[q_rows] = starts[tok_seq] + in_seq
-    # query block b of sequence s: positions first..last, keys from the window's start to last
+    # query block b of sequence s holds positions first..last: it visits the logical blocks from the
+    # window's start to last's; those every one of its queries sees whole are "full" (no mask_mod)
     qb_seq = torch.repeat_interleave(seq_ids, q_blocks)
-    first = starts[qb_seq] + (torch.arange(len(qb_seq)) - block_off[qb_seq]) * Q_BLOCK
-    last = torch.minimum(first + Q_BLOCK, starts[qb_seq] + q_lens[qb_seq]) - 1
-    lo = torch.zeros_like(first) if sliding_window is None else (first - sliding_window + 1).clamp(min=0) // block_size
-    cols = (lo.unsqueeze(1) + torch.arange(width)).clamp(max=width - 1)
-    kv_indices = block_tables[qb_seq.unsqueeze(1), cols]
+    first = (starts[qb_seq] + (torch.arange(len(qb_seq)) - block_off[qb_seq]) * Q_BLOCK).unsqueeze(1)
+    last = torch.minimum(first + Q_BLOCK, (starts + q_lens)[qb_seq].unsqueeze(1)) - 1
+    key_first = torch.arange(width) * block_size  # [W] first position of each logical block
+    visited = key_first <= last
+    full = key_first + block_size - 1 <= first
+    if sliding_window is not None:
+        visited &= key_first + block_size - 1 > first - sliding_window
+        full &= key_first > last - sliding_window
+    partial_num, partial = _listed(block_tables, qb_seq, visited & ~full)
+    full_num, full = _listed(block_tables, qb_seq, full)
     return {
         "flex_q_rows": q_rows,
         "flex_row_seq": row_seq,
         "flex_row_pos": row_pos,
-        "flex_kv_num_blocks": (last // block_size - lo + 1).to(torch.int32)[None, None],
-        "flex_kv_indices": kv_indices.to(torch.int32)[None, None],
+        "flex_kv_num_blocks": partial_num,
+        "flex_kv_indices": partial,
+        "flex_full_kv_num_blocks": full_num,
+        "flex_full_kv_indices": full,
         "flex_block_tables": block_tables,
         "flex_num_blocks": (starts + q_lens + block_size - 1) // block_size,
     }
+
+
+def _listed(block_tables: torch.Tensor, qb_seq: torch.Tensor, chosen: torch.Tensor):
+    """A BlockMask's (counts [1, 1, QB], indices [1, 1, QB, W]) int32: for query block b, the physical
+    blocks of the logical blocks `chosen[b]` of its sequence, in logical order, first."""
+    width = chosen.shape[1]
+    cols = torch.arange(width)
+    order = torch.where(chosen, cols, cols + width).argsort(dim=1)  # chosen columns first, in order
+    indices = block_tables[qb_seq.unsqueeze(1), order]
+    return chosen.sum(1).to(torch.int32)[None, None], indices.to(torch.int32)[None, None]
 
 
 def finish_flex_fields(meta, num_pool_blocks: int) -> None:
@@ -82,7 +102,9 @@ def finish_flex_fields(meta, num_pool_blocks: int) -> None:
     logical = torch.full((num_pool_blocks + 1,), -1, dtype=torch.long, device=tables.device)
     meta.flex_logical_of = logical.scatter_(0, targets.flatten(), cols.flatten())
     if tables.device.type == "cpu" and width < num_pool_blocks:
-        meta.flex_kv_indices = torch.nn.functional.pad(meta.flex_kv_indices, (0, num_pool_blocks - width))
+        pad = (0, num_pool_blocks - width)
+        meta.flex_kv_indices = torch.nn.functional.pad(meta.flex_kv_indices, pad)
+        meta.flex_full_kv_indices = torch.nn.functional.pad(meta.flex_full_kv_indices, pad)
 
 
 def _mask_mod(row_seq, row_pos, logical_of, block_tables, block_size: int, sliding_window: int | None):
@@ -119,6 +141,7 @@ def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     mask_mod = _mask_mod(meta.flex_row_seq, meta.flex_row_pos, meta.flex_logical_of, meta.flex_block_tables,
                          block_size, meta.sliding_window)
     block_mask = BlockMask.from_kv_blocks(meta.flex_kv_num_blocks, meta.flex_kv_indices,
+                                          meta.flex_full_kv_num_blocks, meta.flex_full_kv_indices,
                                           BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=mask_mod,
                                           seq_lengths=(rows, k_cache.shape[1]), compute_q_blocks=False)
     if compiled is None:
