@@ -10,7 +10,7 @@ MODEL ?= tiny-llama
 PROMPT ?= Once upon a time
 PORT ?= 5006
 
-.PHONY: setup preset run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel bench-models bench-peers soak fuzz clean
+.PHONY: setup preset run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-peers soak fuzz clean
 
 setup: $(STAMP)
 
@@ -86,6 +86,10 @@ bench-compile: setup
 # needs a CUDA device: eager vs compiled vs compiled with decode CUDA graphs
 bench-cuda-graphs: setup
 	$(PY) benchmarks/cuda_graphs.py
+
+# needs a CUDA device: parity (flex and gather), CUDA graphs, bf16 throughput, one summary (< 8 min)
+gpu-check: setup
+	$(PY) benchmarks/gpu_check.py
 
 bench-parallel: setup
 	$(PY) benchmarks/parallel.py
