@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[ui,test]" "$(TORCH_SPEC)"
 	touch $(STAMP)
 
-# Re-trains the shipped tiny-speaker preset into runner_core/models/preset_data/tiny-speaker (CPU, ~10 minutes)
+# Re-trains the shipped tiny-speaker preset, as shipped, into runner_core/models/preset_data/tiny-speaker (CPU)
 preset: setup
-	nice -n 10 $(PY) -m runner_core.train_preset
+	nice -n 10 $(PY) -m runner_core.train_preset --steps 1000
 
 # The Panel dashboard with $(MODEL) loaded, on http://127.0.0.1:$(PORT)/ (loopback only).
 run: setup
