@@ -196,7 +196,7 @@ class SessionDashboard(ViewController):
                 self.charts[name].object = fig
 
     def _show_models(self, models: dict) -> None:
-        lines = [f"- **{e.name}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB, "
+        lines = [f"- **{html.escape(e.name)}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB, "
                  f"KV {e.kv_pool_bytes / 2**20:.1f} MiB, "
                  f"{'compiled ' + str(e.compile.get('backend')) if e.compile.get('enabled') else 'eager'}"
                  for e in models.values()]
