@@ -72,7 +72,7 @@ def page(server_url):
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1350})
-        page.goto(server_url)
+        page.goto(server_url, timeout=SLOW)
         yield page
         browser.close()
 
