@@ -53,7 +53,7 @@ def test_a_preempted_request_is_admitted_again(tiny_llama_path):
 def test_timeline_draws_the_records(tiny_llama_path):
     prompts = [list(range(3, 43)), [5, 6, 7]]
     runner, _, _ = _run(tiny_llama_path, prompts, [6, 6], max_num_batched_tokens=16, max_num_seqs=4,
-                                    kv_cache_memory=1 << 22)
+                        kv_cache_memory=1 << 22)
     steps = list(runner.step_metrics)
     fig = step_timeline(steps, max_num_batched_tokens=16)
     traces = {t.name: t for t in fig.data}
