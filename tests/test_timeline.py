@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from runner_core import ModelRunner, SamplingParams
-from workbench.timeline import step_timeline
+from workbench.timeline import step_timeline, step_waste
 
 BYTES_PER_BLOCK = 16 * 4 * 2 * 2 * 32 * 4  # tiny-llama: 16 tokens x 4 layers x K,V x 2 KV heads x 32 dims x fp32
 
@@ -67,6 +67,19 @@ def test_timeline_draws_the_records(tiny_llama_path):
     assert len(traces["preempted"].x) == 0
     as_dicts = step_timeline([{k: getattr(m, k) for k in m.__slots__} for m in steps], max_num_batched_tokens=16)
     assert [list(t.y) for t in as_dicts.data] == [list(t.y) for t in fig.data]
+
+
+def test_waste_per_step_compares_the_allocators(tiny_llama_path):
+    prompts = [list(range(3, 3 + k)) for k in (40, 35, 30, 25)]
+    runner, _, _ = _run(tiny_llama_path, prompts, [40] * 4, kv_cache_memory=8 * BYTES_PER_BLOCK, max_model_len=128)
+    steps = [m for m in runner.step_metrics if m.num_running]
+    traces = {t.name: list(t.y) for t in step_waste(runner.step_metrics).data}
+    assert traces["paged pool"] == pytest.approx([100 * (1 - m.kv_utilization) for m in steps])
+    assert traces["static max_model_len reservation"] == pytest.approx(
+        [100 * m.static_reservation_waste for m in steps])
+    # the paged pool wastes less than a block per request; a max_model_len reservation wastes more
+    assert max(traces["paged pool"]) < 50 < max(traces["static max_model_len reservation"])
+    assert len(traces["first fit: reserved, not filled"]) == len(steps)
 
 
 def test_timeline_of_nothing_and_of_wrong_records():
