@@ -43,7 +43,8 @@ def step_rows(steps: Iterable[Any], fields: tuple[str, ...] = FIELDS) -> list[di
 def _figure(title: str, height: int) -> go.Figure:
     fig = go.Figure()
     fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height, template="plotly_white",
-                      margin=dict(l=60, r=15, t=45, b=40), legend=dict(orientation="h", y=-0.14, x=0))
+                      margin=dict(l=60, r=15, t=45, b=40),
+                      legend=dict(orientation="h", y=-0.14, x=0, traceorder="normal"))
     return fig
 
 
@@ -101,6 +102,7 @@ def step_waste(steps: Iterable[Any], title: str = "KV slots wasted, step by step
     are left out."""
     rows = [r for r in step_rows(steps, WASTE_FIELDS) if r["num_running"]]
     fig = _figure(title, 360)
+    fig.update_layout(legend_y=-0.25)
     fig.update_yaxes(title_text="% of slots", range=[0, 100])
     fig.update_xaxes(title_text="engine step")
     if not rows:
