@@ -31,7 +31,9 @@ def _mime_kinds(nb) -> set[str]:
 def check_quickstart(nb) -> None:
     text = _stream_text(nb)
     assert "refused: SamplingParams.max_tokens got 0" in text
-    assert "tokens generated" in text and "freed_bytes" in text
+    assert "tokens generated" in text
+    peek = re.search(r"peeked while running: (\d+) requests held (\d+) blocks", text)
+    assert int(peek.group(1)) >= 4 and int(peek.group(2)) > 0  # the block map was taken while they ran
     kinds = _mime_kinds(nb)
     assert "application/vnd.plotly.v1+json" in kinds  # the charts
     assert "application/vnd.jupyter.widget-view+json" in kinds  # SessionWidgets(session)
