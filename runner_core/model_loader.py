@@ -14,6 +14,7 @@ import json
 import logging
 import re
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,8 +72,7 @@ class ModelLoader:
                     adapter.reason)
         if cfg.dtype == "auto":
             logger.info("dtype auto -> %s: %s", *auto_dtype(cfg.torch_device.type))
-        model = self._build(adapter.model_class, hf_config)
-        bytes_read = self._load_weights(model, path)
+        # the tokenizer and processor first: they fail fast, before any weight is read
         tokenizer_path = resolve_model_path(cfg.tokenizer) if cfg.tokenizer else path
         if cfg.tokenizer and not has_tokenizer_files(tokenizer_path):
             raise ModelLoadError(
@@ -81,6 +81,14 @@ class ModelLoader:
             )
         tokenizer = load_tokenizer(tokenizer_path, hf_config, cfg.trust_remote_code)
         processor = load_processor(path, cfg.trust_remote_code) if adapter.kind == "multimodal" else None
+        model = self._build(adapter.model_class, hf_config)
+        try:
+            bytes_read = self._load_weights(model, path)
+        except BaseException as exc:
+            # a notebook keeps the last traceback: its frames must not hold the half-loaded model
+            del model
+            traceback.clear_frames(exc.__traceback__)
+            raise
         return LoadedModel(model=model, tokenizer=tokenizer, hf_config=hf_config, model_path=path,
                            load_seconds=time.perf_counter() - start, weight_bytes=_nbytes(model.parameters()),
                            buffer_bytes=_nbytes(model.buffers()), adapter=adapter, bytes_read=bytes_read,
@@ -318,8 +326,14 @@ def read_hf_config(path: Path, trust_remote_code: bool = False) -> PretrainedCon
     """The transformers config of the model directory `path`."""
     from transformers import AutoConfig
 
-    if not (path / "config.json").is_file():
+    file = path / "config.json"
+    if not file.is_file():
         raise ModelLoadError(f"no config.json in {path}: a model directory needs the Hugging Face config.json")
+    try:
+        json.loads(file.read_bytes())
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ModelLoadError(f"{file} is not valid JSON ({exc}); restore it from where the checkpoint came from, "
+                             "or write it again with config.save_pretrained(dir)") from None
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises ValueError, OSError, KeyError, ...

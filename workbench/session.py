@@ -222,11 +222,12 @@ class Session:
         return self._router.submit(self._models.entry(model), prompt, params)
 
     def generate(self, prompt, *, timeout: float | None = None, **kwargs) -> RequestOutput:
-        """Blocking generation: the final RequestOutput (raises the request's error)."""
+        """Blocking generation: the final RequestOutput (raises the request's error). A timeout or an
+        interrupt (Jupyter's stop button) aborts the request, frees its KV blocks, and re-raises."""
         handle = self.submit(prompt, **kwargs)
         try:
             return handle.result(timeout)
-        except TimeoutError:
+        except (TimeoutError, KeyboardInterrupt):
             handle.cancel()
             raise
 

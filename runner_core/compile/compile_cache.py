@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runner_core import faults
 from runner_core.config import project_version
 
 logger = logging.getLogger("runner_core")
@@ -110,9 +111,26 @@ def locked(path: Path):
 
 
 def write_atomic(path: Path, data: bytes) -> None:
+    faults.fire("cache_write", path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
+        raise
+
+
+def unwritable_reason(folder: Path) -> str | None:
+    """Why files cannot be written under `folder` (created if missing), or None when they can."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe.{os.getpid()}"
+        write_atomic(probe, b"")
+        probe.unlink()
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def vec_isa_list() -> list[str] | None:

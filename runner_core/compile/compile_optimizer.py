@@ -57,6 +57,7 @@ from runner_core.compile.compile_cache import (
     locked,
     model_layout,
     prime_vec_isa,
+    unwritable_reason,
     vec_isa_list,
     write_atomic,
 )
@@ -153,6 +154,7 @@ class CompileOptimizer:
     load_seconds: float = 0.0
     artifacts_cache: str = "off"  # the jit route's inductor artifacts: hit, miss or rebuilt
     decode_reason: str = ""  # why the decode programs are what they are (they live on the ForwardPass)
+    uncached_reason: str = ""  # set when the cache folder cannot be written: compiles run without it
     _compiled: list[nn.Module] = field(default_factory=list)
     _graphs_after_warmup: int | None = None
     _program: AOTIProgram | None = None
@@ -197,12 +199,17 @@ class CompileOptimizer:
         if saved is None:
             return
         data, _info = saved
-        with locked(self.cache_dir / f"{self.key}.lock"):
-            self.folder.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.folder / ARTIFACTS, data)
-            meta = {"sha256": hashlib.sha256(data).hexdigest(), "factors": self.factors, "created": time.time(),
-                    "vec_isa": vec_isa_list()}
-            write_atomic(self.folder / META, json.dumps(meta, indent=1).encode())
+        try:
+            with locked(self.cache_dir / f"{self.key}.lock"):
+                self.folder.mkdir(parents=True, exist_ok=True)
+                write_atomic(self.folder / ARTIFACTS, data)
+                meta = {"sha256": hashlib.sha256(data).hexdigest(), "factors": self.factors, "created": time.time(),
+                        "vec_isa": vec_isa_list()}
+                write_atomic(self.folder / META, json.dumps(meta, indent=1).encode())
+        except OSError as e:  # e.g. the disk filled up: this run is compiled, the next start compiles again
+            self.uncached_reason = f"saving to {self.folder} failed: {type(e).__name__}: {e}"
+            logger.warning("the compile cache was not saved (%s); generation goes on, the next start compiles "
+                           "again", self.uncached_reason)
 
     # ---- the package (aoti route) -----------------------------------------------------------
     def load_package(self) -> None:
@@ -256,7 +263,14 @@ class CompileOptimizer:
         self.factors = {**self.factors, "layout": model_layout(model)}
         self.key = cache_key(self.factors)
         targets = self._targets(model)
-        self.route, self.route_reason = self._choose_route(targets)
+        self.uncached_reason = unwritable_reason(self.cache_dir) or ""
+        if self.uncached_reason:
+            logger.warning("compile cache folder %s is not writable (%s); compiling without the persistent cache "
+                           "(set compile_cache_dir to a writable folder to keep compiles across starts)",
+                           self.cache_dir, self.uncached_reason)
+            self.route, self.route_reason = "jit", f"no persistent cache: {self.uncached_reason}"
+        else:
+            self.route, self.route_reason = self._choose_route(targets)
         if self.route == "aoti":
             self.load_package()
             for module in targets:
@@ -267,7 +281,8 @@ class CompileOptimizer:
         return model
 
     def _apply_jit(self, targets: list[nn.Module]) -> None:
-        self.load_cache()
+        if not self.uncached_reason:
+            self.load_cache()
         self.cache = self.artifacts_cache
         for module in targets:
             module.compile(**self.settings.options)
@@ -309,7 +324,7 @@ class CompileOptimizer:
         save the inductor artifacts unless they were loaded from the cache."""
         self.decode_reason = decode_reason
         self._graphs_after_warmup = _dynamo_counters()[0]
-        if self.settings.enabled and self.route == "jit" and self.artifacts_cache != "hit":
+        if self.settings.enabled and self.route == "jit" and self.artifacts_cache != "hit" and not self.uncached_reason:
             self.save_cache()
 
     def _run_sizes(self, run, sizes: list[int]) -> None:
@@ -340,7 +355,8 @@ class CompileOptimizer:
             "warm_start_reason": self.route_reason,
             "cache_key": self.key,
             "cache_factors": self.factors,
-            "cache": self.cache,
+            "cache": "uncached" if self.uncached_reason else self.cache,
+            "uncached_reason": self.uncached_reason or None,
             "cache_load_seconds": self.load_seconds,
             "compile_seconds": dict(self.compile_seconds),
             "recompiles_after_warmup": recompiles,

@@ -22,12 +22,16 @@ from runner_core.engine.sequence import RequestOutput, Sequence
 from runner_core.engine.step_metrics import StepObserver, StepTimes
 from runner_core.engine.worker import Executor, LocalExecutor, Worker
 from runner_core.errors import EngineBusyError, InvalidRequestError, WorkerError
-from runner_core.layers.sampler import Sampler, SamplingMetadata
+from runner_core.layers.sampler import Sampler, SamplingMetadata, nonfinite_rows
 from runner_core.model_loader import LoadedModel
 from runner_core.sampling_params import SamplingParams
 from runner_core.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("runner_core")
+
+NONFINITE_MESSAGE = ("the model produced NaN or infinite logits for this request (at output token {n}); the request "
+                     "was stopped, the others go on. Check the checkpoint's weights, or its dtype: float16 overflows "
+                     "where bfloat16 or float32 do not")
 
 
 class LLMEngine:
@@ -138,8 +142,9 @@ class LLMEngine:
         try:
             logits, prepare_s, expert_counts = self.executor.call("execute_model", batch)
             executed = time.perf_counter()
-            sampled = None
+            sampled, broken = None, []
             if seqs:
+                logits, broken = nonfinite_rows(logits)
                 meta = SamplingMetadata.build([s.params for s in seqs], [s.generator for s in seqs],
                                               self.vocab_size, self.device)
                 sampled = self.sampler(logits, meta)
@@ -151,6 +156,10 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             self.memory.cache_blocks(seq)
+        if broken:  # those requests fail; the rest of the batch goes on
+            outputs += [self._fail(seqs[i], NONFINITE_MESSAGE.format(n=seqs[i].num_output_tokens)) for i in broken]
+            keep = [i for i in range(len(seqs)) if i not in set(broken)]
+            seqs, sampled = [seqs[i] for i in keep], sampled.select(keep) if keep else None
         if sampled is not None:
             outputs += self._append_tokens(seqs, sampled)
         num_finished = sum(o.finished for o in outputs)  # a request's final output comes once

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from runner_core import faults
 from runner_core.compile import (
     WARMUP_SIZES,
     CompileOptimizer,
@@ -106,10 +107,11 @@ class Worker:
         """(logits [sampling rows, vocab] float32, seconds spent preparing the inputs, and for an MoE
         model the step's tokens per expert [MoE layers, experts], pad rows excluded) on rank 0."""
         t = time.perf_counter()
-        inp = self.forward_pass.prepare(batch, self._image_features(batch) if batch.images else None)
+        inp = self.forward_pass.prepare(faults.fire("forward", batch),
+                                        self._image_features(batch) if batch.images else None)
         prepared = time.perf_counter() - t
         with recording_routing(inp.num_pad_tokens) as routing:
-            logits = self.forward_pass.execute(inp)
+            logits = faults.fire("logits", self.forward_pass.execute(inp))
         counts = self.model.expert_counts(routing) if self.is_moe else None
         return to_driver(logits, (len(batch.sample_rows), self.vocab_size)), prepared, counts
 
@@ -145,7 +147,7 @@ class Worker:
         fp = self.forward_pass
         fp.decode_programs = None
         try:
-            optimizer.apply(self.model)
+            optimizer.apply(faults.fire("compile", self.model))
             optimizer.warm_up(fp.run_dummy, WARMUP_SIZES)
             fp.decode_programs, reason = build_decode_programs(optimizer, self.config, self.hf_config, self.model, fp,
                                                                self.memory, self.max_model_len)

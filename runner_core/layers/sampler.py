@@ -67,6 +67,21 @@ class SamplerOutput:
     logprob_token_ids: Tensor | None  # [B, n+1]: the sampled token, then the top n
     logprobs: Tensor | None  # [B, n+1] float32, matching logprob_token_ids
 
+    def select(self, rows: list[int]) -> SamplerOutput:
+        """The output of these rows only."""
+        idx = torch.tensor(rows, device=self.sampled_token_ids.device)
+        return SamplerOutput(*(None if t is None else t[idx] for t in
+                               (self.sampled_token_ids, self.logprob_token_ids, self.logprobs)))
+
+
+def nonfinite_rows(logits: Tensor) -> tuple[Tensor, list[int]]:
+    """(logits with those rows zeroed, the rows) for rows holding a NaN or +inf, or nothing but -inf (a
+    -inf alone is a masked token): the sampler then runs on every row, and those rows' requests fail
+    instead of sampling garbage. One reduction per step: a row's max is NaN if any entry is."""
+    bad = ~torch.isfinite(logits.amax(dim=-1))
+    rows = bad.nonzero().flatten().tolist()
+    return (logits.masked_fill(bad.unsqueeze(1), 0.0) if rows else logits), rows
+
 
 def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
     """Masks (to -inf) the tokens each row's top-k, then top-p, then min-p filter drops."""
