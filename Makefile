@@ -10,7 +10,7 @@ MODEL ?= tiny-llama
 PROMPT ?= Once upon a time
 PORT ?= 5006
 
-.PHONY: setup run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel bench-models bench-peers clean
+.PHONY: setup preset run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel bench-models bench-peers clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[ui,test]" "$(TORCH_SPEC)"
 	touch $(STAMP)
+
+# Re-trains the shipped tiny-speaker preset into runner_core/models/preset_data/tiny-speaker (CPU, ~10 minutes)
+preset: setup
+	nice -n 10 $(PY) -m runner_core.train_preset
 
 # The Panel dashboard with $(MODEL) loaded, on http://127.0.0.1:$(PORT)/ (loopback only).
 run: setup

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
@@ -14,7 +13,7 @@ from runner_core.compile import cpu_programs_expected
 from runner_core.config import RunnerConfig
 from runner_core.engine import LLMEngine, LocalExecutor, RequestOutput, Worker
 from runner_core.errors import EngineNotReadyError, InvalidRequestError
-from runner_core.memory import MemoryEstimate, check_config_fits
+from runner_core.memory import MemoryEstimate, check_config_fits, release_freed_memory
 from runner_core.model_loader import ModelLoader, read_hf_config, resolve_model_path
 from runner_core.parallel.plan import validate_parallel_config
 from runner_core.parallel.worker_proc import launch
@@ -81,9 +80,7 @@ class ModelRunner:
         if self.engine is not None:
             self.engine.shutdown()
         self.engine = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_freed_memory()
 
     def __enter__(self):
         return self

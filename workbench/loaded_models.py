@@ -5,7 +5,6 @@ until they finish with when_idle=True). Runner calls go through the engine threa
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -14,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from runner_core import ModelRunner, RunnerConfig
+from runner_core.memory import release_freed_memory
 from workbench.engine_thread import EngineThread, run_into
 from workbench.handles import NoModelError, SessionBusyError, SessionError
 from workbench.metrics import StepAccumulator, Telemetry
@@ -192,7 +192,7 @@ class LoadedModels:
             self._telemetry.forget(entry.name)
             if self._active == entry.name:
                 self._active = next(iter(self._entries), None)
-        gc.collect()
+        release_freed_memory()  # the runner's last references are gone only now
         self._telemetry.event("unload", model=entry.name, freed_bytes=freed)
         return {"name": entry.name, "freed_bytes": freed}
 

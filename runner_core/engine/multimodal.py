@@ -41,7 +41,7 @@ def split_prompt(prompt) -> tuple[object, list | None]:
         return prompt, None
     unknown = set(prompt) - set(_PROMPT_KEYS)
     if unknown:
-        raise InvalidRequestError(f"prompt dict has unknown keys {sorted(unknown)}; use 'prompt' (text) or "
+        raise InvalidRequestError(f"prompt dict has unknown keys {sorted(unknown, key=repr)}; use 'prompt' (text) or "
                                   "'prompt_token_ids', and optionally 'multi_modal_data'")
     if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
         raise InvalidRequestError("a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'")
@@ -51,7 +51,7 @@ def split_prompt(prompt) -> tuple[object, list | None]:
         return content, None
     if not isinstance(data, Mapping) or set(data) - {"image"}:
         raise InvalidRequestError(f"multi_modal_data must be a dict with the key 'image', got "
-                                  f"{sorted(data) if isinstance(data, Mapping) else type(data).__name__}")
+                                  f"{sorted(data, key=repr) if isinstance(data, Mapping) else type(data).__name__}")
     images = data.get("image")
     images = list(images) if isinstance(images, (list, tuple)) else [images]
     return content, images

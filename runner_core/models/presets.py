@@ -1,5 +1,6 @@
 """Built-in presets: small random-weight models made from a seed on first use (Llama, the MoE
-families Mixtral and Qwen3-MoE, and LLaVA with its processor).
+families Mixtral and Qwen3-MoE, and LLaVA with its processor), and `tiny-speaker`, a trained model
+shipped in the package (`SHIPPED_PRESETS`, built by `python -m runner_core.train_preset`).
 
 No download: each preset is built with transformers' own classes (the spec names its config and
 model class and any config fields beyond the common ones) and a byte-level
@@ -105,12 +106,19 @@ PRESETS: dict[str, PresetSpec] = {
 }
 
 
+# Trained presets shipped under preset_data/<name>/ (package data): loaded as they are, never built here.
+SHIPPED_PRESETS: dict[str, str] = {
+    "tiny-speaker": "~1M-parameter Llama trained on the Python standard library's docstrings: its text is words",
+}
+SHIPPED_DIR = Path(__file__).parent / "preset_data"
+
+
 def preset_names() -> list[str]:
-    return list(PRESETS)
+    return [*PRESETS, *SHIPPED_PRESETS]
 
 
 def is_preset(name: str) -> bool:
-    return name in PRESETS
+    return name in PRESETS or name in SHIPPED_PRESETS
 
 
 def preset_dir(name: str) -> Path:
@@ -121,7 +129,13 @@ def preset_dir(name: str) -> Path:
 
 
 def ensure_preset(name: str) -> Path:
-    """The directory of preset `name`, building it first if it is not cached yet."""
+    """The directory of preset `name`: the shipped one, or the cached build (built first if missing)."""
+    if name in SHIPPED_PRESETS:
+        shipped = SHIPPED_DIR / name
+        if not (shipped / "model.safetensors").is_file():
+            raise ModelLoadError(f"the shipped preset {name!r} is missing from {shipped}: reinstall the package "
+                                 "or rebuild it with `make preset`")
+        return shipped
     final = preset_dir(name)
     if final.is_dir():
         return final
@@ -141,7 +155,7 @@ def ensure_preset(name: str) -> Path:
 
 def _spec(name: str) -> PresetSpec:
     if name not in PRESETS:
-        raise ModelLoadError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+        raise ModelLoadError(f"unknown preset {name!r}; presets: {', '.join(preset_names())}")
     return PRESETS[name]
 
 
