@@ -10,7 +10,7 @@ MODEL ?= tiny-llama
 PROMPT ?= Once upon a time
 PORT ?= 5006
 
-.PHONY: setup preset run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs bench-parallel bench-models bench-peers clean
+.PHONY: setup preset run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-peers soak fuzz clean
 
 setup: $(STAMP)
 
@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[ui,test]" "$(TORCH_SPEC)"
 	touch $(STAMP)
 
-# Re-trains the shipped tiny-speaker preset into runner_core/models/preset_data/tiny-speaker (CPU, ~10 minutes)
+# Re-trains the shipped tiny-speaker preset, as shipped, into runner_core/models/preset_data/tiny-speaker (CPU)
 preset: setup
-	nice -n 10 $(PY) -m runner_core.train_preset
+	nice -n 10 $(PY) -m runner_core.train_preset --steps 1000
 
 # The Panel dashboard with $(MODEL) loaded, on http://127.0.0.1:$(PORT)/ (loopback only).
 run: setup
@@ -56,6 +56,13 @@ lint: setup
 test: setup browser lint
 	$(PY) -m pytest -q -x
 
+# the full-size reliability runs (make test runs them small): a 1,200-request session soak, 500 fuzz examples per target
+soak: setup
+	RUNNER_SOAK_REQUESTS=1200 $(PY) -m pytest -q -s tests/test_soak.py
+
+fuzz: setup
+	RUNNER_FUZZ_EXAMPLES=500 $(PY) -m pytest -q tests/test_fuzz.py
+
 bench: setup
 	$(PY) benchmarks/throughput.py
 
@@ -79,6 +86,10 @@ bench-compile: setup
 # needs a CUDA device: eager vs compiled vs compiled with decode CUDA graphs
 bench-cuda-graphs: setup
 	$(PY) benchmarks/cuda_graphs.py
+
+# needs a CUDA device: parity (flex and gather), CUDA graphs, bf16 throughput, one summary (< 8 min)
+gpu-check: setup
+	$(PY) benchmarks/gpu_check.py
 
 bench-parallel: setup
 	$(PY) benchmarks/parallel.py

@@ -33,6 +33,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 COMPILE_SCOPES = ("model", "layer", "mlp", "self_attn")  # whole model, each decoder layer, module kinds
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor captures its own CUDA graphs in these
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# how attention reads the KV pool; auto: flex on CUDA, the native decode kernel on the CPU when built, else gather
+ATTENTION_BACKENDS = ("auto", "flex", "native", "gather")
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 _DTYPES = {
@@ -241,6 +243,7 @@ class RunnerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     block_size: int = 16
+    attention_backend: str = "auto"  # ATTENTION_BACKENDS; resolved per device by engine/forward_pass.py
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = False
     # image-feature rows the encoder cache keeps (multimodal models); None: max_num_batched_tokens; 0: none
@@ -297,6 +300,7 @@ class RunnerConfig:
         self.max_num_batched_tokens = _check_int(
             "max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         self.block_size = _check_choice("block_size", self.block_size, BLOCK_SIZES)
+        self.attention_backend = _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         self.kv_cache_memory = _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
         self.enable_prefix_caching = _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         self.encoder_cache_tokens = _check_int("encoder_cache_tokens", self.encoder_cache_tokens, 0, optional=True)

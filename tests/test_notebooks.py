@@ -31,7 +31,9 @@ def _mime_kinds(nb) -> set[str]:
 def check_quickstart(nb) -> None:
     text = _stream_text(nb)
     assert "refused: SamplingParams.max_tokens got 0" in text
-    assert "tokens generated" in text and "freed_bytes" in text
+    assert "tokens generated" in text
+    peek = re.search(r"peeked while running: (\d+) requests held (\d+) blocks", text)
+    assert int(peek.group(1)) >= 4 and int(peek.group(2)) > 0  # the block map was taken while they ran
     kinds = _mime_kinds(nb)
     assert "application/vnd.plotly.v1+json" in kinds  # the charts
     assert "application/vnd.jupyter.widget-view+json" in kinds  # SessionWidgets(session)
@@ -46,15 +48,80 @@ def check_compile_tuning(nb) -> None:
     assert "aoti.pt2" in text and "decode-1.pt2" in text  # the packages in the cache folder
 
 
+# ---- lessons 03-05 (lessons-a) ----------------------------------------------------------------
+def _plotly_figures(nb) -> list[dict]:
+    return [o["data"]["application/vnd.plotly.v1+json"] for o in _outputs(nb)
+            if "application/vnd.plotly.v1+json" in o.get("data", {})]
+
+
+def _figure_titled(nb, words: str) -> dict:
+    """The first chart whose title contains `words`, asserted to hold data."""
+    figs = [f for f in _plotly_figures(nb) if words in f.get("layout", {}).get("title", {}).get("text", "")]
+    assert figs, f"no chart titled '{words}'"
+    assert any(t.get("y") or t.get("z") for t in figs[0]["data"]), f"the chart '{words}' has no data"
+    return figs[0]
+
+
+def _percent(text: str, label: str) -> float:
+    return float(re.search(rf"{label}\s+([\d.]+)%", text).group(1))
+
+
+def check_paged_kv(nb) -> None:
+    text = _stream_text(nb)
+    table = re.search(r"A: (\d+) tokens in KV, block table \[([\d, ]+)\]", text)
+    tokens, blocks = int(table.group(1)), [int(b) for b in table.group(2).split(",")]
+    assert len(blocks) == -(-tokens // 16) and blocks != list(range(blocks[0], blocks[0] + len(blocks)))
+    assert "engine slots == block-table formula: True" in text
+    paged, static = _percent(text, "paged pool"), _percent(text, "static max_model_len reservation")
+    assert paged < 16 < static  # less than a block's tail per request against most of each reservation
+    assert _percent(text, "first fit, reserved not filled") > paged
+    held = re.search(r"snapshot while running: (\d+) requests hold (\d+) of 64 blocks", text)
+    assert int(held.group(1)) >= 6 and int(held.group(2)) > 0
+    _figure_titled(nb, "KV slots wasted")
+    live = _figure_titled(nb, f"{held.group(1)} requests hold {held.group(2)} of 64 blocks")
+    assert any(v >= 2 for row in live["data"][0]["z"] for v in row if v is not None)  # cells owned by requests
+
+
+def check_continuous_batching(nb) -> None:
+    text = _stream_text(nb)
+    rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", text, re.M)
+    prefill = [int(r[1]) for r in rows]
+    assert prefill[:3] == [32, 32, 32] and prefill[3] < 32  # the 100-token prompt in chunks of the budget
+    counts = re.search(r"(\d+) requests: (\d+) admissions = \d+ arrivals \+ (\d+) re-admissions after "
+                       r"preemption; (\d+) finished", text)
+    requests, admitted, preempted, finished = map(int, counts.groups())
+    assert preempted > 0 and admitted == requests + preempted and finished == requests == 8
+    assert "their tokens equal the tokens they give alone: True" in text
+    fig = _figure_titled(nb, "Continuous batching, step by step")
+    traces = {t["name"]: t for t in fig["data"]}
+    assert sum(traces["admitted"]["y"]) == admitted and sum(traces["preempted"]["y"]) == preempted
+    assert sum(traces["finished"]["y"]) == finished and max(traces["prefill tokens"]["y"]) == 32
+
+
+def check_memory_prediction(nb) -> None:
+    text = _stream_text(nb)
+    for part in ("weights", "KV pool", "activation peak"):
+        predicted, measured = map(float, re.search(rf"^{part}\s+([\d.]+)\s+([\d.]+)", text, re.M).groups())
+        assert measured > 0 and abs(predicted - measured) <= 0.01 * measured, part
+    assert "refused: tiny-llama does not fit" in text and "kv_cache_memory=" in text
+    assert "dtype='bfloat16' or 'float16' (needs 7.5 MiB: fits)" in text
+    before, after = map(int, re.search(r"highest occupied block (\d+) -> (\d+)", text).groups())
+    assert after < before
+    assert re.search(r"shrink: 128 -> 48 blocks, 2.50 MiB released", text)
+    assert "same tokens as the undisturbed run: True" in text
+    assert "refused: cannot shrink the KV pool to 4 blocks" in text
+    _figure_titled(nb, "memory estimate vs measurement")
+    _figure_titled(nb, "KV block map")
+
+
 # ---- lessons 06-08 (parallelism, model adapters, performance) -------------------------------------
 def _figures(nb) -> list:
-    """The plotly figures a notebook displayed, decoded."""
+    """The plotly figures a notebook displayed, as figure objects (typed arrays decoded)."""
     import json
 
     import plotly.io as pio
 
-    return [pio.from_json(json.dumps(o["data"]["application/vnd.plotly.v1+json"])) for o in _outputs(nb)
-            if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    return [pio.from_json(json.dumps(f)) for f in _plotly_figures(nb)]
 
 
 def check_parallelism(nb) -> None:
@@ -115,6 +182,9 @@ def check_performance(nb) -> None:
 CHECKS = {
     "01-quickstart.ipynb": check_quickstart,
     "02-compile-tuning.ipynb": check_compile_tuning,
+    "03-paged-kv-and-fragmentation.ipynb": check_paged_kv,
+    "04-continuous-batching.ipynb": check_continuous_batching,
+    "05-memory-prediction.ipynb": check_memory_prediction,
     "06-parallelism.ipynb": check_parallelism,
     "07-model-adapters.ipynb": check_model_adapters,
     "08-performance.ipynb": check_performance,

@@ -191,10 +191,11 @@ def test_a_single_process_runner_on_another_thread_is_unaffected(layout, referen
     assert results == {"single": reference["tiny-llama"][0], "parallel": reference[model][0]}
 
 
-def test_killed_worker_is_reported_and_nothing_is_left():
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_killed_worker_is_reported_and_nothing_is_left(layout):
     shutdown_all()
     before = set(_children())
-    runner = ModelRunner(model="tiny-llama", tensor_parallel_size=2, **PARALLEL).load_model()
+    runner = ModelRunner(model="tiny-llama", **layout, **PARALLEL).load_model()
     worker = runner.parallel_info()["ranks"][1]["pid"]
     assert _alive(worker)
     os.kill(worker, signal.SIGKILL)

@@ -16,7 +16,7 @@ import transformers
 from runner_core import ModelRunner, SamplingParams
 from runner_core.models.presets import SHIPPED_DIR, ensure_preset, is_preset, preset_names
 from runner_core.train_preset import main, parse_args, train
-from runner_core.training.corpus import build_corpus, corpus_words, stdlib_dir
+from runner_core.training.corpus import WORDS_FILE, build_corpus, corpus_words, stdlib_dir
 from tests.conftest import REPO
 
 PROMPTS = ("The function returns", "This module provides", "Return the", "If the file")
@@ -41,7 +41,7 @@ def test_listed_by_name_and_shipped_in_the_package(speaker):
     assert speaker == SHIPPED_DIR / "tiny-speaker"
     files = [p for p in speaker.rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in files) <= MAX_BYTES
-    assert {p.suffix for p in files} <= {".json", ".safetensors"}  # no pickle, nothing else
+    assert {p.suffix for p in files} <= {".json", ".safetensors", ".txt"}  # no pickle
     # a non-editable install carries every file: each matches the package data of pyproject.toml
     # (read with a pattern: tomllib is Python 3.11+)
     data = re.search(r"^\[tool\.setuptools\.package-data\]\nrunner_core = (\[.*?\])", (REPO / "pyproject.toml")
@@ -63,8 +63,9 @@ def test_greedy_tokens_equal_transformers(speaker, runner):
         assert out.token_ids == ref
 
 
-def test_greedy_text_is_made_of_the_corpus_words(runner):
-    words = corpus_words(build_corpus())
+def test_greedy_text_is_made_of_the_corpus_words(speaker, runner):
+    words = set((speaker / WORDS_FILE).read_text().split())  # written by the training script (checked below)
+    assert len(words) > 1000
     outs = runner.generate(list(PROMPTS), SamplingParams(max_tokens=32, temperature=0.0))
     tokens = [t.strip(string.punctuation) for out in outs for t in out.text.split()]
     assert len(tokens) >= 4 * len(PROMPTS), [out.text for out in outs]
@@ -75,7 +76,8 @@ def test_greedy_text_is_made_of_the_corpus_words(runner):
 
 def test_training_script_writes_a_loadable_checkpoint_and_the_loss_falls(tmp_path):
     out = tmp_path / "speaker"
-    args = ["--out", str(out), "--steps", "24", "--seed", "3", "--corpus-root", str(stdlib_dir() / "email"),
+    corpus = stdlib_dir() / "email"
+    args = ["--out", str(out), "--steps", "24", "--seed", "3", "--corpus-root", str(corpus),
             "--vocab-size", "384", "--hidden-size", "32", "--layers", "1", "--heads", "2", "--seq-len", "32",
             "--batch-size", "8", "--lr", "1e-2"]
     main(args)
@@ -83,6 +85,7 @@ def test_training_script_writes_a_loadable_checkpoint_and_the_loss_falls(tmp_pat
     losses = summary["losses"]
     assert len(losses) == 24 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3
     assert not list(out.glob("*.bin"))
+    assert set((out / WORDS_FILE).read_text().split()) == corpus_words(build_corpus(corpus))
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert hf.config.tie_word_embeddings and hf.config.vocab_size == 384
     runner = ModelRunner({"model": str(out), "dtype": "float32", "kv_cache_memory": 1 << 20})

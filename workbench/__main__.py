@@ -1,4 +1,5 @@
-"""Command line: `python -m workbench serve [--port N] [--model NAME] [--address HOST]`."""
+"""Command line: `python -m workbench serve [--port N] [--model NAME] [--address HOST --basic-auth PASSWORD]
+[--model-root DIR ...]`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the Panel dashboard")
     srv.add_argument("--port", type=int, default=5006, help="port (0 picks a free one); default 5006")
     srv.add_argument("--address", default="127.0.0.1",
-                     help="interface to bind; default 127.0.0.1 (loopback only). 0.0.0.0 exposes it to the network")
+                     help="interface to bind; default 127.0.0.1 (loopback only). Any other address (0.0.0.0 exposes "
+                          "it to the network) needs --basic-auth")
+    srv.add_argument("--basic-auth", default=None, metavar="PASSWORD",
+                     help="a password, or a JSON file of {user: password}, asked at a login page")
+    srv.add_argument("--model-root", action="append", default=[], metavar="DIR",
+                     help="a folder the dashboard's path box may load models from (repeatable); the presets and "
+                          "the Hugging Face cache are always allowed")
     srv.add_argument("--model", default=None, help="load this preset or local directory before serving")
     srv.add_argument("--dtype", default=None, help="dtype for --model (default float32)")
     srv.add_argument("--device", default=None, help="device for --model (default: cuda when present, else cpu)")
@@ -41,11 +48,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         print(f"loaded {entry.name} in {entry.load_seconds:.1f} s", flush=True)
-    server = serve(session, port=args.port, address=args.address, show=args.show)
+    try:
+        server = serve(session, port=args.port, address=args.address, show=args.show, basic_auth=args.basic_auth,
+                       model_roots=args.model_root)
+    except RunnerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        session.close()
+        return 2
     print(f"Workbench dashboard: {server.url}", flush=True)
-    if args.address not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: bound to {args.address}: anyone who can reach this machine can use the dashboard",
-              flush=True)
     server.start()
     try:
         server.io_loop.start()

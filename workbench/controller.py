@@ -13,11 +13,12 @@ from pathlib import Path
 
 from workbench import charts
 from workbench.handles import RequestHandle
+from workbench.model_roots import ModelRoots
 from workbench.session import Session
 
 # What the views (and `serve --model`) load with unless told otherwise: a small KV pool keeps
 # the block map readable and the load fast on a laptop CPU.
-DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 1024}
+DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 0}  # 0: the model's own limit
 CHART_HISTORY = 600  # rows (at 0.1 s each while work runs)
 IMAGE_PLACEHOLDER = "<image>"  # where a multimodal prompt's image goes (LLaVA's placeholder)
 PREVIEW_PX = 160
@@ -73,8 +74,9 @@ class ViewController:
     `cancel_button`, `workload_button` (each with `.on_click(callback(event))`) and the
     `workload_n` number input."""
 
-    def __init__(self, session: Session | None = None):
+    def __init__(self, session: Session | None = None, model_roots: ModelRoots | None = None):
         self.session = session or Session.current()
+        self.model_roots = model_roots  # None: any path (a notebook's own dashboard); else a served one's roots
         self.handle: RequestHandle | None = None
         self.workload: list[RequestHandle] = []
         self.jobs: list[tuple[str, Future]] = []
@@ -148,8 +150,10 @@ class ViewController:
         return fut
 
     def load(self, model: str, config: dict) -> Future | None:
-        return self._track(f"Load {model}", self.guard("Load", lambda: self.session.load_model(
-            model, wait=False, **config)))
+        def load():
+            allowed = model if self.model_roots is None else self.model_roots.check(model)
+            return self.session.load_model(allowed, wait=False, **config)
+        return self._track(f"Load {model}", self.guard("Load", load))
 
     def unload(self) -> Future | None:
         return self._track("Unload", self.guard("Unload", lambda: self.session.unload(wait=False)))

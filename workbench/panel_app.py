@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import html
 import logging
+import secrets
 import socket
 
 import panel as pn
@@ -17,7 +18,9 @@ from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, COMPILE_SCOPES
 from runner_core.models import preset_names
 from workbench import charts
 from workbench.controller import DEFAULT_LOAD, ViewController, default_device, load_config, model_choice
+from workbench.handles import SessionError
 from workbench.loaded_models import ModelEntry
+from workbench.model_roots import ModelRoots
 from workbench.session import Session
 
 logger = logging.getLogger("workbench")
@@ -29,8 +32,9 @@ CHART_NAMES = ("throughput", "memory", "blocks", "waste", "block_map", "compile"
 class SessionDashboard(ViewController):
     """One dashboard per browser session (or notebook cell) over a shared Session."""
 
-    def __init__(self, session: Session | None = None, refresh_ms: int = REFRESH_MS):
-        super().__init__(session)
+    def __init__(self, session: Session | None = None, refresh_ms: int = REFRESH_MS,
+                 model_roots: ModelRoots | None = None):
+        super().__init__(session, model_roots)
         self.refresh_ms = refresh_ms
         self._chart_version = -1
         self._chart_model = None
@@ -192,7 +196,7 @@ class SessionDashboard(ViewController):
                 self.charts[name].object = fig
 
     def _show_models(self, models: dict) -> None:
-        lines = [f"- **{e.name}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB, "
+        lines = [f"- **{html.escape(e.name)}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB, "
                  f"KV {e.kv_pool_bytes / 2**20:.1f} MiB, "
                  f"{'compiled ' + str(e.compile.get('backend')) if e.compile.get('enabled') else 'eager'}"
                  for e in models.values()]
@@ -243,18 +247,30 @@ def free_port(address: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def serve(session: Session | None = None, *, port: int = 0, address: str = "127.0.0.1", show: bool = False,
-          threaded: bool = False, **kwargs):
+          threaded: bool = False, basic_auth: str | None = None, model_roots: list[str] | tuple = (), **kwargs):
     """Serve the dashboard (one SessionDashboard per browser tab, one shared Session). Binds loopback
-    unless `address` says otherwise. Returns the server (a stoppable thread with threaded=True)."""
+    unless `address` says otherwise; any other address needs `basic_auth` (a password, or a JSON file
+    of {user: password}). The path box loads only from the presets, the Hugging Face cache and
+    `model_roots`. Returns the server (a stoppable thread with threaded=True)."""
     session = session or Session.current()
+    local = address in LOOPBACK
+    if not local and not basic_auth:
+        raise SessionError(f"serving on {address} exposes the dashboard (it loads models and runs them) to anyone who "
+                           "can reach this machine; add --basic-auth PASSWORD (or a JSON file of users and "
+                           "passwords), or bind 127.0.0.1 and reach it through an SSH tunnel")
+    roots = ModelRoots(model_roots)
     port = port or free_port(address)
-    local = address in ("127.0.0.1", "localhost", "::1")
     origins = [f"127.0.0.1:{port}", f"localhost:{port}"] if local else "*"
     pn.extension("plotly")
+    if basic_auth:
+        kwargs.update(basic_auth=basic_auth, cookie_secret=kwargs.get("cookie_secret") or secrets.token_urlsafe(32))
 
     def app():
-        return SessionDashboard(session).servable()
+        return SessionDashboard(session, model_roots=roots).servable()
 
     server = pn.serve(app, port=port, address=address, websocket_origin=origins, show=show, threaded=threaded,
                       title="runner-workbench", verbose=False, start=threaded, **kwargs)

@@ -162,9 +162,10 @@ class LLMEngine:
             seqs, sampled = [seqs[i] for i in keep], sampled.select(keep) if keep else None
         if sampled is not None:
             outputs += self._append_tokens(seqs, sampled)
-        self.observer.on_step(sched, batch, len(seqs), StepTimes(start=start, scheduled=scheduled, executed=executed,
-                                                                 end=time.perf_counter(), prepare_s=prepare_s),
-                              expert_counts)
+        num_finished = sum(o.finished for o in outputs)  # a request's final output comes once
+        self.observer.on_step(sched, batch, len(seqs), num_finished,
+                              StepTimes(start=start, scheduled=scheduled, executed=executed, end=time.perf_counter(),
+                                        prepare_s=prepare_s), expert_counts)
         return outputs
 
     def _append_tokens(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:

@@ -4,7 +4,8 @@ Layout: decode sequences (one new token) first, then prefill chunks. A `StepBatc
 sequence, where its new tokens start, how many there are, those tokens and its block table;
 everything the attention layers need (slot mapping, gather indices, masks) is derived from it
 with tensor operations, into buffers allocated once (`InputBuffers`); no per-token loops. Every
-rank of a parallel runner prepares the same batch over its own KV shard.
+rank of a parallel runner prepares the same batch over its own KV shard. The metadata follows the
+attention backend (`resolve_attention_backend`): flex, the native CPU decode kernel, or gather.
 """
 
 from __future__ import annotations
@@ -17,8 +18,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from runner_core.kernels import cpu_kernels_available
-from runner_core.layers.attention import AttentionMetadata, set_forward_context
+from runner_core.layers.attention import (
+    Attention,
+    AttentionMetadata,
+    resolve_attention_backend,
+    set_forward_context,
+)
+from runner_core.layers.flex_attention import build_flex_fields, finish_flex_fields
 
 if TYPE_CHECKING:
     from runner_core.engine.sequence import Sequence
@@ -154,7 +160,7 @@ def _visible(q_pos: torch.Tensor, key_len: int, sliding_window: int | None) -> t
 def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block_size: int,
                    sliding_window: int | None, decode_kernel: bool = False,
                    filled: dict[str, torch.Tensor] | None = None,
-                   decode_len: int | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+                   decode_len: int | None = None, flex: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [N] and attention metadata for sequences whose first `num_decodes` have one query token.
 
     `filled` holds the positions, slot mapping and block tables InputBuffers wrote for a step
@@ -162,6 +168,8 @@ def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block
     (stateless forward). With `decode_kernel`, decodes carry block tables and context lengths
     for the native kernel instead of gather indices. `decode_len` fixes the decodes' key length
     (masked past each context) so their metadata has one shape per batch size (CUDA graphs).
+    With `flex` (and `filled`), every token's attention is FlexAttention over the pool in place
+    (flex_attention.py); ForwardPass finishes its metadata on the device.
     """
     start_t, qlen_t = torch.tensor(starts), torch.tensor(q_lens)
     n = int(qlen_t.sum())
@@ -174,10 +182,14 @@ def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block
     d, p = num_decodes, len(starts) - num_decodes
     meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=d, decode_kv_idx=None, decode_bias=None,
                              num_prefills=p, max_query_len=0, prefill_q_idx=None, prefill_kv_idx=None,
-                             prefill_mask=None)
+                             prefill_mask=None, block_size=block_size, sliding_window=sliding_window)
+    if flex and filled is not None:
+        tables = filled["block_tables_full"] if decode_len else bt
+        for name, value in build_flex_fields(start_t, qlen_t, tables, block_size, sliding_window).items():
+            setattr(meta, name, value)
+        return positions, meta
     if d and decode_kernel:
         meta.decode_block_tables, meta.decode_context_lens = bt[:d], start_t[:d] + 1
-        meta.block_size, meta.sliding_window = block_size, sliding_window
     elif d:
         length = decode_len or int(start_t[:d].max()) + 1
         if decode_len:
@@ -210,22 +222,34 @@ class ForwardPass:
     stateless forwards without the pool. Holds the decode programs (set by a compile switch)."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, *, max_tokens: int,
-                 max_seqs: int, max_blocks_per_seq: int):
+                 max_seqs: int, max_blocks_per_seq: int, attention_backend: str = "auto"):
         self.model, self.block_size, self.device = model, block_size, device
         self.buffers = InputBuffers(max_tokens, max_seqs, max_blocks_per_seq, device)
         self.sliding_window = model.sliding_window
-        self.decode_kernel = device.type == "cpu" and cpu_kernels_available()
+        self.attention_backend = resolve_attention_backend(attention_backend, device, block_size)
         self.decode_programs = None  # DecodePrograms for pure-decode steps (set when compiling)
+        # the first attention layer, whose pool view tells the flex backend how many blocks the pool has
+        self._attention = next((m for m in model.modules() if isinstance(m, Attention)), None)
+
+    @property
+    def decode_kernel(self) -> bool:
+        """Whether decodes run the native CPU kernel (setting it switches between native and gather)."""
+        return self.attention_backend == "native"
+
+    @decode_kernel.setter
+    def decode_kernel(self, on: bool) -> None:
+        self.attention_backend = resolve_attention_backend("native" if on else "gather", self.device, self.block_size)
 
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
-        if self.device.type == "cpu":
-            return meta
-        for name, value in vars(meta).items():
-            if isinstance(value, torch.Tensor):
-                if name == "slot_mapping":
-                    setattr(meta, name, self.buffers.to_device(name, value))
-                else:
-                    setattr(meta, name, value.to(self.device, non_blocking=True))
+        if self.device.type != "cpu":
+            for name, value in vars(meta).items():
+                if isinstance(value, torch.Tensor):
+                    if name == "slot_mapping":
+                        setattr(meta, name, self.buffers.to_device(name, value))
+                    else:
+                        setattr(meta, name, value.to(self.device, non_blocking=True))
+        if meta.flex_q_rows is not None:
+            finish_flex_fields(meta, self._attention.kv_cache.shape[2] // self.block_size)
         return meta
 
     def prepare(self, batch: StepBatch, multimodal: tuple[torch.Tensor, torch.Tensor] | None = None) -> ModelInput:
@@ -240,7 +264,7 @@ class ForwardPass:
                 ids, tables = ids + [ids[0]] * pad, tables + [tables[0]] * pad
         filled = self.buffers.fill(ids, starts, counts, tables, self.block_size, full_rows=decode_len is not None)
         positions, meta = build_metadata(starts, counts, d + pad, self.block_size, self.sliding_window,
-                                         self.decode_kernel, filled, decode_len)
+                                         self.decode_kernel, filled, decode_len, self.attention_backend == "flex")
         ends = torch.cumsum(torch.tensor(counts), 0) - 1
         return ModelInput(
             input_ids=self.buffers.to_device("input_ids", filled["input_ids"]),
@@ -274,7 +298,8 @@ class ForwardPass:
         if decode_len is not None:
             filled = self.buffers.fill([0] * size, starts, q_lens, [[0]] * size, self.block_size, full_rows=True)
             positions, meta = build_metadata(starts, q_lens, size, self.block_size, self.sliding_window,
-                                             self.decode_kernel, filled, decode_len)
+                                             self.decode_kernel, filled, decode_len,
+                                             self.attention_backend == "flex")
         else:
             self.buffers.np["input_ids"][:size] = self.buffers.np["positions"][:size] = 0
             _, meta = build_metadata(starts, q_lens, size, self.block_size, self.sliding_window)

@@ -39,6 +39,8 @@ class StepMetrics:
     num_decode_tokens: int
     num_sampled: int
     num_preempted: int
+    num_admitted: int  # taken from the waiting queue this step (a preempted request counts again on its return)
+    num_finished: int  # requests that ended this step: stopped, reached their length, or failed
     num_waiting: int
     num_running: int
     schedule_s: float
@@ -81,8 +83,8 @@ class StepObserver:
         self.num_steps = 0
         self.seconds = 0.0  # spent in on_step, in all
 
-    def on_step(self, sched: SchedulerOutput, batch: StepBatch, num_sampled: int, times: StepTimes,
-                expert_counts: torch.Tensor | None = None) -> None:
+    def on_step(self, sched: SchedulerOutput, batch: StepBatch, num_sampled: int, num_finished: int,
+                times: StepTimes, expert_counts: torch.Tensor | None = None) -> None:
         t = time.perf_counter()
         if expert_counts is not None:
             expert_counts = expert_counts.cpu()
@@ -99,7 +101,8 @@ class StepObserver:
         self.records.append(StepMetrics(
             step=self.num_steps, time=times.end, num_seqs=len(sched.scheduled),
             num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decodes, num_sampled=num_sampled,
-            num_preempted=len(sched.preempted), num_waiting=len(self.scheduler.waiting), num_running=len(running),
+            num_preempted=len(sched.preempted), num_admitted=len(sched.admitted), num_finished=num_finished,
+            num_waiting=len(self.scheduler.waiting), num_running=len(running),
             schedule_s=times.scheduled - times.start, prepare_s=times.prepare_s,
             forward_s=times.executed - times.scheduled - times.prepare_s, sample_s=times.end - times.executed,
             total_s=times.end - times.start, blocks_used=mem["blocks_used"], blocks_free=mem["blocks_free"],

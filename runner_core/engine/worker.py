@@ -52,7 +52,8 @@ class Worker:
         self.max_model_len = resolve_max_model_len(config.max_model_len, text.max_position_embeddings)
         bs = config.block_size
         self.forward_pass = ForwardPass(self.model, bs, self.device, max_tokens=config.effective_max_num_batched_tokens,
-                                        max_seqs=config.max_num_seqs, max_blocks_per_seq=-(-self.max_model_len // bs))
+                                        max_seqs=config.max_num_seqs, max_blocks_per_seq=-(-self.max_model_len // bs),
+                                        attention_backend=config.attention_backend)
         self.pool_plan = self._plan_pool(loaded.weight_bytes + loaded.buffer_bytes)
         self.memory = MemoryManager(self.pool_plan.num_blocks, bs, config.enable_prefix_caching)
         self.memory.allocate_kv_cache(self.model, self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,

@@ -2,8 +2,11 @@
 
 The batch is laid out decodes first (one query token per sequence), then prefill
 chunks. K/V of every token are written into the KV pool at `slot_mapping`; queries
-then read their sequence's keys through gather indices derived from block tables
-(built once per step by ForwardPass and shared by all layers through the forward context).
+then read their sequence's keys by one of three backends, chosen by ForwardPass
+(`attention_backend`) through the metadata it builds once per step for all layers:
+"gather" copies each sequence's keys out of the pool through gather indices derived
+from block tables; "native" runs the CPU decode kernel over the pool in place (prefills
+gather); "flex" runs FlexAttention over the pool in place for every token (flex_attention.py).
 Under torch.compile the whole of it is one custom op, opaque to the graph.
 
 The forward context (the step's metadata, and whether the KV pool is used) is set by ForwardPass
@@ -22,7 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner_core.kernels import paged_decode_attention
+from runner_core.config import ATTENTION_BACKENDS
+from runner_core.errors import ConfigError
+from runner_core.kernels import cpu_kernels_available, paged_decode_attention
+from runner_core.layers.flex_attention import flex_paged_attention
 
 
 @dataclass
@@ -50,6 +56,35 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [D]
     block_size: int = 0
     sliding_window: int | None = None
+    # set instead of all the above (but the slot mapping) by the flex backend: flex_attention.py
+    flex_q_rows: torch.Tensor | None = None  # [N]
+    flex_row_seq: torch.Tensor | None = None  # [R]
+    flex_row_pos: torch.Tensor | None = None  # [R]
+    flex_kv_num_blocks: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK]
+    flex_kv_indices: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK, W]
+    flex_full_kv_num_blocks: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK]
+    flex_full_kv_indices: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK, W]
+    flex_block_tables: torch.Tensor | None = None  # [S, W]
+    flex_num_blocks: torch.Tensor | None = None  # [S]
+    flex_logical_of: torch.Tensor | None = None  # [pool blocks + 1], made on the device
+
+
+def resolve_attention_backend(choice: str, device: torch.device, block_size: int) -> str:
+    """The backend `choice` (RunnerConfig.attention_backend) runs as on `device`: "auto" is flex on
+    CUDA, the native decode kernel on the CPU when it is built, else gather."""
+    if choice not in ATTENTION_BACKENDS:
+        raise ConfigError(f"config field 'attention_backend' got {choice!r}; allowed: one of "
+                          + ", ".join(map(repr, ATTENTION_BACKENDS)))
+    if choice == "auto":
+        choice = "flex" if device.type == "cuda" else "native" if cpu_kernels_available() else "gather"
+    if choice == "native" and (device.type != "cpu" or not cpu_kernels_available()):
+        why = "it is a CPU kernel" if device.type != "cpu" else "it did not build (see the warning logged above)"
+        raise ConfigError(f"config field 'attention_backend' got 'native' on {device.type}, but {why}; "
+                          "use 'auto', 'flex' or 'gather'")
+    if choice == "flex" and device.type == "cuda" and block_size < 16:
+        raise ConfigError(f"config field 'attention_backend' got 'flex' with block_size={block_size}; on CUDA "
+                          "its kernel needs block_size >= 16 (one Triton tile per block): raise block_size")
+    return choice
 
 
 # ---- the forward context: the step's metadata, set by ForwardPass around a model call -----------
@@ -117,6 +152,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         k_src, v_src = kv_cache[0], kv_cache[1]
     else:
         k_src, v_src = k, v
+    if ctx.use_kv_cache and meta.flex_q_rows is not None:
+        return flex_paged_attention(q, k_src, v_src, meta, scale).reshape(n, num_heads * head_dim)
     d = meta.num_decode_tokens
     out = torch.empty_like(q)
     if d and meta.decode_block_tables is not None:

@@ -1,0 +1,90 @@
+"""The per-step record of admissions and finishes (StepMetrics.num_admitted / num_finished) and the
+timeline chart drawn from those records (workbench/timeline.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner_core import ModelRunner, SamplingParams
+from workbench.timeline import step_timeline, step_waste
+
+BYTES_PER_BLOCK = 16 * 4 * 2 * 2 * 32 * 4  # tiny-llama: 16 tokens x 4 layers x K,V x 2 KV heads x 32 dims x fp32
+
+
+def _run(path, prompts, max_tokens, **config):
+    runner = ModelRunner({"model": str(path), "dtype": "float32", **config}).load_model()
+    ids = [runner.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+           for p, n in zip(prompts, max_tokens)]
+    finished_at = {}
+    while runner.has_unfinished_requests():
+        for out in runner.step():
+            if out.finished:
+                finished_at[out.request_id] = runner.step_metrics[-1].step
+    return runner, ids, finished_at
+
+
+def test_steps_count_admissions_and_finishes_where_they_happen(tiny_llama_path):
+    prompts = [list(range(3, 3 + k)) for k in (30, 5, 12)]
+    runner, ids, finished_at = _run(tiny_llama_path, prompts, [4, 9, 2], max_num_batched_tokens=16, max_num_seqs=4,
+                                    kv_cache_memory=1 << 22)
+    steps = list(runner.step_metrics)
+    assert sum(m.num_preempted for m in steps) == 0
+    assert sum(m.num_admitted for m in steps) == 3
+    assert steps[0].num_admitted == 1  # the 30-token prompt fills the 16-token budget alone
+    per_step = {}
+    for step in finished_at.values():
+        per_step[step] = per_step.get(step, 0) + 1
+    assert {m.step: m.num_finished for m in steps if m.num_finished} == per_step
+    assert sorted(finished_at) == sorted(ids)
+
+
+def test_a_preempted_request_is_admitted_again(tiny_llama_path):
+    prompts = [list(range(3, 3 + k)) for k in (40, 35, 30, 25)]
+    # 8 blocks of 16 tokens: each request needs 4-5 blocks by its end, so they cannot all stay
+    runner, ids, finished_at = _run(tiny_llama_path, prompts, [40] * 4, kv_cache_memory=8 * BYTES_PER_BLOCK,
+                                    max_model_len=128)
+    steps = list(runner.step_metrics)
+    preempted = sum(m.num_preempted for m in steps)
+    assert preempted > 0
+    assert sum(m.num_admitted for m in steps) == len(ids) + preempted
+    assert sum(m.num_finished for m in steps) == len(ids) == len(finished_at)
+
+
+def test_timeline_draws_the_records(tiny_llama_path):
+    prompts = [list(range(3, 43)), [5, 6, 7]]
+    runner, _, _ = _run(tiny_llama_path, prompts, [6, 6], max_num_batched_tokens=16, max_num_seqs=4,
+                        kv_cache_memory=1 << 22)
+    steps = list(runner.step_metrics)
+    fig = step_timeline(steps, max_num_batched_tokens=16)
+    traces = {t.name: t for t in fig.data}
+    assert list(traces["prefill tokens"].y) == [m.num_prefill_tokens for m in steps]
+    assert list(traces["decode tokens"].y) == [m.num_decode_tokens for m in steps]
+    assert list(traces["prefill tokens"].x) == [m.step for m in steps]
+    # chunked prefill: the 40-token prompt runs 16 + 16 + 8 over the first steps, the budget line at 16
+    assert list(traces["prefill tokens"].y)[:2] == [16, 16]
+    assert set(traces["token budget (16)"].y) == {16}
+    assert sum(traces["admitted"].y) == 2 and sum(traces["finished"].y) == 2
+    assert len(traces["preempted"].x) == 0
+    as_dicts = step_timeline([{k: getattr(m, k) for k in m.__slots__} for m in steps], max_num_batched_tokens=16)
+    assert [list(t.y) for t in as_dicts.data] == [list(t.y) for t in fig.data]
+
+
+def test_waste_per_step_compares_the_allocators(tiny_llama_path):
+    prompts = [list(range(3, 3 + k)) for k in (40, 35, 30, 25)]
+    runner, _, _ = _run(tiny_llama_path, prompts, [40] * 4, kv_cache_memory=8 * BYTES_PER_BLOCK, max_model_len=128)
+    steps = [m for m in runner.step_metrics if m.num_running]
+    traces = {t.name: list(t.y) for t in step_waste(runner.step_metrics).data}
+    assert traces["paged pool"] == pytest.approx([100 * (1 - m.kv_utilization) for m in steps])
+    assert traces["static max_model_len reservation"] == pytest.approx(
+        [100 * m.static_reservation_waste for m in steps])
+    # the paged pool wastes less than a block per request; a max_model_len reservation wastes more
+    assert max(traces["paged pool"]) < 50 < max(traces["static max_model_len reservation"])
+    assert len(traces["first fit: reserved, not filled"]) == len(steps)
+
+
+def test_timeline_of_nothing_and_of_wrong_records():
+    empty = step_timeline([])
+    assert not empty.data and "no steps yet" in empty.layout.annotations[0].text
+    with pytest.raises(ValueError, match="no num_admitted, num_finished; pass runner.step_metrics"):
+        step_timeline([{"step": 1, "num_prefill_tokens": 4, "num_decode_tokens": 0, "num_running": 1,
+                        "num_waiting": 0, "num_preempted": 0}])
