@@ -168,9 +168,7 @@ def check_performance(nb) -> None:
     assert len(engines) == 3
     assert all(float(tps) > 0 and 0 < float(mfu) <= 100 for _, tps, mfu, _, _ in engines)
     assert engines[1][3] == engines[1][4]  # transformers one at a time (unpadded): every request's tokens equal
-    vllm = (REPO / ".venv-peers" / "bin" / "python").exists()
-    assert re.search(r"vLLM: [\d.]+ tok/s|vLLM did not run: it did not finish", text) if vllm else (
-        "vLLM not measured: no peer venv" in text)
+    assert "vLLM not measured: set COMPARE_VLLM = True" in text  # opt-in: its cold start alone is ~80 s
     throughput_fig, profile_fig = _figures(nb)[:2]
     assert len(throughput_fig.data[0].x) == len(engines) + bool(re.search(r"vLLM: [\d.]+ tok/s", text))
     cases = profile_fig.data[0].y
