@@ -12,45 +12,19 @@ import logging
 import socket
 
 import panel as pn
-from panel.custom import JSComponent
 
 from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, COMPILE_SCOPES
 from runner_core.models import preset_names
 from workbench import charts
 from workbench.controller import DEFAULT_LOAD, ViewController, default_device, load_config, model_choice
 from workbench.loaded_models import ModelEntry
+from workbench.notebook_output import FieldsKeepEnter, load_extension_once_shown
 from workbench.session import Session
 
 logger = logging.getLogger("workbench")
 
 REFRESH_MS = 500
 CHART_NAMES = ("throughput", "memory", "blocks", "waste", "block_map", "compile", "expert_load")
-
-
-class FieldsKeepEnter(JSComponent):
-    """Inside a JupyterLab cell, an Enter typed in a field of the page around it commits the field.
-
-    JupyterLab cancels the line break of an Enter typed anywhere inside a cell (its keydown handler
-    prevents the `beforeinput` "insertLineBreak" whose target is in a `.jp-Cell`), and with it the
-    `change` event by which a Bokeh input sends its value to Python: "5 + Enter" never arrives, Tab
-    does. Bokeh's inputs sit in shadow DOM, so the event's target there is the page's outer element.
-    As ipywidgets does for its fields, an Enter typed in an input or textarea of the page stops at
-    that outer element, before JupyterLab's handler on the document sees it. Renders nothing.
-    """
-
-    _esm = """
-    export function render({ view }) {
-      const host = view.root.el
-      if (host.dataset.fieldsKeepEnter) { return }
-      host.dataset.fieldsKeepEnter = "1"
-      host.addEventListener("keydown", (event) => {
-        const field = event.composedPath()[0]
-        if (event.key === "Enter" && field instanceof Element && field.matches("input, textarea")) {
-          event.stopPropagation()
-        }
-      })
-    }
-    """
 
 
 class SessionDashboard(ViewController):
@@ -234,10 +208,10 @@ class SessionDashboard(ViewController):
         return self
 
     def inline(self, inline_resources: bool = True):
-        """The layout, refreshing itself, for display in a notebook cell. Panel's JavaScript is
-        embedded in the output (works offline; a few MB in a saved notebook); with
+        """The layout, refreshing itself, for display in a notebook cell. Panel's JavaScript comes
+        with it (works offline), runs once in the page and is not kept in the saved notebook; with
         inline_resources=False it is loaded from a CDN instead."""
-        pn.extension("plotly", inline=inline_resources)
+        load_extension_once_shown(inline_resources)
         self.start()
         return pn.Column(self.layout, FieldsKeepEnter(width=0, height=0, margin=0), sizing_mode="stretch_width")
 
