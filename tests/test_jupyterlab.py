@@ -120,11 +120,6 @@ def _check_dashboard_takes_enter(page) -> None:
     max_tokens.press("Enter")
     dashboard.get_by_role("button", name="Generate").click()
     expect(error).to_contain_text("max_tokens got 0", timeout=STEP_MS)
-    # and a good value confirmed with Enter clears the way again: the refusal is gone on Generate
-    max_tokens.fill("4")
-    max_tokens.press("Enter")
-    dashboard.get_by_role("button", name="Generate").click()
-    expect(error).not_to_contain_text("max_tokens got 0", timeout=STEP_MS)
 
 
 def _screenshot_main_chart(page, name: str) -> None:
