@@ -26,7 +26,7 @@ SCREENSHOTS = REPO / "test-output" / "screenshots"
 # where tests/test_notebooks.py runs them too, so the compile caches they write there are shared.
 LAB_ROOT = REPO / "test-output" / "notebooks"
 KERNEL_START_MS = 120_000
-RUN_ALL_MS = 900_000  # under 2 minutes warm; a cold compile on a busy 2-core machine took 6
+RUN_ALL_MS = 900_000  # under 2 minutes warm; with a cold compile on a busy 2-core machine, 8 minutes
 STEP_MS = 90_000  # one dashboard action on a busy 2-core machine
 SAVED_NOTEBOOK_LIMIT = 2 * 2**20  # bytes: Panel's JavaScript is not kept in the saved outputs
 PLOTLY = "application/vnd.plotly.v1+json"
