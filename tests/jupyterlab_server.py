@@ -40,6 +40,19 @@ class LabServer:
         return f"{self.url}lab/tree/{name}?token={self.token}&reset"
 
 
+CHROMIUM = "/usr/bin/chromium"
+
+
+def missing_tools() -> list[str]:
+    """What the JupyterLab browser test lacks here (empty when it can run)."""
+    import importlib.util
+
+    return [what for what, found in (
+        (f"{CHROMIUM} (`apt-get install -y chromium`)", Path(CHROMIUM).exists()),
+        ("jupyterlab (`pip install -e '.[ui]'`)", importlib.util.find_spec("jupyterlab")),
+        ("playwright (`pip install -e '.[test]'`)", importlib.util.find_spec("playwright"))) if not found]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.jupyterlab_server import lab_server
+from tests.jupyterlab_server import CHROMIUM, lab_server, missing_tools
 from tests.test_notebooks import CHECKS, NOTEBOOKS, _outputs
-from tests.test_workbench_browser import CHROMIUM, CHROMIUM_ARGS
+from tests.test_workbench_browser import CHROMIUM_ARGS
 
 REPO = Path(__file__).resolve().parents[1]
 SCREENSHOTS = REPO / "test-output" / "screenshots"
@@ -49,12 +49,7 @@ WIDGET_OUTPUTS = ".jp-OutputArea-output:has(> .jupyter-widgets)"
 
 
 def _require_tools():
-    import importlib.util
-
-    missing = [what for what, found in (
-        (f"{CHROMIUM} (`apt-get install -y chromium`)", Path(CHROMIUM).exists()),
-        ("jupyterlab (`pip install -e '.[ui]'`)", importlib.util.find_spec("jupyterlab")),
-        ("playwright (`pip install -e '.[test]'`)", importlib.util.find_spec("playwright"))) if not found]
+    missing = missing_tools()
     if missing:
         message = "the JupyterLab browser test needs " + ", ".join(missing) + " (make test installs them)"
         if os.environ.get("CI") == "true":

@@ -204,8 +204,14 @@ def test_saved_notebook_has_no_outputs(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, tiny_llama_path, monkeypatch):
+    """nbclient's run, where the JupyterLab browser test cannot run them (it is required under CI)."""
     import nbformat
     from nbclient import NotebookClient
+
+    from tests.jupyterlab_server import missing_tools
+
+    if not missing_tools():
+        pytest.skip("run in JupyterLab by tests/test_jupyterlab.py, which applies this check to the saved copy")
 
     # The kernel inherits the environment (the test preset cache set by conftest) and runs in a
     # folder under test-output, where the notebook's compile cache stays warm between runs.
