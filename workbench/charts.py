@@ -267,7 +267,7 @@ def expert_load(rows: Rows, window: float = 5.0) -> go.Figure:
                                  rangemode="normal"))
     rows = [r for r in rows if r.get("expert_counts")]
     if not rows:
-        return _empty(fig, "no expert routing yet: load an MoE model (tiny-mixtral) and generate")
+        return _empty(fig, "no expert routing yet:<br>load an MoE model (tiny-mixtral) and generate")
     last = rows[-1]
     shape = (len(last["expert_counts"]), len(last["expert_counts"][0]))
     recent = [r for r in rows if last["t"] - r["t"] < window
