@@ -128,3 +128,26 @@ def test_the_leafspec_future_warning_of_a_cold_aoti_compile_is_not_shown(tmp_pat
     assert len(leaf) >= 2, "torch no longer warns about LeafSpec while packaging: remove aoti_program's filter"
     assert [str(w.message) for w in shown if issubclass(w.category, FutureWarning)] == [
         "`isinstance(treespec, LeafSpec)` is deprecated"], "only the one raised outside packaging is shown"
+
+
+def test_dashboard_says_its_charts_are_coming_and_how_long_the_session_is_busy(monkeypatch):
+    from workbench import Session, panel_app
+
+    class Busy(Session):  # a session loading a model (as the status line reads it)
+        status = "loading tiny-llama…"
+        busy = True
+
+    clock = [100.0]
+    monkeypatch.setattr(panel_app, "monotonic", lambda: clock[0])
+    session = Busy()
+    try:
+        dash = panel_app.SessionDashboard(session)
+        assert all(pane.loading for pane in dash.charts.values()), "until the first live refresh"
+        dash.refresh()
+        assert not any(pane.loading for pane in dash.charts.values())
+        assert dash.status.object == "**loading tiny-llama…**"
+        clock[0] += 12.4
+        dash.refresh()
+        assert dash.status.object == "**loading tiny-llama… (12 s)**"
+    finally:
+        session.close()

@@ -10,6 +10,7 @@ import base64
 import html
 import logging
 import socket
+from time import monotonic
 
 import panel as pn
 
@@ -37,8 +38,12 @@ class SessionDashboard(ViewController):
         self.refresh_ms = refresh_ms
         self._chart_version = -1
         self._chart_model = None
+        self._status = ("", monotonic())  # the session's status line and since when it reads so
         self._build()
         self.refresh()
+        # until the browser runs the first periodic refresh, the charts say they are still coming
+        for pane in self.charts.values():
+            pane.loading = True
 
     # ---- layout ------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -181,8 +186,10 @@ class SessionDashboard(ViewController):
 
     def _refresh(self) -> None:
         s = self.session
-        self.status.object = f"**{html.escape(s.status)}**"
+        self.status.object = f"**{html.escape(self._status_line(s))}**"
         self.spinner.value = s.busy
+        for pane in self.charts.values():
+            pane.loading = False
         for label, exc, result in self.finished_jobs():
             if exc is None:
                 self.show_info(f"{label}: done" + _describe(result))
@@ -198,6 +205,14 @@ class SessionDashboard(ViewController):
             self._chart_version, self._chart_model = version, s.active
             for name, fig in self.chart_figures().items():
                 self.charts[name].object = fig
+
+    def _status_line(self, s: Session) -> str:
+        """The session's status; while it is busy on one thing (loading, compiling), for how long."""
+        status, since = self._status
+        if s.status != status:
+            status, since = self._status = (s.status, monotonic())
+        elapsed = monotonic() - since
+        return f"{status} ({elapsed:.0f} s)" if s.busy and elapsed >= 1 else status
 
     def _show_models(self, models: dict) -> None:
         lines = [f"- **{e.name}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB, "
