@@ -27,7 +27,7 @@ from workbench.session import Session
 FIGURES = ("throughput", "memory", "blocks", "block_map", "expert_load")
 LABEL = {"description_width": "initial"}  # a control's label in full ("temperature", not "temperat…")
 # the charts two by two, each column half of the cell's width (plotly autosizes into it)
-GRID = W.Layout(grid_template_columns="repeat(2, minmax(0, 1fr))", grid_gap="4px 12px", width="100%")
+GRID = dict(grid_template_columns="repeat(2, minmax(0, 1fr))", grid_gap="4px 12px", width="100%")
 
 
 class SessionWidgets(ViewController, W.VBox):
@@ -83,7 +83,7 @@ class SessionWidgets(ViewController, W.VBox):
                              W.HBox([self.generate_button, self.cancel_button, self.image_upload]),
                              W.HBox([self.output, self.image_view]), self.stats,
                              W.HBox([self.workload_n, self.workload_button])])
-        grid = W.GridBox(list(self.figures.values()), layout=GRID)
+        grid = W.GridBox(list(self.figures.values()), layout=W.Layout(**GRID))
         W.VBox.__init__(self, [self.status, self.error, controls, generation, grid], layout=layout)
         self.refresh()
         if auto_refresh:
