@@ -222,3 +222,13 @@ def test_rows_count_from_the_model_load_and_go_with_an_unload(tiny_llama_path):
         assert s.block_map()["t"] <= time.time() - before_reload
     finally:
         s.close()
+
+
+def test_a_live_chart_drops_the_empty_note_once_data_comes():
+    from workbench.widgets import _update_figure
+
+    widget = go.FigureWidget(charts.all_figures([])["memory"])
+    assert widget.layout.annotations and widget.layout.xaxis.showticklabels is False
+    _update_figure(widget, charts.memory_breakdown(_full_rows(30)))
+    assert widget.layout.annotations == () and widget.layout.xaxis.showticklabels is not False
+    assert widget.layout.title.text == "Memory of the model (MiB)" and len(widget.data) == 5

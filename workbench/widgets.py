@@ -194,4 +194,5 @@ def _update_figure(widget: go.FigureWidget, fig: go.Figure) -> None:
                 old.update(props, overwrite=True)
         layout = fig.layout.to_plotly_json()
         layout.pop("template", None)  # the same in every figure, and large
+        layout.setdefault("annotations", [])  # an empty chart's note goes once data came
         widget.layout.update(layout, overwrite=True)  # titles, notes, axes
