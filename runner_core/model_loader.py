@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from tqdm import tqdm
 
 from runner_core.config import RunnerConfig, auto_dtype
 from runner_core.errors import ModelLoadError
 from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
 from runner_core.models.registry import MODEL_ATTRIBUTES, ModelAdapter
+from runner_core.progress import progress
 from runner_core.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
 
 if TYPE_CHECKING:
@@ -154,8 +154,21 @@ class SafetensorsWeights:
         self.current: tuple[Path, str, tuple[int, ...]] | None = None
         self.bytes_read = 0
 
+    def num_tensors(self) -> int:
+        """Tensors in the checkpoint (read from the files' headers)."""
+        total = 0
+        for file in self.files:
+            with _guard(file), safe_open(file, framework="pt", device="cpu") as handle:
+                total += len(handle.keys())
+        return total
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for file in tqdm(self.files, desc="Loading safetensors shards", unit="shard", disable=len(self.files) < 2):
+        files = f"{len(self.files)} file{'s' * (len(self.files) != 1)}"
+        with progress(desc=f"Loading weights ({files})", total=self.num_tensors(), unit="tensor", leave=False) as bar:
+            yield from self._tensors(bar)
+
+    def _tensors(self, bar) -> Iterator[tuple[str, torch.Tensor]]:
+        for file in self.files:
             with _guard(file):
                 handle = safe_open(file, framework="pt", device="cpu")
             with handle:
@@ -170,6 +183,7 @@ class SafetensorsWeights:
                         self.bytes_read += tensor.numel() * tensor.element_size()
                     self.current = (file, name, tuple(tensor.shape))
                     yield name, tensor
+                    bar.update(1)
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

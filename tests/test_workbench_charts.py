@@ -1,14 +1,17 @@
-"""workbench.charts: valid plotly figures from empty and from full histories (pure functions)."""
+"""workbench.charts: valid plotly figures from empty and from full histories (pure functions);
+time since the model was loaded, idle gaps as gaps, titles and units, one palette; the rows'
+time origin is the model's load and its history goes with an unload."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import plotly.graph_objects as go
 import plotly.io as pio
 import pytest
 
-from workbench import charts
+from workbench import Session, charts
 from workbench.metrics import MetricsSeries, StepAccumulator
 
 
@@ -71,8 +74,9 @@ def test_full_history_figures():
     waste = figs["waste"]
     assert waste.data[0].y[-1] == pytest.approx(85.0) and waste.data[1].y[-1] == pytest.approx(10.0)
     thr = figs["throughput"]
-    assert thr.data[1].y[0] == pytest.approx(8.0)  # 40 decode tokens over 5 steps
-    assert thr.data[2].y[-1] == pytest.approx(400.0)  # 40 tokens per 0.1 s
+    assert [t.name for t in thr.data] == ["prompt tokens/s (prefill)", "generated tokens/s (decode)"]
+    assert thr.data[1].y[-1] == pytest.approx(400.0)  # 40 tokens per 0.1 s
+    assert thr.data[0].y[-1] == pytest.approx(charts.rolling_rate(rows, "prefill_tokens")[-1])
     bars = figs["compile"].data
     assert list(bars[0].x) == ["#1 inductor/default", "#2 eager", "#3 bogus"]
     assert list(bars[1].y) == [2.0, 3.5]
@@ -118,3 +122,113 @@ def test_accumulator_folds_steps_into_rows():
         series.append({"t": i, "model": "a" if i % 2 else "b"})
     assert len(series) == 2 and [r["t"] for r in series.rows()] == [3, 4]
     assert series.poll(3) == (series.rows(), 5) and series.rows(model="a") == [{"t": 3, "model": "a"}]
+    series.drop("a")  # its model was unloaded
+    assert series.rows() == [{"t": 4, "model": "b"}] and series.poll(3) == ([{"t": 4, "model": "b"}], 5)
+    series.append({"t": 0, "model": "a"})
+    assert series.poll(5) == ([{"t": 0, "model": "a"}], 6)
+
+
+def _with_idle_gap(idle: float) -> list[dict]:
+    rows = _full_rows(20)
+    for r in rows[10:]:
+        r["t"] += idle
+    return rows
+
+
+def test_idle_time_is_a_gap_not_a_line_across_it():
+    figs = charts.all_figures(_with_idle_gap(5.0))
+    for name in ("waste", "throughput"):  # lines: a None break where the model was idle
+        for trace in figs[name].data:
+            assert trace.connectgaps is False
+            breaks = [i for i, x in enumerate(trace.x) if x is None]
+            assert breaks == [10] and trace.y[10] is None, name
+    for name in ("memory", "blocks"):  # stacked areas: one stack per busy stretch, one legend entry each
+        groups = {t.stackgroup for t in figs[name].data}
+        assert len(groups) == 2, name
+        assert [t.name for t in figs[name].data if t.showlegend] == [t.name for t in figs[name].data][:len(
+            figs[name].data) // 2]
+        assert max(figs[name].data[0].x) < 1.0 + 0.1 * 10 < min(figs[name].data[-1].x)
+
+    busy = charts.all_figures(_with_idle_gap(0.2))  # a short pause is no gap
+    assert None not in busy["waste"].data[0].x and len({t.stackgroup for t in busy["memory"].data}) == 1
+
+
+def test_every_chart_has_a_title_axis_units_no_second_axis_and_a_legend_off_the_plot():
+    events = [{"kind": "compile", "t": 1.0, "enabled": True, "backend": "inductor", "mode": "default",
+               "seconds": 12.5, "ok": True, "stats": {"compile_seconds": {"1": 2.0}}}]
+    rows = _full_rows(50)
+    rows[-1]["expert_counts"], rows[-1]["moe_layers"] = [[3, 1], [0, 4]], [0, 1]
+    figs = charts.all_figures(rows, events, {"num_blocks": 64, "owners": {"a": [0, 1]}})
+    for name, fig in figs.items():
+        layout = fig.layout
+        assert layout.title.text, name
+        assert layout.xaxis.title.text and layout.yaxis.title.text, name
+        assert "yaxis2" not in layout.to_plotly_json(), f"{name}: one y axis"
+        assert layout.legend.y < 0 and layout.legend.yanchor == "top", f"{name}: the legend sits under the plot"
+        assert layout.autosize and layout.width is None, f"{name}: as wide as its container"
+    for name in ("memory", "blocks", "waste", "throughput"):
+        assert figs[name].layout.xaxis.title.text == charts.TIME_AXIS == "seconds since the model was loaded"
+    assert {figs[n].layout.yaxis.title.text for n in ("memory", "blocks", "waste", "throughput", "compile")} == {
+        "MiB", "blocks", "% of reserved slots", "tokens/s", "seconds"}
+
+
+def _colors(fig: go.Figure) -> set[str]:
+    found = set()
+    for trace in fig.data:
+        spec = trace.to_plotly_json()
+        for part in ("line", "marker"):
+            color = spec.get(part, {}).get("color")
+            found |= set(color) if isinstance(color, (list, tuple)) else {color} if color else set()
+        if spec.get("fillcolor"):
+            found.add(spec["fillcolor"])
+        found |= {c for _, c in spec.get("colorscale", ())}
+    return found
+
+
+def test_every_chart_takes_its_colours_from_the_shared_palette():
+    rows = _full_rows(50)
+    rows[-1]["expert_counts"], rows[-1]["moe_layers"] = [[3, 1], [0, 4]], [0, 1]
+    events = [{"kind": "compile", "t": 1.0, "enabled": True, "seconds": 2.0, "ok": True,
+               "stats": {"decode_programs": {"build_seconds": {"1": 0.5}}, "compile_seconds": {"1": 2.0}}},
+              {"kind": "compile", "t": 2.0, "enabled": True, "seconds": 0.0, "ok": False, "error": "x"}]
+    figs = charts.all_figures(rows, events, {"num_blocks": 64, "owners": {"a": [0, 1]}, "cached_block_ids": [5]})
+    allowed = {c.lower() for c in (*charts.PALETTE, charts.FREE_COLOR, charts.CACHED_COLOR, "#FFFFFF")}
+    for name, fig in figs.items():
+        colors = {c.lower() for c in _colors(fig)}
+        assert colors, f"{name} names its colours"
+        assert colors <= allowed, f"{name} uses colours outside charts.PALETTE: {colors - allowed}"
+    # the same quantity has the same colour in every chart
+    kv_used = {t.line.color for f in (figs["memory"], figs["blocks"]) for t in f.data
+               if t.name in ("KV in use", "used")}
+    assert kv_used == {charts.COLORS["kv_used"]}
+
+
+def test_rows_count_from_the_model_load_and_go_with_an_unload(tiny_llama_path):
+    s = Session(sample_interval=0.0)
+    try:
+        load = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 4 << 20, "max_model_len": 256}
+        s.load_model("tiny-llama", **load)
+        s.generate("Hello there", max_tokens=8, temperature=0.0)
+        assert s.metrics.rows(model="tiny-llama")
+        s.unload()
+        assert s.metrics.rows(model="tiny-llama") == [], "an unload drops the model's history"
+        before_reload = time.time()
+        s.load_model("tiny-llama", **load)
+        s.generate("Hello there", max_tokens=8, temperature=0.0)
+        rows = s.metrics.rows(model="tiny-llama")
+        assert rows and rows[0]["steps"] == 0, "the first row is the load's"
+        # counted from the reload, not from the session's start (seconds before `before_reload`)
+        assert all(0 <= r["t"] <= time.time() - before_reload for r in rows)
+        assert s.block_map()["t"] <= time.time() - before_reload
+    finally:
+        s.close()
+
+
+def test_a_live_chart_drops_the_empty_note_once_data_comes():
+    from workbench.widgets import _update_figure
+
+    widget = go.FigureWidget(charts.all_figures([])["memory"])
+    assert widget.layout.annotations and widget.layout.xaxis.showticklabels is False
+    _update_figure(widget, charts.memory_breakdown(_full_rows(30)))
+    assert widget.layout.annotations == () and widget.layout.xaxis.showticklabels is not False
+    assert widget.layout.title.text == "Memory of the model (MiB)" and len(widget.data) == 5

@@ -1,126 +1,171 @@
 """Pure functions from session metrics to plotly figures (no session, no engine, no UI state).
 
-Inputs are plain data: `rows` (dicts from `MetricsSeries`, see workbench/metrics.py), `events`
-(dicts with `kind`, `t`, ...) and a KV block-map snapshot ({"num_blocks", "owners":
-{request_id: [block ids]}, ...}). Every function returns a valid `go.Figure` for empty input
-too, with a note saying what will appear.
+Inputs are plain data: `rows` (dicts from `MetricsSeries`, see workbench/metrics.py; `t` is
+seconds since the model was loaded, `dt` the busy seconds a row covers), `events` (dicts with
+`kind`, `t`, ...) and a KV block-map snapshot ({"num_blocks", "owners": {request_id: [block
+ids]}, ...}). Every function returns a valid `go.Figure` for empty input too, with a note
+saying what will appear. Idle time (no row for more than `GAP_S` seconds) is drawn as a gap,
+never as a line across it. Every chart takes its colours from `PALETTE` (and `COLORS`, the
+colour of each quantity, the same in every chart); other views (workbench/timeline.py) do too.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
 
 MIB = 2**20
-HEIGHT = 290
+HEIGHT = 320
+GAP_S = 0.5  # idle seconds between rows drawn as a gap (rows are written every 0.1 s while busy)
+TIME_AXIS = "seconds since the model was loaded"
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D",
            "#EECA3B", "#79706E")
-FREE_COLOR, CACHED_COLOR = "#ECEFF3", "#A9B4C2"
+FREE_COLOR, CACHED_COLOR = "#DCE3EA", "#A9B4C2"  # free and cached KV blocks, in every chart
+COLORS = {  # one colour per quantity, whichever chart shows it
+    "weights": PALETTE[0], "activations": PALETTE[5], "kv_used": PALETTE[1], "kv_cached": CACHED_COLOR,
+    "kv_free": FREE_COLOR, "prefill": PALETTE[0], "decode": PALETTE[1], "paged": PALETTE[2],
+    "contiguous": PALETTE[3], "ok": PALETTE[2], "failed": PALETTE[3], "compile_size": PALETTE[0],
+    "decode_program": PALETTE[1],
+}
+# tokens routed per expert: white to the palette's first colour
+HEAT_SCALE = [[0.0, "#FFFFFF"], [1.0, PALETTE[0]]]
 
 Rows = Sequence[Mapping[str, Any]]
 
 
 def _layout(title: str, y_title: str = "", **extra) -> dict:
     return dict(
-        title=dict(text=title, x=0.01, font=dict(size=14)), height=HEIGHT, template="plotly_white",
-        margin=dict(l=55, r=15, t=40, b=35), legend=dict(orientation="h", y=-0.22, x=0),
-        xaxis=dict(title="time (s)"), yaxis=dict(title=y_title, rangemode="tozero"),
+        title=dict(text=title, x=0.01, xanchor="left", y=0.98, yanchor="top", font=dict(size=14)),
+        height=HEIGHT, autosize=True, template="plotly_white", font=dict(size=12),
+        margin=dict(l=60, r=20, t=40, b=40),
+        # the legend sits under the plot, below the x-axis title (its margin grows to fit it)
+        legend=dict(orientation="h", x=0, xanchor="left", y=-0.22, yanchor="top"),
+        xaxis=dict(title=dict(text=TIME_AXIS, standoff=6), rangemode="tozero", automargin=True),
+        yaxis=dict(title=dict(text=y_title, standoff=6), rangemode="tozero", automargin=True),
         uirevision=title,  # keep the user's zoom across live updates
         **extra)
 
 
 def _empty(fig: go.Figure, note: str) -> go.Figure:
+    """`fig` without data: the note says what will appear; no ticks (they would mean nothing)."""
+    fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
+    fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False)
     fig.add_annotation(text=note, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
-                       font=dict(color="#888"))
+                       font=dict(color=PALETTE[9]))
     return fig
 
 
-def _col(rows: Rows, key: str, scale: float = 1.0) -> list:
-    return [None if r.get(key) is None else r[key] * scale for r in rows]
+def segments(rows: Rows, gap_s: float = GAP_S) -> list[list[Mapping[str, Any]]]:
+    """`rows` split where the model was idle for more than `gap_s` seconds (a row covers
+    `dt` busy seconds up to its `t`)."""
+    out: list[list[Mapping[str, Any]]] = []
+    for r in rows:
+        if out and r["t"] - r.get("dt", 0.0) - out[-1][-1]["t"] > gap_s:
+            out.append([])
+        if not out:
+            out.append([])
+        out[-1].append(r)
+    return out
 
 
-def memory_breakdown(rows: Rows) -> go.Figure:
+def _broken(rows: Rows, y: Callable[[Mapping[str, Any]], Any], gap_s: float) -> tuple[list, list]:
+    """x and y of a line with a None break at every idle gap (plotly draws no line across it)."""
+    xs: list = []
+    ys: list = []
+    for k, seg in enumerate(segments(rows, gap_s)):
+        if k:
+            xs.append(None)
+            ys.append(None)
+        xs += [r["t"] for r in seg]
+        ys += [y(r) for r in seg]
+    return xs, ys
+
+
+def _stacked(fig: go.Figure, rows: Rows, series: Sequence[tuple[str, Callable, str]], group: str,
+             gap_s: float, unit: str) -> None:
+    """Stacked areas of `series` (label, row -> value, colour), one stack per busy stretch: a
+    stack cannot break at a None, so each stretch is its own set of traces (one legend entry)."""
+    for k, seg in enumerate(segments(rows, gap_s)):
+        x = [r["t"] for r in seg]
+        for label, value, color in series:
+            fig.add_trace(go.Scatter(
+                x=x, y=[value(r) for r in seg], name=label, legendgroup=label, showlegend=k == 0,
+                stackgroup=f"{group}-{k}", mode="lines" if len(seg) > 1 else "markers",
+                line=dict(width=0.5, color=color), fillcolor=color, marker=dict(color=color, size=6),
+                hovertemplate=f"{label}: %{{y:.4~f}} {unit}<extra>%{{x:.1f}} s</extra>"))
+
+
+def _get(key: str, scale: float = 1.0) -> Callable[[Mapping[str, Any]], Any]:
+    return lambda r: None if r.get(key) is None else r[key] * scale
+
+
+def memory_breakdown(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
     """Stacked memory of the model over time (MiB): weights, KV pool split into blocks in use,
     cached (reusable prefix blocks) and free, plus the activation peak when the runner reports it."""
-    fig = go.Figure(layout=_layout("Memory breakdown", "MiB"))
+    fig = go.Figure(layout=_layout("Memory of the model (MiB)", "MiB"))
     rows = [r for r in rows if r.get("kv_pool_bytes") is not None]
     if not rows:
         return _empty(fig, "no data yet: load a model")
-    t = _col(rows, "t")
-    per_block = [r["kv_pool_bytes"] / r["blocks_total"] if r.get("blocks_total") else 0 for r in rows]
-    series = [("weights", _col(rows, "weights_bytes", 1 / MIB), PALETTE[0])]
+
+    def kv(key):  # MiB held by the blocks counted in `key`
+        return lambda r: r.get(key, 0) * r["kv_pool_bytes"] / r["blocks_total"] / MIB if r.get("blocks_total") else 0
+
+    series = [("weights", _get("weights_bytes", 1 / MIB), COLORS["weights"])]
     act_key = next((k for k in ("activation_peak_bytes", "activations_peak_bytes") if rows[-1].get(k)), None)
     if act_key:
-        series.append(("activations (peak)", _col(rows, act_key, 1 / MIB), PALETTE[5]))
-    for label, key, color in (("KV in use", "blocks_used", PALETTE[1]), ("KV cached", "blocks_cached", PALETTE[4]),
-                              ("KV free", "blocks_free", "#C9D3DD")):
-        series.append((label, [r.get(key, 0) * b / MIB for r, b in zip(rows, per_block)], color))
-    for label, y, color in series:
-        fig.add_trace(go.Scatter(x=t, y=y, name=label, stackgroup="mem", mode="lines",
-                                 line=dict(width=0.5, color=color)))
+        series.append(("activations (peak)", _get(act_key, 1 / MIB), COLORS["activations"]))
+    series += [("KV in use", kv("blocks_used"), COLORS["kv_used"]),
+               ("KV cached", kv("blocks_cached"), COLORS["kv_cached"]),
+               ("KV free", kv("blocks_free"), COLORS["kv_free"])]
+    _stacked(fig, rows, series, "mem", gap_s, "MiB")
     return fig
 
 
-def kv_blocks(rows: Rows) -> go.Figure:
+def kv_blocks(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
     """KV pool blocks used / cached / free over time."""
     fig = go.Figure(layout=_layout("KV cache blocks", "blocks"))
     rows = [r for r in rows if r.get("blocks_total") is not None]
     if not rows:
         return _empty(fig, "no data yet: load a model")
-    t = _col(rows, "t")
-    for label, key, color in (("used", "blocks_used", PALETTE[1]), ("cached", "blocks_cached", PALETTE[4]),
-                              ("free", "blocks_free", "#C9D3DD")):
-        fig.add_trace(go.Scatter(x=t, y=_col(rows, key), name=label, stackgroup="blocks", mode="lines",
-                                 line=dict(width=0.5, color=color)))
+    _stacked(fig, rows, [("used", _get("blocks_used"), COLORS["kv_used"]),
+                         ("cached", _get("blocks_cached"), COLORS["kv_cached"]),
+                         ("free", _get("blocks_free"), COLORS["kv_free"])], "blocks", gap_s, "blocks")
     return fig
 
 
-def waste(rows: Rows) -> go.Figure:
+def waste(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
     """Wasted KV slots (%): the paged pool (unused slots in partly filled blocks) against a
     contiguous per-request max_model_len reservation of the same requests (a static cache)."""
-    fig = go.Figure(layout=_layout("KV waste: paged vs contiguous reservation", "% of reserved slots"))
+    fig = go.Figure(layout=_layout("Wasted KV slots: paged vs contiguous reservation (%)", "% of reserved slots"))
+    fig.update_yaxes(range=[0, 100], dtick=25)
     rows = [r for r in rows if r.get("internal_fragmentation") is not None]
     if not rows:
         return _empty(fig, "no data yet: generate something")
-    t = _col(rows, "t")
-    fig.add_trace(go.Scatter(x=t, y=_col(rows, "static_reservation_waste", 100), name="contiguous reservation",
-                             mode="lines+markers", marker=dict(size=4), line=dict(color=PALETTE[3])))
-    fig.add_trace(go.Scatter(x=t, y=_col(rows, "internal_fragmentation", 100), name="paged (internal fragmentation)",
-                             mode="lines+markers", marker=dict(size=4), line=dict(color=PALETTE[2])))
-    fig.update_yaxes(range=[0, 100])
+    for name, key, color in (("contiguous max_model_len reservation", "static_reservation_waste", COLORS["contiguous"]),
+                             ("paged (partly filled blocks)", "internal_fragmentation", COLORS["paged"])):
+        x, y = _broken(rows, _get(key, 100), gap_s)
+        fig.add_trace(go.Scatter(x=x, y=y, name=name, mode="lines+markers", marker=dict(size=4, color=color),
+                                 line=dict(color=color), connectgaps=False,
+                                 hovertemplate=f"{name}: %{{y:.1f}} %<extra>%{{x:.1f}} s</extra>"))
     return fig
 
 
-def throughput(rows: Rows, window: float = 1.0) -> go.Figure:
-    """Batch composition (prefill vs decode tokens per step, stacked) and generated tokens/s
-    (right axis) averaged over the busy time of the last `window` seconds."""
-    fig = go.Figure(layout=_layout("Throughput and batch composition", "tokens per step",
-                                   yaxis2=dict(title="generated tokens/s", overlaying="y", side="right",
-                                               rangemode="tozero", showgrid=False)))
+def throughput(rows: Rows, window: float = 1.0, gap_s: float = GAP_S) -> go.Figure:
+    """Prompt tokens (prefill) and generated tokens (decode) per second, each averaged over the
+    busy time of the last `window` seconds: one axis, one unit."""
+    fig = go.Figure(layout=_layout("Throughput (tokens/s)", "tokens/s"))
     rows = [r for r in rows if r.get("steps")]
     if not rows:
         return _empty(fig, "no steps yet: generate something")
-    rates = rolling_rate(rows, "sampled_tokens", window)
-    t, prefill, decode, rate = [], [], [], []
-    for i, (r, rt) in enumerate(zip(rows, rates)):
-        if i and r["t"] - rows[i - 1]["t"] > 5 * max(r.get("dt", 0.1), 0.1):  # idle gap: drop to zero
-            t += [rows[i - 1]["t"] + 0.01, r["t"] - r.get("dt", 0.1)]
-            prefill += [0, 0]
-            decode += [0, 0]
-            rate += [0, 0]
-        t.append(r["t"])
-        prefill.append(r["prefill_tokens"] / r["steps"])
-        decode.append(r["decode_tokens"] / r["steps"])
-        rate.append(rt)
-    fig.add_trace(go.Scatter(x=t, y=prefill, name="prefill tokens/step", stackgroup="batch", mode="lines",
-                             line=dict(width=0.5, color=PALETTE[0])))
-    fig.add_trace(go.Scatter(x=t, y=decode, name="decode tokens/step", stackgroup="batch", mode="lines",
-                             line=dict(width=0.5, color=PALETTE[1])))
-    fig.add_trace(go.Scatter(x=t, y=rate, name="generated tokens/s", yaxis="y2", mode="lines",
-                             line=dict(color=PALETTE[3])))
+    for name, key, color in (("prompt tokens/s (prefill)", "prefill_tokens", COLORS["prefill"]),
+                             ("generated tokens/s (decode)", "sampled_tokens", COLORS["decode"])):
+        rate = dict(zip(map(id, rows), rolling_rate(rows, key, window)))
+        x, y = _broken(rows, lambda r, rate=rate: rate[id(r)], gap_s)
+        fig.add_trace(go.Scatter(x=x, y=y, name=name, mode="lines", line=dict(color=color, width=2),
+                                 connectgaps=False, hovertemplate=f"{name}: %{{y:.0f}}<extra>%{{x:.1f}} s</extra>"))
     return fig
 
 
@@ -143,9 +188,10 @@ def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_bloc
     prefix blocks grey when the snapshot names them). Pools larger than `max_blocks` show
     the low end, where the allocator places blocks first."""
     fig = go.Figure(layout=_layout("KV block map (who owns which block)", ""))
-    fig.update_layout(xaxis=dict(title="", showticklabels=False, showgrid=False, zeroline=False),
-                      yaxis=dict(title="block row", autorange="reversed", showgrid=False, zeroline=False,
-                                 rangemode="normal"), showlegend=False)
+    fig.update_layout(xaxis=dict(title=dict(text=f"block id mod {columns} (one cell per block)"), showticklabels=False,
+                                 showgrid=False, zeroline=False, rangemode="normal"),
+                      yaxis=dict(title=dict(text=f"block id ÷ {columns}"), autorange="reversed", showgrid=False,
+                                 zeroline=False, rangemode="normal"), showlegend=False)
     if not snapshot or not snapshot.get("num_blocks"):
         return _empty(fig, "no data yet: load a model")
     total = int(snapshot["num_blocks"])
@@ -186,8 +232,8 @@ def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_bloc
 def compile_timings(events: Sequence[Mapping[str, Any]], stats: Mapping[str, Any] | None = None) -> go.Figure:
     """Seconds spent in each compile mode switch (from session events), and per-size compile
     and decode-program build seconds when the runner's compile_stats() reports them."""
-    fig = go.Figure(layout=_layout("Compile timings", "seconds"))
-    fig.update_layout(xaxis=dict(title=""))
+    fig = go.Figure(layout=_layout("Compile time (s)", "seconds"))
+    fig.update_layout(xaxis=dict(title=dict(text="mode switch, compile size, decode program"), rangemode="normal"))
     events = [e for e in events if e.get("kind") == "compile"]
     if stats is None:  # the latest compile that reported statistics
         stats = next((e["stats"] for e in reversed(events) if e.get("stats")), {})
@@ -197,17 +243,17 @@ def compile_timings(events: Sequence[Mapping[str, Any]], stats: Mapping[str, Any
         return _empty(fig, "no compile events yet: toggle compile mode")
     if events:
         labels = [f"#{i + 1} {_compile_label(e)}" for i, e in enumerate(events)]
-        colors = [PALETTE[2] if e.get("ok", True) else PALETTE[3] for e in events]
+        colors = [COLORS["ok"] if e.get("ok", True) else COLORS["failed"] for e in events]
         hover = [e.get("error") or f"{e.get('model', '')}: {e.get('seconds', 0):.2f} s" for e in events]
         fig.add_trace(go.Bar(x=labels, y=[e.get("seconds", 0) for e in events], marker_color=colors,
                              hovertext=hover, hoverinfo="text", name="mode switch"))
     if per_size:
         fig.add_trace(go.Bar(x=[f"size {k}" for k in per_size], y=list(per_size.values()), name="per compile size",
-                             marker_color=PALETTE[0]))
+                             marker_color=COLORS["compile_size"]))
     if decode:  # static decode programs: a package build or load (CPU), a CUDA graph capture
         fig.add_trace(go.Bar(x=[f"decode {k}" for k in sorted(decode, key=int)],
                              y=[float(decode[k]) for k in sorted(decode, key=int)], name="decode program",
-                             marker_color=PALETTE[1]))
+                             marker_color=COLORS["decode_program"]))
     return fig
 
 
@@ -216,11 +262,12 @@ def expert_load(rows: Rows, window: float = 5.0) -> go.Figure:
     `window` seconds (rows carry `expert_counts` [MoE layers][experts] and `moe_layers`, the
     layers' global indices): a layers x experts heat map."""
     fig = go.Figure(layout=_layout(f"Expert load (tokens routed, last {window:g} s)", ""))
-    fig.update_layout(xaxis=dict(title="expert", showgrid=False), yaxis=dict(title="layer", autorange="reversed",
-                                                                          showgrid=False, rangemode="normal"))
+    fig.update_layout(xaxis=dict(title=dict(text="expert"), showgrid=False, rangemode="normal"),
+                      yaxis=dict(title=dict(text="MoE layer"), autorange="reversed", showgrid=False,
+                                 rangemode="normal"))
     rows = [r for r in rows if r.get("expert_counts")]
     if not rows:
-        return _empty(fig, "no expert routing yet: load an MoE model (tiny-mixtral) and generate")
+        return _empty(fig, "no expert routing yet:<br>load an MoE model (tiny-mixtral) and generate")
     last = rows[-1]
     shape = (len(last["expert_counts"]), len(last["expert_counts"][0]))
     recent = [r for r in rows if last["t"] - r["t"] < window
@@ -230,7 +277,7 @@ def expert_load(rows: Rows, window: float = 5.0) -> go.Figure:
     y = [f"layer {i}" for i in layers]
     x = [f"e{e}" for e in range(shape[1])]
     text = [[f"layer {layers[i]}, expert {e}: {z[i][e]} tokens" for e in range(shape[1])] for i in range(shape[0])]
-    fig.add_trace(go.Heatmap(z=z, x=x, y=y, hovertext=text, hoverinfo="text", colorscale="Viridis", zmin=0,
+    fig.add_trace(go.Heatmap(z=z, x=x, y=y, hovertext=text, hoverinfo="text", colorscale=HEAT_SCALE, zmin=0,
                              colorbar=dict(title="tokens", thickness=12), xgap=1, ygap=1))
     total = sum(map(sum, z))
     fig.update_layout(title=dict(text=f"Expert load: {total} routed tokens in the last {window:g} s "

@@ -2,7 +2,9 @@
 
 Steps are folded into rows of at most `sample_interval` seconds each (a fast model may run
 hundreds of steps a second), so a bounded deque holds minutes of history and polling stays
-cheap. Every row is a flat dict of numbers (see `StepAccumulator.flush`); events (loads,
+cheap. Every row is a flat dict of numbers (see `StepAccumulator.flush`); its `t` is seconds
+since that model was loaded, and a model's rows go when it is unloaded (a reload starts a
+fresh history at 0). Events (loads,
 unloads, compile switches, errors) go to a second, smaller deque. `Telemetry` is what the
 engine thread publishes: the series, each model's latest KV block map and the last error.
 """
@@ -32,7 +34,7 @@ class MetricsSeries:
     """
 
     def __init__(self, maxlen: int = 3000, max_events: int = 500):
-        self._rows: deque[dict] = deque(maxlen=maxlen)
+        self._rows: deque[tuple[int, dict]] = deque(maxlen=maxlen)  # (index of the row ever appended, row)
         self._events: deque[dict] = deque(maxlen=max_events)
         self._lock = threading.Lock()
         self._count = 0  # rows ever appended
@@ -41,7 +43,7 @@ class MetricsSeries:
 
     def append(self, row: dict) -> None:
         with self._lock:
-            self._rows.append(row)
+            self._rows.append((self._count, row))
             self._count += 1
             self.version += 1
 
@@ -53,17 +55,16 @@ class MetricsSeries:
         return event
 
     def poll(self, cursor: int = 0) -> tuple[list[dict], int]:
-        """Rows appended after `cursor` (rows that fell off the bounded history are skipped)."""
+        """Rows appended after `cursor` (rows that fell off the bounded history, or were dropped
+        with their model, are skipped)."""
         with self._lock:
-            new = self._count - cursor
-            if new <= 0:
+            if cursor >= self._count:
                 return [], self._count
-            rows = list(self._rows)[-min(new, len(self._rows)):]
-            return rows, self._count
+            return [row for i, row in self._rows if i >= cursor], self._count
 
     def rows(self, model: str | None = None, last: int | None = None) -> list[dict]:
         with self._lock:
-            rows = list(self._rows)
+            rows = [row for _, row in self._rows]
         if model is not None:
             rows = [r for r in rows if r.get("model") == model]
         return rows[-last:] if last else rows
@@ -77,6 +78,14 @@ class MetricsSeries:
         with self._lock:
             return len(self._rows)
 
+    def drop(self, model: str) -> None:
+        """Forget the rows of `model` (it was unloaded: a reload starts its history afresh)."""
+        with self._lock:
+            kept = [(i, row) for i, row in self._rows if row.get("model") != model]
+            self._rows.clear()
+            self._rows.extend(kept)
+            self.version += 1
+
     def clear(self) -> None:
         with self._lock:
             self._rows.clear()
@@ -85,7 +94,8 @@ class MetricsSeries:
 
 
 class StepAccumulator:
-    """Sums the engine's StepMetrics of one model between flushes (engine thread only)."""
+    """Sums the engine's StepMetrics of one model between flushes (engine thread only). `t0`:
+    the wall time (time.time()) the model was loaded, the origin of its rows' `t`."""
 
     def __init__(self, model: str, t0: float):
         self.model, self.t0 = model, t0
@@ -155,7 +165,8 @@ class Telemetry:
         self._block_maps: dict[str, dict] = {}
 
     def accumulator(self, model: str) -> StepAccumulator:
-        return StepAccumulator(model, self.series.t0)
+        """A fresh accumulator for a model loaded just now: its rows' time starts at 0."""
+        return StepAccumulator(model, time.time())
 
     def event(self, kind: str, **fields: Any) -> dict:
         return self.series.add_event(kind, **fields)
@@ -167,7 +178,9 @@ class Telemetry:
         return self._block_maps.get(model)
 
     def forget(self, model: str) -> None:
+        """`model` was unloaded: its block map and its rows go."""
         self._block_maps.pop(model, None)
+        self.series.drop(model)
 
     def begin_step(self, entry: Any) -> None:
         if entry.acc.steps == 0:  # a row covers busy time only, not the idle time before it
@@ -194,6 +207,6 @@ class Telemetry:
         self.series.append(row)
         snap = entry.runner.kv_block_map()
         snap["blocks_cached"] = memory.get("blocks_cached", 0)
-        snap["t"] = time.time() - self.series.t0
+        snap["t"] = time.time() - entry.acc.t0
         snap["model"] = entry.name
         self._block_maps[entry.name] = snap

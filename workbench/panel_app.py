@@ -11,6 +11,7 @@ import html
 import logging
 import secrets
 import socket
+from time import monotonic
 
 import panel as pn
 
@@ -27,6 +28,9 @@ from workbench.session import Session
 logger = logging.getLogger("workbench")
 
 REFRESH_MS = 500
+SIDEBAR_WIDTH = 300
+SIDEBAR_FIELD = 130  # px: two fields side by side in the sidebar, their labels in full
+SAMPLING_FIELD = 120
 CHART_NAMES = ("throughput", "memory", "blocks", "waste", "block_map", "compile", "expert_load")
 
 
@@ -39,31 +43,40 @@ class SessionDashboard(ViewController):
         self.refresh_ms = refresh_ms
         self._chart_version = -1
         self._chart_model = None
+        self._status = ("", monotonic())  # the session's status line and since when it reads so
         self._build()
         self.refresh()
+        # until the browser runs the first periodic refresh, the charts say they are still coming
+        for pane in self.charts.values():
+            pane.loading = True
 
     # ---- layout ------------------------------------------------------------------------------
     def _build(self) -> None:
         w = pn.widgets
         presets = preset_names()
-        self.model_select = w.Select(name="Model preset", options=presets, value=presets[0], css_classes=["wb-model"])
+        full = dict(sizing_mode="stretch_width")  # a sidebar control as wide as the sidebar
+        self.model_select = w.Select(name="Model preset", options=presets, value=presets[0], css_classes=["wb-model"],
+                                     **full)
         self.model_path = w.TextInput(name="…or a local Hugging Face directory", placeholder="/path/to/model",
-                                      css_classes=["wb-model-path"])
+                                      css_classes=["wb-model-path"], **full)
         self.dtype = w.Select(name="dtype", options=["float32", "bfloat16", "float16", "auto"],
-                              value=DEFAULT_LOAD["dtype"], width=120)
+                              value=DEFAULT_LOAD["dtype"], width=SIDEBAR_FIELD)
         device_options = ["cpu"] + (["cuda"] if default_device() == "cuda" else [])
-        self.device = w.Select(name="device", options=device_options, value=default_device(), width=120)
-        self.kv_mib = w.IntInput(name="KV cache MiB (0 = auto)", value=DEFAULT_LOAD["kv_cache_memory_mib"], start=0,
-                                 width=120)
-        self.max_len = w.IntInput(name="max_model_len (0 = model's)", value=DEFAULT_LOAD["max_model_len"], start=0,
-                                  width=120, css_classes=["wb-max-len"])
+        self.device = w.Select(name="device", options=device_options, value=default_device(), width=SIDEBAR_FIELD)
+        # short labels (they fit the field); what 0 means is in the field's tooltip
+        self.kv_mib = w.IntInput(name="KV cache (MiB)", value=DEFAULT_LOAD["kv_cache_memory_mib"], start=0,
+                                 width=SIDEBAR_FIELD, description="0 = automatic: what the device's free memory allows")
+        self.max_len = w.IntInput(name="max_model_len", value=DEFAULT_LOAD["max_model_len"], start=0,
+                                  width=SIDEBAR_FIELD, css_classes=["wb-max-len"],
+                                  description="0 = the model's own maximum context length")
         self.load_button = w.Button(name="Load model", button_type="primary", css_classes=["wb-load"])
         self.unload_button = w.Button(name="Unload", button_type="default", css_classes=["wb-unload"])
-        self.active_select = w.Select(name="Active model", options=[], css_classes=["wb-active"])
+        self.active_select = w.Select(name="Active model", options=[], css_classes=["wb-active"], **full)
         self.compile_on = w.Checkbox(name="torch.compile", value=False, css_classes=["wb-compile"])
-        self.compile_backend = w.Select(name="backend", options=list(COMPILE_BACKENDS), value="inductor", width=120)
-        self.compile_mode = w.Select(name="mode", options=list(COMPILE_MODES), value="default", width=120)
-        self.compile_scope = w.Select(name="scope", options=list(COMPILE_SCOPES), value="model", width=120)
+        self.compile_backend = w.Select(name="backend", options=list(COMPILE_BACKENDS), value="inductor",
+                                        width=SIDEBAR_FIELD)
+        self.compile_mode = w.Select(name="mode", options=list(COMPILE_MODES), value="default", width=SIDEBAR_FIELD)
+        self.compile_scope = w.Select(name="scope", options=list(COMPILE_SCOPES), value="model", width=SIDEBAR_FIELD)
         self.compile_button = w.Button(name="Apply compile mode", css_classes=["wb-apply-compile"])
         self.spinner = pn.indicators.LoadingSpinner(value=False, size=22, name="")
         self.status = pn.pane.Markdown("", css_classes=["wb-status"], margin=(0, 10))
@@ -71,11 +84,11 @@ class SessionDashboard(ViewController):
 
         self.prompt = w.TextAreaInput(name="Prompt", value="Once upon a time", placeholder="Type a prompt…",
                                       rows=3, css_classes=["wb-prompt"], sizing_mode="stretch_width")
-        self.max_tokens = w.IntInput(name="max tokens", value=64, width=100, css_classes=["wb-max-tokens"])
-        self.temperature = w.FloatInput(name="temperature", value=0.8, step=0.1, width=100,
-                                        css_classes=["wb-temperature"])
-        self.top_p = w.FloatInput(name="top p", value=1.0, step=0.05, width=100)
-        self.top_k = w.IntInput(name="top k (0 = off)", value=0, width=100)
+        self.max_tokens = w.IntInput(name="max tokens", value=64, width=SAMPLING_FIELD, css_classes=["wb-max-tokens"])
+        self.temperature = w.FloatInput(name="temperature", value=0.8, step=0.1, width=SAMPLING_FIELD,
+                                        css_classes=["wb-temperature"], description="0 = greedy")
+        self.top_p = w.FloatInput(name="top p", value=1.0, step=0.05, width=SAMPLING_FIELD)
+        self.top_k = w.IntInput(name="top k", value=0, width=SAMPLING_FIELD, description="0 = off")
         self.ignore_eos = w.Checkbox(name="ignore EOS", value=False, css_classes=["wb-ignore-eos"], margin=(28, 10))
         self.generate_button = w.Button(name="Generate", button_type="primary", css_classes=["wb-generate"])
         self.cancel_button = w.Button(name="Cancel", css_classes=["wb-cancel"])
@@ -84,7 +97,7 @@ class SessionDashboard(ViewController):
         self.image_input = w.FileInput(accept="image/*", css_classes=["wb-image"])
         self.image_pane = pn.pane.HTML("", css_classes=["wb-image-preview"], width=170)
         self.answer_stats = pn.pane.Markdown("", css_classes=["wb-answer-stats"])
-        self.workload_n = w.IntInput(name="requests", value=16, start=1, end=1024, width=100,
+        self.workload_n = w.IntInput(name="requests", value=16, start=1, end=1024, width=SAMPLING_FIELD,
                                      css_classes=["wb-workload-n"])
         self.workload_button = w.Button(name="Run workload", css_classes=["wb-workload"])
         self.workload_md = pn.pane.Markdown("", css_classes=["wb-workload-status"])
@@ -106,7 +119,7 @@ class SessionDashboard(ViewController):
             pn.Row(self.kv_mib, self.max_len), pn.Row(self.load_button, self.unload_button), self.active_select,
             self.models_md, pn.layout.Divider(), "### Compile", self.compile_on,
             pn.Row(self.compile_backend, self.compile_mode), self.compile_scope, self.compile_button,
-            width=290, styles={"background": "#f6f8fa", "border-radius": "6px"}, margin=(0, 10, 0, 0))
+            width=SIDEBAR_WIDTH, styles={"background": "#f6f8fa", "border-radius": "6px"}, margin=(0, 10, 0, 0))
         generation = pn.Column(
             self.prompt, pn.Row(self.max_tokens, self.temperature, self.top_p, self.top_k, self.ignore_eos),
             pn.Row(self.generate_button, self.cancel_button,
@@ -178,8 +191,10 @@ class SessionDashboard(ViewController):
 
     def _refresh(self) -> None:
         s = self.session
-        self.status.object = f"**{html.escape(s.status)}**"
+        self.status.object = f"**{html.escape(self._status_line(s))}**"
         self.spinner.value = s.busy
+        for pane in self.charts.values():
+            pane.loading = False
         for label, exc, result in self.finished_jobs():
             if exc is None:
                 self.show_info(f"{label}: done" + _describe(result))
@@ -195,6 +210,14 @@ class SessionDashboard(ViewController):
             self._chart_version, self._chart_model = version, s.active
             for name, fig in self.chart_figures().items():
                 self.charts[name].object = fig
+
+    def _status_line(self, s: Session) -> str:
+        """The session's status; while it is busy on one thing (loading, compiling), for how long."""
+        status, since = self._status
+        if s.status != status:
+            status, since = self._status = (s.status, monotonic())
+        elapsed = monotonic() - since
+        return f"{status} ({elapsed:.0f} s)" if s.busy and elapsed >= 1 else status
 
     def _show_models(self, models: dict) -> None:
         lines = [f"- **{html.escape(e.name)}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB, "

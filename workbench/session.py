@@ -27,6 +27,7 @@ from workbench.handles import RequestHandle
 from workbench.loaded_models import LoadedModels, ModelEntry
 from workbench.metrics import MetricsSeries, Telemetry
 from workbench.routing import Router
+from workbench.stats import Stats
 from workbench.workload import random_requests
 
 logger = logging.getLogger("workbench")
@@ -165,7 +166,7 @@ class Session:
 
     def unload(self, name: str | None = None, *, wait: bool = True) -> dict | Future:
         """Unload a model (default: the active one), aborting its requests, and free its memory.
-        Returns {"name", "freed_bytes"}."""
+        Returns {"name", "freed_bytes"} (a `Stats`: it prints as a table)."""
         entry = self._models.entry(name)
 
         def unload():
@@ -173,7 +174,7 @@ class Session:
             return self._models.unload(entry)
 
         fut = self._thread.call(unload)
-        return fut.result() if wait else fut
+        return Stats(fut.result(), f"unloaded {entry.name}") if wait else fut
 
     def set_compile_mode(self, compile: bool = True, backend: str | None = None, mode: str | None = None, *,
                          scope: str | None = None, model: str | None = None, when_idle: bool = False,
@@ -183,24 +184,27 @@ class Session:
 
         While generations run on the model the switch is refused with SessionBusyError, or, with
         when_idle=True, queued until they finish (new requests wait for it). Returns
-        runner.compile_stats() (or a Future of it with wait=False)."""
+        runner.compile_stats() as a `Stats` table (or a Future of the dict with wait=False)."""
         entry = self._models.entry(model)
         settings = {"compile": bool(compile), "backend": backend, "mode": mode, "scope": scope}
         fut = self._models.set_compile_mode(entry, settings, running=len(self.inflight(entry.name)),
                                             has_backlog=lambda: self._router.has_backlog(entry.name),
                                             when_idle=when_idle)
-        return fut.result() if wait else fut
+        return Stats(fut.result(), f"compile stats of {entry.name}") if wait else fut
 
-    def compile_stats(self, model: str | None = None) -> dict:
+    def compile_stats(self, model: str | None = None) -> Stats:
+        """The runner's `compile_stats()` (a dict that prints as a table, figures rounded)."""
         entry = self._models.entry(model)
-        return self._thread.call(lambda: dict(entry.runner.compile_stats())).result()
+        return Stats(self._thread.call(lambda: dict(entry.runner.compile_stats())).result(),
+                     f"compile stats of {entry.name}")
 
-    def memory_stats(self, model: str | None = None) -> dict:
-        """Fresh `memory_stats()` of a model, read on the engine thread."""
+    def memory_stats(self, model: str | None = None) -> Stats:
+        """Fresh `memory_stats()` of a model, read on the engine thread (a dict that prints as a
+        table: bytes in MiB, fractions in %)."""
         entry = self._models.entry(model)
-        return self._thread.call(lambda: entry.runner.memory_stats()).result()
+        return Stats(self._thread.call(lambda: entry.runner.memory_stats()).result(), f"memory of {entry.name}")
 
-    def defragment(self, model: str | None = None, shrink_to_blocks: int | None = None) -> dict:
+    def defragment(self, model: str | None = None, shrink_to_blocks: int | None = None) -> Stats:
         entry = self._models.entry(model)
 
         def run():
@@ -209,7 +213,7 @@ class Session:
             self._telemetry.event("defragment", model=entry.name, **result)
             return result
 
-        return self._thread.call(run).result()
+        return Stats(self._thread.call(run).result(), f"defragmented {entry.name}")
 
     # ---- generation ----------------------------------------------------------------------------
     def submit(self, prompt, *, model: str | None = None, sampling_params: SamplingParams | None = None,

@@ -25,7 +25,9 @@ from workbench.controller import DEFAULT_LOAD, ViewController, default_device, l
 from workbench.session import Session
 
 FIGURES = ("throughput", "memory", "blocks", "block_map", "expert_load")
-FIGURE_WIDTH = 470  # two side by side in a notebook cell
+LABEL = {"description_width": "initial"}  # a control's label in full ("temperature", not "temperat…")
+# the charts two by two, each column half of the cell's width (plotly autosizes into it)
+GRID = dict(grid_template_columns="repeat(2, minmax(0, 1fr))", grid_gap="4px 12px", width="100%")
 
 
 class SessionWidgets(ViewController, W.VBox):
@@ -39,30 +41,34 @@ class SessionWidgets(ViewController, W.VBox):
         self._closed = False
         layout = W.Layout(width="auto")
         presets = preset_names()
-        self.model = W.Dropdown(options=presets, value=presets[0], description="Model")
-        self.model_path = W.Text(placeholder="/path/to/hf/model (optional)", description="or path")
+        self.model = W.Dropdown(options=presets, value=presets[0], description="Model", style=LABEL)
+        self.model_path = W.Text(placeholder="/path/to/hf/model (optional)", description="or path", style=LABEL)
         self.load_button = W.Button(description="Load", button_style="primary", icon="download")
         self.unload_button = W.Button(description="Unload", icon="eject")
-        self.active = W.Dropdown(options=[], description="Active")
+        self.active = W.Dropdown(options=[], description="Active", style=LABEL)
         self.compile = W.Checkbox(value=False, description="torch.compile", indent=False)
-        self.compile_backend = W.Dropdown(options=list(COMPILE_BACKENDS), value="inductor", description="backend")
-        self.compile_mode = W.Dropdown(options=list(COMPILE_MODES), value="default", description="mode")
+        self.compile_backend = W.Dropdown(options=list(COMPILE_BACKENDS), value="inductor", description="backend",
+                                          style=LABEL, layout=W.Layout(width="190px"))
+        self.compile_mode = W.Dropdown(options=list(COMPILE_MODES), value="default", description="mode", style=LABEL,
+                                       layout=W.Layout(width="230px"))
         self.compile_button = W.Button(description="Apply compile mode")
         self.prompt = W.Textarea(value="Once upon a time", placeholder="Prompt", layout=W.Layout(width="98%"))
-        self.max_tokens = W.IntText(value=48, description="max tokens")
-        self.temperature = W.FloatText(value=0.8, description="temperature", step=0.1)
+        self.max_tokens = W.IntText(value=48, description="max tokens", style=LABEL, layout=W.Layout(width="170px"))
+        self.temperature = W.FloatText(value=0.8, description="temperature", step=0.1, style=LABEL,
+                                       layout=W.Layout(width="170px"))
         self.generate_button = W.Button(description="Generate", button_style="success", icon="play")
         self.cancel_button = W.Button(description="Cancel", icon="stop")
         self.output = W.Textarea(value="", disabled=True, layout=W.Layout(width="98%", height="6em"))
         self.image_upload = W.FileUpload(accept="image/*", multiple=False, description="image")
         self.image_view = W.Image(format="png", layout=W.Layout(display="none"))
         self.stats = W.HTML("")
-        self.workload_n = W.BoundedIntText(value=16, min=1, max=1024, description="requests")
+        self.workload_n = W.BoundedIntText(value=16, min=1, max=1024, description="requests", style=LABEL,
+                                           layout=W.Layout(width="160px"))
         self.workload_button = W.Button(description="Run workload", icon="bolt")
         self.status = W.HTML("")
         self.error = W.HTML("")
         empty = charts.all_figures([])
-        self.figures = {name: go.FigureWidget(empty[name].update_layout(width=FIGURE_WIDTH)) for name in figures}
+        self.figures = {name: go.FigureWidget(empty[name]) for name in figures}
 
         self.wire_buttons()
         self.active.observe(lambda change: self.on_active(change["new"]), names="value")
@@ -77,8 +83,7 @@ class SessionWidgets(ViewController, W.VBox):
                              W.HBox([self.generate_button, self.cancel_button, self.image_upload]),
                              W.HBox([self.output, self.image_view]), self.stats,
                              W.HBox([self.workload_n, self.workload_button])])
-        figs = list(self.figures.values())
-        grid = W.VBox([W.HBox(figs[i:i + 2]) for i in range(0, len(figs), 2)])
+        grid = W.GridBox(list(self.figures.values()), layout=W.Layout(**GRID))
         W.VBox.__init__(self, [self.status, self.error, controls, generation, grid], layout=layout)
         self.refresh()
         if auto_refresh:
@@ -187,5 +192,7 @@ def _update_figure(widget: go.FigureWidget, fig: go.Figure) -> None:
                 props = new.to_plotly_json()
                 props.pop("type", None)
                 old.update(props, overwrite=True)
-        widget.layout.annotations = fig.layout.annotations
-        widget.layout.title = fig.layout.title
+        layout = fig.layout.to_plotly_json()
+        layout.pop("template", None)  # the same in every figure, and large
+        layout.setdefault("annotations", [])  # an empty chart's note goes once data came
+        widget.layout.update(layout, overwrite=True)  # titles, notes, axes

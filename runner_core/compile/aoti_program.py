@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -28,6 +29,18 @@ logger = logging.getLogger("runner_core")
 
 AOTI_PACKAGE = "aoti.pt2"  # the general program's package
 AOTI_META = "aoti.json"
+# torch 2.13's inductor deep-copies the exported graph for its repro tooling (_dynamo/repro/
+# after_aot.py), and copying a pytree LeafSpec warns that `isinstance(treespec, LeafSpec)` is
+# deprecated: a FutureWarning about torch's own code, which a user cannot act on (a notebook shows
+# it in pink on every cold compile). `package` ignores exactly that message, only while packaging.
+LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+def package(ep: torch.export.ExportedProgram, path: str, inductor_configs: dict | None) -> None:
+    """Compile `ep` into an AOTInductor package at `path` (a name ending in .pt2)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=LEAFSPEC_WARNING, category=FutureWarning)
+        torch._inductor.aoti_compile_and_package(ep, package_path=path, inductor_configs=inductor_configs)
 
 
 class Functional(nn.Module):
@@ -139,8 +152,7 @@ class AOTIProgram:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{os.getpid()}.{self.package}"  # the packager wants a name ending in .pt2
         try:
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
-                                                     inductor_configs=self.opt.settings.inductor_configs)
+            package(ep, str(tmp), self.opt.settings.inductor_configs)
             data = tmp.read_bytes()
         except BaseException:
             tmp.unlink(missing_ok=True)

@@ -63,6 +63,7 @@ from runner_core.compile.compile_cache import (
 )
 from runner_core.config import COMPILE_SCOPES, CUDA_GRAPH_MODES
 from runner_core.layers.linear import unpack_linear_weights
+from runner_core.progress import progress, ticking
 
 logger = logging.getLogger("runner_core")
 
@@ -328,13 +329,17 @@ class CompileOptimizer:
             self.save_cache()
 
     def _run_sizes(self, run, sizes: list[int]) -> None:
-        from tqdm.auto import tqdm
-
-        for n in tqdm(sizes, desc=f"compiling ({self.settings.backend}, {self.settings.scope}, {self.route})",
-                      leave=False, disable=None):
-            t = time.perf_counter()
-            run(n)
-            self.compile_seconds[n] = time.perf_counter() - t
+        """Compile each size in turn; the bar names the size in progress (one size can take most of
+        a cold compile, so its elapsed time keeps moving) and ends with each size's seconds."""
+        desc = f"torch.compile ({self.settings.backend}, {self.settings.scope}, {self.route})"
+        with progress(desc=desc, total=len(sizes), unit="size") as bar, ticking(bar):
+            for n in sizes:
+                bar.set_postfix_str(f"compiling for {n} tokens")
+                t = time.perf_counter()
+                run(n)
+                self.compile_seconds[n] = time.perf_counter() - t
+                bar.update(1)
+            bar.set_postfix_str(", ".join(f"{k} tokens: {v:.1f} s" for k, v in self.compile_seconds.items()))
 
     def stats(self, decode_programs=None) -> dict:
         """compile_stats(): settings, route, cache, timings, recompiles, and `decode_programs` (the

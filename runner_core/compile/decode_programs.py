@@ -26,6 +26,7 @@ from torch import nn
 from runner_core.compile.aoti_program import AOTICall, AOTIProgram
 from runner_core.layers.attention import set_forward_context
 from runner_core.layers.linear import pack_linear_weights, unpack_linear_weights
+from runner_core.progress import progress, ticking
 
 MIN_GAIN = 0.9  # the default CPU decode program is kept when it takes at most 90% of the general program's time
 
@@ -48,12 +49,15 @@ class DecodePrograms:
 
     def build(self, run_dummy: Callable[..., tuple]) -> DecodePrograms:
         """Build (or load) and warm up every size; `run_dummy` is ForwardPass.dummy_decode."""
-        from tqdm.auto import tqdm
-
-        for s in tqdm(self.sizes[::-1], desc=f"decode programs ({self.kind})", leave=False, disable=None):
-            t = time.perf_counter()
-            self._build_size(s, run_dummy)
-            self.build_seconds[s] = time.perf_counter() - t
+        with progress(desc=f"decode programs ({self.kind})", total=len(self.sizes), unit="size") as bar, \
+                ticking(bar):
+            for s in self.sizes[::-1]:
+                bar.set_postfix_str(f"batch of {s}")
+                t = time.perf_counter()
+                self._build_size(s, run_dummy)
+                self.build_seconds[s] = time.perf_counter() - t
+                bar.update(1)
+            bar.set_postfix_str(", ".join(f"batch {k}: {v:.1f} s" for k, v in sorted(self.build_seconds.items())))
         return self
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, num_real: int) -> torch.Tensor | None:

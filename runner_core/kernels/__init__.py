@@ -5,7 +5,8 @@ tables (no gathered copy); `skinny_linear()` is x W^T + b for a few rows of x, s
 weights once (decode at small batch sizes, where BLAS is far from the memory bandwidth on these
 CPUs). If the build fails, or RUNNER_CORE_NO_KERNELS=1 is set, callers
 get None and keep the pure-torch path; the reason is logged once. Under CI=true a failed
-build is an error, so a broken toolchain cannot hide behind the fallback.
+build is an error, so a broken toolchain cannot hide behind the fallback. A build (~10 s, once
+per machine) shows a progress bar with its elapsed time (runner_core/progress.py).
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ import logging
 import os
 import platform
 import threading
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from runner_core.config import cache_root
+from runner_core.progress import progress, ticking
 
 logger = logging.getLogger("runner_core")
+_NAME = "runner_core_cpu_kernels"
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "skinny_linear_cpu.cpp"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -69,9 +73,14 @@ def _load() -> bool:
             tmp.write_bytes(original.read_bytes())
             os.replace(tmp, source)
         sources.append(str(source))
-    cpp_extension.load(
-        name="runner_core_cpu_kernels", sources=sources, build_directory=str(build_dir),
-        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], is_python_module=False, verbose=False)
+    built = (build_dir / f"{_NAME}.so").exists()  # then the call below only loads it
+    with progress(desc="Building the native CPU kernels (first use; cached afterwards)", total=1, unit="build",
+                  leave=True) if not built else nullcontext() as bar, ticking(bar):
+        cpp_extension.load(
+            name=_NAME, sources=sources, build_directory=str(build_dir),
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], is_python_module=False, verbose=False)
+        if bar is not None:
+            bar.update(1)
     return True
 
 
