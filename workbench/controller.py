@@ -18,6 +18,7 @@ from workbench.session import Session
 
 # What the views (and `serve --model`) load with unless told otherwise: a small KV pool keeps
 # the block map readable and the load fast on a laptop CPU.
+DEFAULT_MODEL = "tiny-speaker"  # the trained preset: its text is words (the random presets are for benchmarks)
 DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 0}  # 0: the model's own limit
 CHART_HISTORY = 600  # rows (at 0.1 s each while work runs)
 IMAGE_PLACEHOLDER = "<image>"  # where a multimodal prompt's image goes (LLaVA's placeholder)

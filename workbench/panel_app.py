@@ -18,7 +18,7 @@ import panel as pn
 from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, COMPILE_SCOPES
 from runner_core.models import preset_names
 from workbench import charts
-from workbench.controller import DEFAULT_LOAD, ViewController, default_device, load_config, model_choice
+from workbench.controller import DEFAULT_LOAD, DEFAULT_MODEL, ViewController, default_device, load_config, model_choice
 from workbench.handles import SessionError
 from workbench.loaded_models import ModelEntry
 from workbench.model_roots import ModelRoots
@@ -55,8 +55,8 @@ class SessionDashboard(ViewController):
         w = pn.widgets
         presets = preset_names()
         full = dict(sizing_mode="stretch_width")  # a sidebar control as wide as the sidebar
-        self.model_select = w.Select(name="Model preset", options=presets, value=presets[0], css_classes=["wb-model"],
-                                     **full)
+        self.model_select = w.Select(name="Model preset", options=presets, value=DEFAULT_MODEL,
+                                     css_classes=["wb-model"], **full)
         self.model_path = w.TextInput(name="…or a local Hugging Face directory", placeholder="/path/to/model",
                                       css_classes=["wb-model-path"], **full)
         self.dtype = w.Select(name="dtype", options=["float32", "bfloat16", "float16", "auto"],

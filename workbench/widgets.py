@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES
 from runner_core.models import preset_names
 from workbench import charts
-from workbench.controller import DEFAULT_LOAD, ViewController, default_device, load_config, model_choice
+from workbench.controller import DEFAULT_LOAD, DEFAULT_MODEL, ViewController, default_device, load_config, model_choice
 from workbench.session import Session
 
 FIGURES = ("throughput", "memory", "blocks", "block_map", "expert_load")
@@ -41,7 +41,7 @@ class SessionWidgets(ViewController, W.VBox):
         self._closed = False
         layout = W.Layout(width="auto")
         presets = preset_names()
-        self.model = W.Dropdown(options=presets, value=presets[0], description="Model", style=LABEL)
+        self.model = W.Dropdown(options=presets, value=DEFAULT_MODEL, description="Model", style=LABEL)
         self.model_path = W.Text(placeholder="/path/to/hf/model (optional)", description="or path", style=LABEL)
         self.load_button = W.Button(description="Load", button_style="primary", icon="download")
         self.unload_button = W.Button(description="Unload", icon="eject")
