@@ -20,9 +20,10 @@ import os
 import re
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity
 
 from runner_core import ModelRunner, SamplingParams
+from runner_core.memory.profile import quiet_profile
 
 CASES = {"prefill 8x256": (8, 256, 1), "decode 32": (32, 64, 64), "decode 1": (1, 32, 128)}
 KINDS = [  # (kind, regex over the op name), first match wins
@@ -43,7 +44,7 @@ def profile_case(runner: ModelRunner, num: int, prompt_len: int, out_len: int) -
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     runner.generate(prompts, params)  # warm-up
     runner.engine.step_metrics.clear()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CPU]) as prof:
         runner.generate(prompts, params)
     steps = list(runner.engine.step_metrics)
     total, forward = sum(m.total_s for m in steps), sum(m.forward_s for m in steps)

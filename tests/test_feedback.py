@@ -151,3 +151,15 @@ def test_dashboard_says_its_charts_are_coming_and_how_long_the_session_is_busy(m
         assert dash.status.object == "**loading tiny-llama… (12 s)**"
     finally:
         session.close()
+
+
+def test_the_activation_profile_prints_nothing_to_stderr(capfd):
+    """torch's profiler (kineto) writes "USDT ... profiler_start/stop" to file descriptor 2 on every run,
+    shown as red lines in a notebook; the memory profile at load silences exactly those."""
+    from runner_core.memory.profile import profile_activation_peak
+
+    peak = profile_activation_peak(lambda: torch.randn(256, 256) @ torch.randn(256, 256), torch.device("cpu"))
+    err = capfd.readouterr().err
+    assert peak > 0 and "profiler_start" not in err and "USDT" not in err
+    print("still here", file=sys.stderr)  # file descriptor 2 is back afterwards
+    assert "still here" in capfd.readouterr().err

@@ -10,7 +10,10 @@ CPU, where torch keeps no allocator statistics, the allocation and free events o
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -27,12 +30,42 @@ def dummy_batch(num_tokens: int, num_seqs: int) -> list[list[int]]:
     return [[0] * (num_tokens - num_seqs + 1)] + [[0]] * (num_seqs - 1)
 
 
+@contextmanager
+def _fd2_to_null() -> Iterator[None]:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextmanager
+def quiet_profile(**kwargs) -> Iterator:
+    """`torch.profiler.profile(**kwargs)` whose start and stop print nothing: kineto writes "USDT ...
+    profiler_start/stop" straight to file descriptor 2 at every KINETO_LOG_LEVEL (red lines in a
+    notebook that the user can do nothing about). Only those two calls are silenced, not the work."""
+    from torch.profiler import profile
+
+    prof = profile(**kwargs)
+    with _fd2_to_null():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _fd2_to_null():
+            prof.stop()
+
+
 def _cpu_peak(fn) -> int:
     """Peak of (bytes allocated - bytes freed) on the CPU while `fn()` runs, from profiler events."""
     from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
