@@ -132,7 +132,9 @@ def _screenshot_main_chart(page, name: str) -> None:
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_in_jupyterlab(path, lab, browser):
-    source = path.read_text()
+    import nbformat
+
+    source = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
         page.goto(lab.notebook_url(path.name))
