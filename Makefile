@@ -12,7 +12,7 @@ PORT ?= 5006
 BINDER_VENV ?= build/binder-venv
 BINDER_CACHE ?= build/binder-cache
 
-.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-peers soak fuzz clean
+.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-peers soak fuzz lesson-screenshots clean
 
 setup: $(STAMP)
 
@@ -83,6 +83,10 @@ binder-check:
 			jupyter execute --timeout=600 "$$nb" >/dev/null || exit 1; \
 	done
 	@echo "binder-check: every notebook ran with binder/requirements.txt + binder/postBuild"
+
+# each lesson's main chart as the JupyterLab test drew it (run make test first), for the README
+lesson-screenshots:
+	mkdir -p notebooks/screenshots && cp test-output/screenshots/*.png notebooks/screenshots/
 
 bench: setup
 	$(PY) benchmarks/throughput.py
