@@ -1,68 +1,91 @@
 """Unload means unloaded: after `session.unload()` / `runner.shutdown()` the process's resident memory
-returns to within a few MiB of before the load, and load -> unload x20 does not grow."""
+returns to within a few MiB of before the load, and load -> unload x20 does not grow.
+
+Each measurement runs in a fresh process: in the test process, earlier tests' heap fragments would
+blur a figure of a few MiB.
+"""
 
 from __future__ import annotations
 
-import pytest
+import json
+import subprocess
+import sys
+import textwrap
 
-from runner_core import ModelRunner, SamplingParams
-from runner_core.memory import resident_bytes
+from tests.conftest import REPO
 
 MiB = 2**20
-POOL = 512 * MiB
+
+PRELUDE = """
+import json
+from runner_core import ModelRunner, SamplingParams
+from runner_core.memory import resident_bytes
+from runner_core.models.presets import ensure_preset
+from workbench import Session
+
+MiB = 2**20
 SHORT = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture
-def session():
-    from workbench import Session
-
-    s = Session()
-    yield s
-    s.close()
-
-
-def _load(session, path, pool=POOL):
-    session.load_model(str(path), dtype="float32", kv_cache_memory=pool)
+def load(session, name, pool_mib):
+    session.load_model(str(ensure_preset(name)), dtype="float32", kv_cache_memory=pool_mib * MiB)
     session.generate("warm the pool up", sampling_params=SHORT)
+"""
 
 
-def test_session_unload_returns_the_memory(session, tiny_llama_path):
-    from runner_core.models.presets import ensure_preset
+def measure(body: str) -> dict:
+    """Run `body` after PRELUDE in a fresh interpreter; it prints one JSON line of figures."""
+    code = PRELUDE + textwrap.dedent(body)
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    figures = json.loads(res.stdout.strip().splitlines()[-1])
+    print(figures)
+    return figures
 
-    _load(session, tiny_llama_path, 64 * MiB)  # first-use costs (imports, kernels, caches) are paid here
-    session.unload()
-    before = resident_bytes()
+
+def test_session_unload_returns_the_memory(tiny_llama_path):
     # small-llama's 120 MiB of weights are many mid-sized tensors: the C heap keeps their pages unless
-    # it is trimmed (without release_freed_memory this test measures ~40 MiB left behind, with it ~7)
-    _load(session, ensure_preset("small-llama"), 64 * MiB)
-    loaded = resident_bytes()
-    weights = session.memory_stats()["weights_bytes"]
-    session.unload()
-    after = resident_bytes()
-    print(f"resident: before {before / MiB:.1f} MiB, loaded +{(loaded - before) / MiB:.1f}, "
-          f"after unload {(after - before) / MiB:+.1f} MiB")
-    assert loaded - before > weights  # the weights and the pool were resident
-    assert after - before < 16 * MiB
+    # it is trimmed (without release_freed_memory this measures ~40 MiB left behind, with it ~7)
+    f = measure("""
+        s = Session()
+        load(s, "tiny-llama", 64)  # first-use costs (imports, kernels, caches) are paid here
+        s.unload()
+        before = resident_bytes()
+        load(s, "small-llama", 64)
+        loaded, weights = resident_bytes(), s.memory_stats()["weights_bytes"]
+        s.unload()
+        print(json.dumps({"loaded": loaded - before, "weights": weights, "after": resident_bytes() - before}))
+        s.close()
+    """)
+    assert f["loaded"] > f["weights"]  # the weights and the pool were resident
+    assert f["after"] < 16 * MiB
 
 
 def test_runner_shutdown_returns_the_memory(tiny_llama_path):
-    def cycle():
-        r = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": POOL}).load_model()
-        r.generate("hello", SHORT)
-        r.shutdown()
+    f = measure("""
+        def cycle():
+            r = ModelRunner({"model": str(ensure_preset("tiny-llama")), "dtype": "float32",
+                             "kv_cache_memory": 512 * MiB}).load_model()
+            r.generate("hello", SHORT)
+            r.shutdown()
+        cycle()
+        before = resident_bytes()
+        cycle()
+        print(json.dumps({"after": resident_bytes() - before}))
+    """)
+    assert f["after"] < 8 * MiB
 
-    cycle()
-    before = resident_bytes()
-    cycle()
-    assert resident_bytes() - before < 8 * MiB
 
-
-def test_load_unload_twenty_times_does_not_grow(session, tiny_llama_path):
-    figures = []
-    for _ in range(20):
-        _load(session, tiny_llama_path, 32 * MiB)
-        session.unload()
-        figures.append(resident_bytes())
-    print("resident after each unload (MiB):", [round(f / MiB) for f in figures])
+def test_load_unload_twenty_times_does_not_grow(tiny_llama_path):
+    f = measure("""
+        s = Session()
+        figures = []
+        for _ in range(20):
+            load(s, "tiny-llama", 32)
+            s.unload()
+            figures.append(resident_bytes())
+        s.close()
+        print(json.dumps({"figures": figures}))
+    """)
+    figures = f["figures"]
     assert max(figures[5:]) - figures[4] < 8 * MiB
