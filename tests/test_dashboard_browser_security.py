@@ -4,17 +4,11 @@ text (nothing executes), and two browser sessions open at once each see their ow
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
-import pytest
-
 from runner_core import ModelRunner, SamplingParams
+from tests.dashboard_server import served_dashboard
 from tests.test_workbench_browser import CHROMIUM, CHROMIUM_ARGS, SLOW, _require_browser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,25 +34,6 @@ def hostile_model(tiny_llama_path: Path, root: Path) -> Path:
     return path
 
 
-def _serve(*args: str):
-    proc = subprocess.Popen([sys.executable, "-m", "workbench", "serve", "--port", "0", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
-    url, lines, found = [], [], threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"Workbench dashboard: (http://\S+)", line)
-            if m and not url:
-                url.append(m.group(1))
-                found.set()
-    threading.Thread(target=read, daemon=True).start()
-    if not found.wait(180):
-        proc.kill()
-        pytest.fail("the server printed no URL:\n" + "".join(lines))
-    return proc, url[0]
-
-
 def _generate(page, prompt: str, max_tokens: int) -> None:
     page.locator(".wb-prompt textarea").fill(prompt)
     for field, value in ((".wb-max-tokens input", str(max_tokens)), (".wb-temperature input", "0")):
@@ -72,8 +47,7 @@ def test_html_in_generated_text_and_model_names_is_shown_as_text(tiny_llama_path
     from playwright.sync_api import expect
 
     path = hostile_model(tiny_llama_path, tmp_path)
-    proc, url = _serve("--model", str(path), "--model-root", str(tmp_path))
-    try:
+    with served_dashboard("--model", str(path), "--model-root", str(tmp_path)) as url:
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1400, "height": 1200})
@@ -87,9 +61,6 @@ def test_html_in_generated_text_and_model_names_is_shown_as_text(tiny_llama_path
             assert page.evaluate("typeof window.__xss") == "undefined"  # nothing ran
             assert page.locator(".wb-answer script, .wb-answer img, .wb-models img").count() == 0
             browser.close()
-    finally:
-        proc.terminate()
-        proc.wait(15)
 
 
 def test_two_browser_sessions_each_see_their_own_generations():
@@ -103,8 +74,7 @@ def test_two_browser_sessions_each_see_their_own_generations():
                 for k, p in prompts.items()}
     runner.shutdown()
     assert expected["a"] != expected["b"]
-    proc, url = _serve("--model", "tiny-speaker")
-    try:
+    with served_dashboard("--model", "tiny-speaker") as url:
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             pages = {k: browser.new_context(viewport={"width": 1400, "height": 1200}).new_page() for k in prompts}
@@ -118,6 +88,3 @@ def test_two_browser_sessions_each_see_their_own_generations():
                 expect(page.locator(".wb-answer-stats")).to_contain_text("finished", timeout=SLOW)
                 assert page.locator(".wb-answer pre").inner_text() == expected[k]
             browser.close()
-    finally:
-        proc.terminate()
-        proc.wait(15)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import http.cookiejar
-import re
 import shutil
 import subprocess
 import sys
@@ -15,20 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.dashboard_server import served_dashboard
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _serve(*args: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "workbench", "serve", "--port", "0", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        m = re.search(r"Workbench dashboard: (http://\S+)", line)
-        if m:
-            return proc, m.group(1)
-    proc.wait(15)
-    raise AssertionError("no URL printed:\n" + "".join(seen))
 
 
 def test_a_network_address_without_a_login_is_refused():
@@ -39,8 +27,7 @@ def test_a_network_address_without_a_login_is_refused():
 
 
 def test_a_network_address_with_basic_auth_asks_for_the_password():
-    proc, url = _serve("--address", "0.0.0.0", "--basic-auth", "s3cret-pass")
-    try:
+    with served_dashboard("--address", "0.0.0.0", "--basic-auth", "s3cret-pass") as url:
         port = urllib.parse.urlparse(url).port
         base = f"http://127.0.0.1:{port}"
         with urllib.request.urlopen(base + "/", timeout=60) as resp:  # follows the redirect to the login page
@@ -54,9 +41,6 @@ def test_a_network_address_with_basic_auth_asks_for_the_password():
         right = urllib.parse.urlencode({"username": "me", "password": "s3cret-pass"}).encode()
         with opener.open(base + "/login", data=right, timeout=60) as resp:
             assert "<title>runner-workbench</title>" in resp.read().decode()
-    finally:
-        proc.terminate()
-        proc.wait(15)
 
 
 @pytest.fixture

@@ -5,13 +5,11 @@ watches a chart gain points, and sees bad input reported in the page."""
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import pytest
+
+from tests.dashboard_server import served_dashboard
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "test-output" / "workbench"
@@ -37,32 +35,9 @@ def _require_browser():
 @pytest.fixture(scope="module")
 def server_url(tiny_llama_path):
     """The dashboard served by the CLI, as a user starts it; the URL it prints."""
-    proc = subprocess.Popen([sys.executable, "-m", "workbench", "serve", "--port", "0"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
-    lines: list[str] = []
-    found = threading.Event()
-    url: list[str] = []
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"Workbench dashboard: (http://\S+)", line)
-            if m and not url:
-                url.append(m.group(1))
-                found.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        if not found.wait(90):
-            pytest.fail("the server printed no URL:\n" + "".join(lines))
-        assert url[0].startswith("http://127.0.0.1:"), "binds loopback by default"
-        yield url[0]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with served_dashboard() as url:
+        assert url.startswith("http://127.0.0.1:"), "binds loopback by default"
+        yield url
 
 
 @pytest.fixture(scope="module")
