@@ -45,6 +45,7 @@ import torch
 from tqdm import tqdm
 
 from runner_core import ModelRunner, SamplingParams
+from runner_core.kernels import cpu_kernels_available
 from runner_core.memory.shapes import ModelShape
 from runner_core.model_loader import read_hf_config, resolve_model_path
 
@@ -194,6 +195,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
 
     model_dir = str(resolve_model_path(args.model))
+    cpu_kernels_available()  # a first build (once per machine) is not part of any cold start below
     shape = ModelShape.from_hf_config(read_hf_config(Path(model_dir)))
     n = args.num_requests or (8 if args.quick else 64)
     lens = dict(prompt_len=(16, 64), output_len=(8, 32)) if args.quick else {}

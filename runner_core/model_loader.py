@@ -27,6 +27,7 @@ from torch import nn
 
 from runner_core.config import RunnerConfig, auto_dtype
 from runner_core.errors import ModelLoadError
+from runner_core.layers.linear import pack_panel_weights, panels_apply
 from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
 from runner_core.models.registry import MODEL_ATTRIBUTES, ModelAdapter
 from runner_core.progress import progress
@@ -51,6 +52,7 @@ class LoadedModel:
     buffer_bytes: int  # its buffers (rotary tables)
     adapter: ModelAdapter  # which class built it, by which path, and why
     bytes_read: int = 0  # checkpoint bytes read from the safetensors files
+    panel_bytes: int = 0  # the panel copies of its linear weights (float32 CPU: layers/linear.py)
     processor: object | None = None  # a multimodal model's Hugging Face processor (tokenizer + image processor)
 
 
@@ -89,9 +91,11 @@ class ModelLoader:
             del model
             traceback.clear_frames(exc.__traceback__)
             raise
+        buffer_bytes = _nbytes(model.buffers())
+        panels = pack_panel_weights(model) if panels_apply(cfg.torch_device, cfg.torch_dtype, cfg.world_size) else 0
         return LoadedModel(model=model, tokenizer=tokenizer, hf_config=hf_config, model_path=path,
                            load_seconds=time.perf_counter() - start, weight_bytes=_nbytes(model.parameters()),
-                           buffer_bytes=_nbytes(model.buffers()), adapter=adapter, bytes_read=bytes_read,
+                           buffer_bytes=buffer_bytes, panel_bytes=panels, adapter=adapter, bytes_read=bytes_read,
                            processor=processor)
 
     def _build(self, cls: type, hf_config) -> nn.Module:

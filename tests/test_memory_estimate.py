@@ -46,8 +46,11 @@ def test_prediction_matches_measurement(loaded):
     assert _close(est.kv_pool_bytes, kv.numel() * kv.element_size())
     measured = runner.engine.worker.measure_activation_peak(TOKENS, 8)
     assert _close(est.activation_peak_bytes, measured), (est.activation_peak_bytes, measured)
+    # float32 on the CPU: the panel copies of the linear weights, predicted to the byte
+    panels = runner.engine.worker.memory_bytes()["panel_weights_bytes"]
+    assert panels > 0.5 * est.weights_bytes and est.panel_weights_bytes == panels
     assert est.total_per_device_bytes == (est.weights_bytes + est.kv_pool_bytes + est.activation_peak_bytes
-                                          + est.buffers_bytes)
+                                          + est.buffers_bytes + est.panel_weights_bytes)
 
 
 def test_pool_without_kv_cache_memory_is_max_num_seqs_sequences(tiny_llama_path):
@@ -180,12 +183,14 @@ def test_max_model_len_beyond_the_model_is_refused(tiny_llama_path):
 
 def test_configuration_that_cannot_fit_is_refused():
     est = estimate_memory("small-llama", dtype="float32", max_model_len=4096)
-    available = 150 << 20
+    panels = est.panel_weights_bytes  # the float32 CPU runner's panel copies of the linear weights
+    available = (150 << 20) + panels
     assert required_bytes(est) > available
     with pytest.raises(ConfigError) as info:
         check_fits(est, available, gpu_memory_utilization=0.9)
     msg = str(info.value)
-    assert "needs" in msg and "available: 150.0 MiB" in msg and "weights 120.5 MiB" in msg
+    assert "needs" in msg and f"available: {available / 2**20:.1f} MiB" in msg and "weights 120.5 MiB" in msg
+    assert f"weight panels {panels / 2**20:.1f} MiB" in msg
     assert "dtype='bfloat16'" in msg and "fits" in msg
     assert "tensor_parallel_size=2" in msg
     assert "max_model_len=" in msg

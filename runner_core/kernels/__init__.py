@@ -1,9 +1,10 @@
 """Native kernels, built on first use with torch's C++ extension tooling and cached.
 
 `paged_decode_attention()` reads keys and values in place from the KV pool through block
-tables (no gathered copy); `skinny_linear()` is x W^T + b for a few rows of x, streaming the
-weights once (decode at small batch sizes, where BLAS is far from the memory bandwidth on these
-CPUs). If the build fails, or RUNNER_CORE_NO_KERNELS=1 is set, callers
+tables (no gathered copy); `panel_linear()` is x W^T + b in float32 over weights prepacked by
+`pack_panels()` into panels of 16 output columns (a register-tiled GEMM: BLAS on these CPUs runs
+the decode batch sizes at a third of it, see the README's performance section). The kernels run on
+torch's OpenMP threads (`torch.set_num_threads`). If the build fails, or RUNNER_CORE_NO_KERNELS=1 is set, callers
 get None and keep the pure-torch path; the reason is logged once. Under CI=true a failed
 build is an error, so a broken toolchain cannot hide behind the fallback. A build (~10 s, once
 per machine) shows a progress bar with its elapsed time (runner_core/progress.py).
@@ -26,7 +27,7 @@ from runner_core.progress import progress, ticking
 
 logger = logging.getLogger("runner_core")
 _NAME = "runner_core_cpu_kernels"
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "skinny_linear_cpu.cpp"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "panel_linear_cpu.cpp"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -57,7 +58,7 @@ def _ensure_ninja_on_path() -> None:
 
 
 def _load() -> bool:
-    if hasattr(torch.ops.runner_kernels, "skinny_linear"):
+    if hasattr(torch.ops.runner_kernels, "panel_linear"):
         return True
     from torch.utils import cpp_extension
 
@@ -76,9 +77,11 @@ def _load() -> bool:
     built = (build_dir / f"{_NAME}.so").exists()  # then the call below only loads it
     with progress(desc="Building the native CPU kernels (first use; cached afterwards)", total=1, unit="build",
                   leave=True) if not built else nullcontext() as bar, ticking(bar):
+        # -fopenmp: without it ATen's parallel_for compiles to a serial loop; its OpenMP calls bind to
+        # the libgomp torch loaded, so the kernels share torch's thread pool and thread count
         cpp_extension.load(
             name=_NAME, sources=sources, build_directory=str(build_dir),
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], is_python_module=False, verbose=False)
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
         if bar is not None:
             bar.update(1)
     return True
@@ -109,5 +112,11 @@ def paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens,
                                                  block_size, scale, sliding_window or 0)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.runner_kernels.skinny_linear(x, weight, bias)
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 [n, k] weight as [ceil(n / 16), k, 16] panels (zero padded), what `panel_linear` reads."""
+    return torch.ops.runner_kernels.pack_panels(weight)
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] @ W^T + bias -> [m, n], W given as `pack_panels(W)`."""
+    return torch.ops.runner_kernels.panel_linear(x, panels, n, bias)

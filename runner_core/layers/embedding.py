@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner_core.layers.linear import default_weight_loader
+from runner_core.layers.linear import default_weight_loader, dense
 from runner_core.parallel.state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -45,7 +45,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     Its own (untied) weight is stored column-major: `weight` is the [vocab, hidden] view of a
     contiguous [hidden, vocab] tensor, so the projection is a plain x @ W^T GEMM over contiguous
     columns. On the CPU, BLAS handles this wide matrix far better that way at decode batch sizes
-    (benchmarks: README, "Where the time goes"). A head tied to the embedding keeps its layout."""
+    (benchmarks: README, "Where the time goes"). A head tied to the embedding keeps its layout.
+    On a float32 CPU runner the eager path multiplies its panel copy instead (linear.py)."""
+
+    uses_panels = True
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
@@ -53,5 +56,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight.weight_loader = self.weight_loader
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = tp_all_gather(F.linear(hidden_states, self.weight))
+        logits = tp_all_gather(dense(self, hidden_states, self.weight, None))
         return logits[..., : self.num_embeddings]

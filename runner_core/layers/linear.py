@@ -9,6 +9,11 @@ weight in MKL's packed GEMM layout as a buffer; while `packed_weights_in_use()` 
 static decode program is exported) the layers call the opaque `runner_core::packed_linear` op on
 it. The packed buffer cannot move (MKL keeps address-dependent metadata in it), so it is a
 program *input* made in this process, never a constant stored in a package.
+
+Panels (eager float32 CPU): `pack_panel_weights` gives each linear layer and the LM head a
+`panel_weight` buffer, its weight as panels of 16 output columns, which `dense` multiplies with the
+native kernel (kernels/panel_linear_cpu.cpp) at every batch size outside compiled graphs. It is a
+copy made once after loading: `weight` stays the parameter every other path reads.
 """
 
 from __future__ import annotations
@@ -23,11 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner_core.kernels import cpu_kernels_available, skinny_linear
+from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear
 from runner_core.parallel.state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
-# eager float32 CPU steps of at most this many rows use the streaming kernel (kernels/skinny_linear_cpu.cpp)
-SKINNY_MAX_ROWS = 4
+PANEL_ROWS = 16  # output columns per panel (kernels/panel_linear_cpu.cpp)
 
 
 def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -98,8 +102,44 @@ def unpack_linear_weights(model: nn.Module) -> None:
             del m._buffers["packed_weight"]
 
 
+def panels_apply(device: torch.device | str, dtype: torch.dtype, world_size: int) -> bool:
+    """Whether a runner with these settings gets panel copies of its weights: float32 on the CPU, one
+    process, the native kernels built."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and world_size == 1 \
+        and cpu_kernels_available()
+
+
+def panel_bytes(shapes: Counter) -> int:
+    """Bytes of the panel copies of float32 weights of these [out, in] shapes (with counts)."""
+    return sum(count * -(-n // PANEL_ROWS) * PANEL_ROWS * k * 4 for (n, k), count in shapes.items())
+
+
+def pack_panel_weights(model: nn.Module) -> int:
+    """Give every module with a `uses_panels` flag (linear layers, the LM head) a `panel_weight`
+    buffer; returns the bytes they take."""
+    total = 0
+    for m in model.modules():
+        if getattr(m, "uses_panels", False):
+            panels = pack_panels(m.weight.detach())
+            m.register_buffer("panel_weight", panels, persistent=False)
+            total += panels.numel() * panels.element_size()
+    return total
+
+
+def dense(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b: through `module`'s panel copy of W when it has one (outside compiled graphs, which
+    see F.linear), else F.linear."""
+    panels = module._buffers.get("panel_weight")
+    if panels is None or torch.compiler.is_compiling() or x.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    y = panel_linear(x.reshape(-1, x.shape[-1]), panels, weight.shape[0], bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
 class LinearBase(nn.Module):
     """y = x W^T + b over this rank's [out, in] slice of W."""
+
+    uses_panels = True  # pack_panel_weights gives it a panel copy
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -119,11 +159,7 @@ class LinearBase(nn.Module):
         if "packed_weight" in self._buffers and not torch.compiler.is_dynamo_compiling() and _PACKED_IN_USE.get():
             y = packed_linear(x, self._buffers["packed_weight"], self.weight)
             return y if bias is None else y + bias
-        # (is_compiling first: comparing a traced, symbolic batch size would specialise it)
-        if not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS \
-                and x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels_available():
-            return skinny_linear(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+        return dense(self, x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

@@ -17,13 +17,14 @@ import torch
 
 from runner_core.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    TORCH_DTYPES,
     auto_dtype,
     dtype_bytes,
     normalise_dtype,
     resolve_max_model_len,
 )
 from runner_core.errors import ConfigError
-from runner_core.layers.linear import packed_bytes
+from runner_core.layers.linear import packed_bytes, panel_bytes, panels_apply
 from runner_core.memory.shapes import (
     ModelShape,
     _MiB,
@@ -120,6 +121,7 @@ class MemoryEstimate:
     dtype: str
     buffers_bytes: int = 0  # rotary cos/sin tables (float32)
     decode_programs_bytes: int = 0  # CPU decode programs' MKL-prepacked weights (compiled, one device)
+    panel_weights_bytes: int = 0  # float32 CPU, one device: the linear weights' panel copies (layers/linear.py)
     encoder_cache_bytes: int = 0  # a multimodal model's cached image features (encoder_cache_tokens rows)
     min_kv_pool_bytes: int = 0  # one max_model_len sequence, rounded up to whole blocks
     block_size: int = 16
@@ -139,7 +141,7 @@ class MemoryEstimate:
     def fixed_bytes(self) -> int:
         """Everything but the KV pool: weights, activation peak, buffers, prepacked weights, image features."""
         return (self.weights_bytes + self.activation_peak_bytes + self.buffers_bytes + self.decode_programs_bytes
-                + self.encoder_cache_bytes)
+                + self.panel_weights_bytes + self.encoder_cache_bytes)
 
     def __str__(self) -> str:
         par = f"tp={self.tensor_parallel_size}, pp={self.pipeline_parallel_size}"
@@ -153,6 +155,8 @@ class MemoryEstimate:
             ("rotary tables", self.buffers_bytes, ""),
             *([("decode programs", self.decode_programs_bytes, "MKL-prepacked linear weights (compiled, CPU)")]
               if self.decode_programs_bytes else []),
+            *([("weight panels", self.panel_weights_bytes, "linear weights packed for the CPU GEMM kernel")]
+              if self.panel_weights_bytes else []),
             *([("encoder cache", self.encoder_cache_bytes, "image features kept for reuse")]
               if self.encoder_cache_bytes else []),
             ("total", self.total_per_device_bytes, f"per device, {self.num_devices} device(s)"),
@@ -203,7 +207,7 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
 
     path = resolve_model_path(str(model))
     hf_config = read_hf_config(path, trust_remote_code)
-    MODEL_REGISTRY.get_adapter(hf_config, model_impl, trust_remote_code=trust_remote_code)
+    adapter = MODEL_REGISTRY.get_adapter(hf_config, model_impl, trust_remote_code=trust_remote_code)
     shape = ModelShape.from_hf_config(hf_config)
     multimodal = getattr(hf_config, "vision_config", None) is not None
     tensors = read_safetensors_shapes(path)
@@ -215,7 +219,7 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 block_size=block_size, kv_cache_memory=kv_cache_memory, device=device, model=str(model),
-                packed_decode_weights=packed_decode_weights,
+                packed_decode_weights=packed_decode_weights, native_linears=adapter.impl == "native",
                 encoder_cache_tokens=(encoder_cache_tokens if encoder_cache_tokens is not None else
                                       max_num_batched_tokens) if multimodal else 0)
     return _estimate(_Inputs(shape, tuple(tensors), args))
@@ -248,14 +252,18 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
     buffers = [n * limit * shape.head_dim * 4 for n in layers]  # cos and sin, head_dim/2 each, float32
     act = estimate_activation_peak(shape, num_tokens=tokens, num_seqs=a["max_num_seqs"], dtype=dtype,
                                    tensor_parallel_size=tp, context_len=max_len, decode_gather=dev_type == "cuda")
-    packed = _packed_decode_bytes(shape) if a["packed_decode_weights"] and tp * pp == 1 and dtype == "float32" else 0
+    packed = (packed_bytes(_linear_shapes(shape)) if a["packed_decode_weights"] and tp * pp == 1
+              and dtype == "float32" else 0)
+    panels = (panel_bytes(_linear_shapes(shape) + Counter({(shape.vocab_size, shape.hidden_size): 1}))
+              if a["native_linears"] and panels_apply(dev_type, TORCH_DTYPES[dtype], tp * pp) else 0)
     encoder = (a["encoder_cache_tokens"] if a["encoder_cache_tokens"] is not None else tokens) * shape.hidden_size * b
-    totals = [w + pool_tokens * k + act + buf + packed + encoder for w, k, buf in zip(weights, per_token, buffers)]
+    totals = [w + pool_tokens * k + act + buf + packed + panels + encoder
+              for w, k, buf in zip(weights, per_token, buffers)]
     return MemoryEstimate(
         weights_bytes=max(weights), kv_bytes_per_token=bpt, kv_pool_bytes=pool_tokens * bpt,
         kv_pool_tokens=pool_tokens, activation_peak_bytes=act, total_per_device_bytes=max(totals),
         num_devices=tp * pp, max_model_len=max_len, dtype=dtype, buffers_bytes=max(buffers),
-        decode_programs_bytes=packed, encoder_cache_bytes=encoder,
+        decode_programs_bytes=packed, panel_weights_bytes=panels, encoder_cache_bytes=encoder,
         min_kv_pool_bytes=-(-max_len // bs) * bs * bpt, block_size=bs, max_num_seqs=a["max_num_seqs"],
         max_num_batched_tokens=tokens, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         kv_cache_memory=a["kv_cache_memory"], device=device, model=a["model"],
@@ -274,9 +282,10 @@ def vision_tensors(hf_config) -> list[tuple[str, tuple[int, ...]]]:
             + [(f"multi_modal_projector.{n}", tuple(p.shape)) for n, p in projector.named_parameters()])
 
 
-def _packed_decode_bytes(shape: ModelShape) -> int:
-    """The runner's fused linear weights (qkv, o per layer; gate_up, down per dense layer; an MoE
-    layer's router, shared expert and its gate; experts are no linear layers) as MKL packs them."""
+def _linear_shapes(shape: ModelShape) -> Counter:
+    """[out, in] shapes (with counts) of the runner's fused linear weights: qkv, o per layer; gate_up,
+    down per dense layer; an MoE layer's router, shared expert and its gate (experts are no linear
+    layers)."""
     h, i, d, n = shape.hidden_size, shape.intermediate_size, shape.head_dim, shape.num_layers
     q, kv = shape.num_heads * d, shape.num_kv_heads * d
     dense, moe = len(shape.dense_layers), shape.moe
@@ -287,4 +296,4 @@ def _packed_decode_bytes(shape: ModelShape) -> int:
         shapes.update({(moe.num_experts, h): sparse})
         if s:
             shapes.update({(2 * s, h): sparse, (h, s): sparse, (1, h): sparse})
-    return packed_bytes(Counter({k: v for k, v in shapes.items() if v}))
+    return Counter({k: v for k, v in shapes.items() if v})

@@ -76,7 +76,9 @@ def check_fits(estimate: MemoryEstimate, available_bytes: int, *, gpu_memory_uti
     msg = (f"{estimate.model or 'the model'} does not fit: it needs {_fmt(need)} per device (weights "
            f"{_fmt(estimate.weights_bytes)} in {estimate.dtype}, "
            f"activation peak {_fmt(estimate.activation_peak_bytes)}, "
-           f"rotary tables {_fmt(estimate.buffers_bytes)}, {pool}) but {where}.")
+           f"rotary tables {_fmt(estimate.buffers_bytes)}, "
+           + (f"weight panels {_fmt(estimate.panel_weights_bytes)}, " if estimate.panel_weights_bytes else "")
+           + f"{pool}) but {where}.")
     tips = fit_suggestions(estimate, available_bytes)
     msg += (" Would fit with: " + "; ".join(tips) + "." if tips else
             " No single change of dtype, tensor_parallel_size, max_model_len or kv_cache_memory makes it fit; "
