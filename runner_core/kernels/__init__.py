@@ -87,6 +87,13 @@ def _load() -> bool:
     return True
 
 
+def _register_fakes() -> None:
+    """Output shapes for tracing, so compiled graphs call the panel GEMM as an opaque op."""
+    @torch.library.register_fake("runner_kernels::panel_linear")
+    def _(x, panels, n, bias):
+        return x.new_empty(x.shape[0], n)
+
+
 def cpu_kernels_available() -> bool:
     """Build (once per process; cached on disk across processes) and report whether the CPU kernels load."""
     with _lock:
@@ -96,6 +103,7 @@ def cpu_kernels_available() -> bool:
             else:
                 try:
                     _state["ok"] = _load()
+                    _register_fakes()
                 except Exception as e:  # compiler missing, build error
                     if os.environ.get("CI") == "true":
                         raise

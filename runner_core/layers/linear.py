@@ -10,10 +10,10 @@ static decode program is exported) the layers call the opaque `runner_core::pack
 it. The packed buffer cannot move (MKL keeps address-dependent metadata in it), so it is a
 program *input* made in this process, never a constant stored in a package.
 
-Panels (eager float32 CPU): `pack_panel_weights` gives each linear layer and the LM head a
-`panel_weight` buffer, its weight as panels of 16 output columns, which `dense` multiplies with the
-native kernel (kernels/panel_linear_cpu.cpp) at every batch size outside compiled graphs. It is a
-copy made once after loading: `weight` stays the parameter every other path reads.
+Panels (float32 CPU): `pack_panel_weights` gives each linear layer and the LM head a `panel_weight`
+buffer, its weight as panels of 16 output columns, which `dense` multiplies with the native kernel
+(kernels/panel_linear_cpu.cpp) at every batch size, eager and in compiled graphs (an opaque op to
+them). It is a copy made once after loading: `weight` stays the parameter every other path reads.
 """
 
 from __future__ import annotations
@@ -127,10 +127,9 @@ def pack_panel_weights(model: nn.Module) -> int:
 
 
 def dense(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b: through `module`'s panel copy of W when it has one (outside compiled graphs, which
-    see F.linear), else F.linear."""
+    """x W^T + b: through `module`'s panel copy of W when it has one, else F.linear."""
     panels = module._buffers.get("panel_weight")
-    if panels is None or torch.compiler.is_compiling() or x.dtype != torch.float32:
+    if panels is None or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     y = panel_linear(x.reshape(-1, x.shape[-1]), panels, weight.shape[0], bias)
     return y.view(*x.shape[:-1], weight.shape[0])
