@@ -28,7 +28,7 @@ from runner_core.memory.profile import quiet_profile
 CASES = {"prefill 8x256": (8, 256, 1), "decode 32": (32, 64, 64), "decode 1": (1, 32, 128)}
 KINDS = [  # (kind, regex over the op name), first match wins
     ("matmul", r"aten::(mm|addmm|bmm|_mkl_linear|mkldnn_.*|linear)$|packed_linear|panel_linear|mkl"),
-    ("decode attention", r"paged_decode_attention"),
+    ("paged attention", r"paged_attention$|runner_kernels::paged_attention"),
     ("prefill attention", r"scaled_dot_product|_flash_attention|index_select|gather|index$|masked_fill"),
     ("norm/rope/act", r"rms|rsqrt|pow|mean|silu|sigmoid|cos|sin|neg|cat|aten::mul|aten::add"),
     ("sampling", r"argmax|softmax|topk|sort|multinomial|log_softmax"),

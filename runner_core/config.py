@@ -33,7 +33,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 COMPILE_SCOPES = ("model", "layer", "mlp", "self_attn")  # whole model, each decoder layer, module kinds
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor captures its own CUDA graphs in these
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-# how attention reads the KV pool; auto: flex on CUDA, the native decode kernel on the CPU when built, else gather
+# how attention reads the KV pool; auto: flex on CUDA, the native kernel on the CPU when built, else gather
 ATTENTION_BACKENDS = ("auto", "flex", "native", "gather")
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

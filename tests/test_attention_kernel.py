@@ -1,4 +1,5 @@
-"""The native paged decode kernel equals the pure-torch gather path it replaces."""
+"""The native paged attention kernel (decode and prefill rows over the pool in place) equals the
+pure-torch gather path it replaces."""
 
 from __future__ import annotations
 
@@ -16,33 +17,39 @@ def test_kernel_builds():
     assert cpu_kernels_available(), "gcc and ninja are project requirements; see the warning logged above"
 
 
+# (first new position, new tokens) per sequence, decodes first: pure decode; decodes with a fresh
+# prompt, a prompt's later chunk and a 20-token chunk (more than one work item of the kernel)
+CASES = {"decode": [(0, 1), (4, 1), (16, 1), (32, 1), (3, 1)],
+         "mixed": [(4, 1), (32, 1), (0, 9), (12, 5), (3, 20)]}
+
+
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_matches_gather_path(window, dtype):
+def test_native_kernel_matches_gather_path(case, window, dtype):
     torch.manual_seed(0)
     heads, kv_heads, head_dim, block_size, num_blocks = 8, 2, 32, 4, 64
-    ctx = [1, 5, 17, 33, 4]
+    starts, q_lens = [s for s, _ in CASES[case]], [n for _, n in CASES[case]]
+    num_decodes, n = sum(1 for c in q_lens if c == 1), sum(q_lens)
     g = torch.Generator().manual_seed(1)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, used = [], 0
-    for n in ctx:
-        nb = -(-n // block_size)
+    for start, count in zip(starts, q_lens):
+        nb = -(-(start + count) // block_size)
         tables.append(perm[used:used + nb])
         used += nb
     cache = torch.randn(2, kv_heads, num_blocks * block_size, head_dim).to(dtype)
-    q = torch.randn(len(ctx), heads * head_dim).to(dtype)
+    q = torch.randn(n, heads * head_dim).to(dtype)
     attn = Attention(heads, head_dim, head_dim ** -0.5, kv_heads)
-    k_new = torch.randn(len(ctx), kv_heads * head_dim).to(dtype)
-    v_new = torch.randn(len(ctx), kv_heads * head_dim).to(dtype)
-    # the step's own K/V go to spare blocks no table points at, so both paths read the same pool
-    spare = [b * block_size + o for b in perm[-2:] for o in range(block_size)][: len(ctx)]
+    k_new = torch.randn(n, kv_heads * head_dim).to(dtype)
+    v_new = torch.randn(n, kv_heads * head_dim).to(dtype)
     results = []
     for kernel in (False, True):
-        filled = InputBuffers(16, 8, 16, torch.device("cpu")).fill([0] * len(ctx), [n - 1 for n in ctx],
-                                                                   [1] * len(ctx), tables, block_size)
-        _, meta = build_metadata([n - 1 for n in ctx], [1] * len(ctx), len(ctx), block_size, window,
-                                 decode_kernel=kernel, filled=filled)
-        meta.slot_mapping = torch.tensor(spare)
+        ids = [0] * n
+        filled = InputBuffers(64, 8, 16, torch.device("cpu")).fill(ids, starts, q_lens, tables, block_size)
+        _, meta = build_metadata(starts, q_lens, num_decodes, block_size, window, decode_kernel=kernel,
+                                 filled=filled)
+        assert (meta.native_row_seq is not None) == kernel
         attn.kv_cache = cache.clone()
         with set_forward_context(meta, True):
             results.append(attn(q, k_new, v_new))

@@ -5,7 +5,7 @@ sequence, where its new tokens start, how many there are, those tokens and its b
 everything the attention layers need (slot mapping, gather indices, masks) is derived from it
 with tensor operations, into buffers allocated once (`InputBuffers`); no per-token loops. Every
 rank of a parallel runner prepares the same batch over its own KV shard. The metadata follows the
-attention backend (`resolve_attention_backend`): flex, the native CPU decode kernel, or gather.
+attention backend (`resolve_attention_backend`): flex, the native CPU kernel, or gather.
 """
 
 from __future__ import annotations
@@ -165,9 +165,10 @@ def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block
 
     `filled` holds the positions, slot mapping and block tables InputBuffers wrote for a step
     over the KV pool; without it there is no pool and keys come from the step's own tokens
-    (stateless forward). With `decode_kernel`, decodes carry block tables and context lengths
-    for the native kernel instead of gather indices. `decode_len` fixes the decodes' key length
-    (masked past each context) so their metadata has one shape per batch size (CUDA graphs).
+    (stateless forward). With `decode_kernel` (and `filled`), every row carries its sequence and
+    context length for the native kernel, which reads the pool in place (no gather indices).
+    `decode_len` fixes the decodes' key length (masked past each context) so their metadata has one
+    shape per batch size (CUDA graphs).
     With `flex` (and `filled`), every token's attention is FlexAttention over the pool in place
     (flex_attention.py); ForwardPass finishes its metadata on the device.
     """
@@ -188,9 +189,12 @@ def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block
         for name, value in build_flex_fields(start_t, qlen_t, tables, block_size, sliding_window).items():
             setattr(meta, name, value)
         return positions, meta
-    if d and decode_kernel:
-        meta.decode_block_tables, meta.decode_context_lens = bt[:d], start_t[:d] + 1
-    elif d:
+    if decode_kernel and filled is not None:
+        # the native kernel: every row (decode or prefill) attends to its sequence's keys 0..position
+        meta.native_block_tables, meta.native_context_lens = bt, positions[:n] + 1
+        meta.native_row_seq = torch.repeat_interleave(torch.arange(len(starts)), qlen_t)
+        return positions, meta
+    if d:
         length = decode_len or int(start_t[:d].max()) + 1
         if decode_len:
             bt = filled["block_tables_full"]
@@ -233,7 +237,7 @@ class ForwardPass:
 
     @property
     def decode_kernel(self) -> bool:
-        """Whether decodes run the native CPU kernel (setting it switches between native and gather)."""
+        """Whether the native CPU kernel runs attention (setting it switches between native and gather)."""
         return self.attention_backend == "native"
 
     @decode_kernel.setter

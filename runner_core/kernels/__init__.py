@@ -1,10 +1,11 @@
 """Native kernels, built on first use with torch's C++ extension tooling and cached.
 
-`paged_decode_attention()` reads keys and values in place from the KV pool through block
-tables (no gathered copy); `panel_linear()` is x W^T + b in float32 over weights prepacked by
-`pack_panels()` into panels of 16 output columns (a register-tiled GEMM: BLAS on these CPUs runs
-the decode batch sizes at a third of it, see the README's performance section). The kernels run on
-torch's OpenMP threads (`torch.set_num_threads`). If the build fails, or RUNNER_CORE_NO_KERNELS=1 is set, callers
+`native_paged_attention()` is attention for any mix of decode and prefill tokens, reading
+keys and values in place from the KV pool through block tables (no gathered copy);
+`panel_linear()` is x W^T + b in float32 over weights prepacked by `pack_panels()` into panels
+of 16 output columns (a register-tiled GEMM: BLAS on these CPUs runs the decode batch sizes at a
+third of its speed, see the README's performance section). The kernels run on torch's OpenMP
+threads (`torch.set_num_threads`). If the build fails, or RUNNER_CORE_NO_KERNELS=1 is set, callers
 get None and keep the pure-torch path; the reason is logged once. Under CI=true a failed
 build is an error, so a broken toolchain cannot hide behind the fallback. A build (~10 s, once
 per machine) shows a progress bar with its elapsed time (runner_core/progress.py).
@@ -28,6 +29,7 @@ from runner_core.progress import progress, ticking
 logger = logging.getLogger("runner_core")
 _NAME = "runner_core_cpu_kernels"
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "panel_linear_cpu.cpp"))
+_HEADERS = (Path(__file__).with_name("panel_tile.h"),)  # included by the sources
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -35,7 +37,7 @@ _state: dict[str, object] = {}
 def _build_dir() -> Path:
     # -march=native: the build is only valid for this CPU, so its flags are part of the key
     cpu = platform.machine() + "".join(line for line in _cpuinfo().splitlines() if line.startswith("flags"))[:4096]
-    code = b"".join(source.read_bytes() for source in _SOURCES)
+    code = b"".join(source.read_bytes() for source in _SOURCES + _HEADERS)
     tag = hashlib.sha256(code + torch.__version__.encode() + cpu.encode()).hexdigest()[:12]
     path = cache_root() / "kernels" / f"cpu_kernels-{tag}"
     path.mkdir(parents=True, exist_ok=True)
@@ -66,14 +68,13 @@ def _load() -> bool:
     build_dir = _build_dir()
     # build from a copy inside the (content-keyed) build folder: the compile command then does not
     # depend on where this package lives, so checkouts sharing a cache do not rebuild each other
-    sources = []
-    for original in _SOURCES:
+    for original in _SOURCES + _HEADERS:
         source = build_dir / original.name
         if not source.exists() or source.read_bytes() != original.read_bytes():
             tmp = build_dir / f".{original.name}.{os.getpid()}"
             tmp.write_bytes(original.read_bytes())
             os.replace(tmp, source)
-        sources.append(str(source))
+    sources = [str(build_dir / original.name) for original in _SOURCES]
     built = (build_dir / f"{_NAME}.so").exists()  # then the call below only loads it
     with progress(desc="Building the native CPU kernels (first use; cached afterwards)", total=1, unit="build",
                   leave=True) if not built else nullcontext() as bar, ticking(bar):
@@ -114,10 +115,12 @@ def cpu_kernels_available() -> bool:
         return bool(_state["ok"])
 
 
-def paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, block_size: int,
+def native_paged_attention(out, q, k_cache, v_cache, block_tables, row_seq, context_lens, block_size: int,
                            scale: float, sliding_window: int | None) -> None:
-    torch.ops.runner_kernels.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens,
-                                                 block_size, scale, sliding_window or 0)
+    """out[i] = attention of query row q[i] ([rows, heads, dim]) over keys 0..context_lens[i]-1 of the
+    sequence whose block table is block_tables[row_seq[i]], read in place from the pool."""
+    torch.ops.runner_kernels.paged_attention(out, q, k_cache, v_cache, block_tables, row_seq, context_lens,
+                                           block_size, scale, sliding_window or 0)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

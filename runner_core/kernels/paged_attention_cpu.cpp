@@ -1,6 +1,11 @@
-// Paged attention for decode on the CPU: one query token per sequence, keys and values
-// read in place from the KV pool through the block table (no gathered copy), softmax in
-// float32. Registered as the torch op runner_kernels::paged_decode_attention.
+// Paged attention on the CPU over the KV pool in place, for any mix of decode and prefill rows: each
+// query row names its sequence's block table and its context length, and attends to keys
+// [len - window, len) of that sequence (causal by construction: a prefill token's length is its
+// position + 1). Consecutive rows of one sequence form a run; a work item is up to 8 tokens of a run
+// and one KV head, so the grouped query heads and the run's tokens share every key read. Per item:
+// the keys [first, last len) are copied out of their blocks into 16-key panels, scores = Q K^T and
+// out = P V run on the register tile of the GEMM kernel (panel_tile.h), with a float32 softmax
+// between them. Registered as runner_kernels::paged_attention.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -8,15 +13,19 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "panel_tile.h"
 
 namespace {
 
-#if defined(__AVX2__) && defined(__FMA__)
+using runner_kernels::NR;
+using runner_kernels::panel_rows;
+
+constexpr int64_t RUN_TOKENS = 8;  // tokens of one run per work item
+
+#ifdef RW_PANEL_AVX2
 // e^x for 8 floats: x = n ln2 + r, e^r by Cephes' degree-6 polynomial (relative error ~1e-7), 2^n
 // through the exponent bits. glibc's scalar exp made the softmax half of this kernel's time.
 inline __m256 exp8(__m256 x) {
@@ -41,7 +50,7 @@ inline __m256 exp8(__m256 x) {
 inline float exp_shifted(float* s, int64_t n, float max) {
   int64_t t = 0;
   float sum = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef RW_PANEL_AVX2
   __m256 acc = _mm256_setzero_ps();
   const __m256 m = _mm256_set1_ps(max);
   for (; t + 8 <= n; t += 8) {
@@ -60,92 +69,133 @@ inline float exp_shifted(float* s, int64_t n, float max) {
   return sum;
 }
 
-template <typename T>
-void decode_kernel(T* out, const T* q, const T* k, const T* v, const int64_t* block_tables,
-                   const int64_t* context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t head_dim, int64_t num_slots, int64_t max_blocks, int64_t block_size, float scale,
-                   int64_t window) {
-  const int64_t group = num_heads / num_kv_heads;
-  int64_t max_n = 0;
-  for (int64_t s = 0; s < num_seqs; ++s)
-    max_n = std::max(max_n, window > 0 ? std::min(context_lens[s], window) : context_lens[s]);
-  // every thread's scratch, allocated here: a buffer allocated inside a worker thread lands in that
-  // thread's own malloc arena, which keeps its pages after the model is unloaded
-  const int64_t per_thread = 2 * group * head_dim + 2 * group + group * max_n;
-  std::vector<float> scratch(at::get_num_threads() * per_thread);
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    float* const qf = scratch.data() + at::get_thread_num() * per_thread;
-    float* const acc = qf + group * head_dim;
-    float* const row_max = acc + group * head_dim;
-    float* const inv_sum = row_max + group;
-    float* const scores = inv_sum + group;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t len = context_lens[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      const int64_t* table = block_tables + s * max_blocks;
-      const T* kh = k + h * num_slots * head_dim;
-      const T* vh = v + h * num_slots * head_dim;
-      const T* qh = q + (s * num_heads + h * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(qh[i]) * scale;
-      std::fill(row_max, row_max + group, -std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const T* kp = kh + (table[pos / block_size] * block_size + pos % block_size) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf + g * head_dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t x = 0; x < head_dim; ++x) dot += qg[x] * static_cast<float>(kp[x]);
-          scores[g * n + t] = dot;
-          row_max[g] = std::max(row_max[g], dot);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) inv_sum[g] = 1.f / exp_shifted(scores + g * n, n, row_max[g]);
-      std::fill(acc, acc + group * head_dim, 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const T* vp = vh + (table[pos / block_size] * block_size + pos % block_size) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + t];
-          float* ag = acc + g * head_dim;
-#pragma omp simd
-          for (int64_t x = 0; x < head_dim; ++x) ag[x] += p * static_cast<float>(vp[x]);
-        }
-      }
-      T* oh = out + (s * num_heads + h * group) * head_dim;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t x = 0; x < head_dim; ++x) oh[g * head_dim + x] = static_cast<T>(acc[g * head_dim + x] * inv_sum[g]);
-    }
-  });
+struct Shape {
+  int64_t heads, kv_heads, group, dim, slots, max_blocks, block_size, window;
+  float scale;
+};
+
+// scratch floats one work item of `rows` query rows (tokens x group) over up to `keys` keys needs
+int64_t scratch_floats(const Shape& sh, int64_t rows, int64_t keys) {
+  const int64_t kp = (keys + NR - 1) / NR * NR, dp = (sh.dim + NR - 1) / NR * NR;
+  return rows * sh.dim + rows * kp + kp * sh.dim + dp * kp + rows * dp;
 }
 
-// out, q: [seqs, heads, head_dim]; k_cache, v_cache: [kv_heads, slots, head_dim];
-// block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64 (keys 0..len-1 are attended).
-void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
-                            double scale, int64_t sliding_window) {
+template <typename T>
+void run_item(T* out, const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lens, int64_t r0,
+              int64_t tokens, int64_t h, const Shape& sh, float* work) {
+  const int64_t g = sh.group, d = sh.dim, rows = tokens * g;
+  auto first_of = [&](int64_t len) { return sh.window > 0 ? std::max<int64_t>(0, len - sh.window) : 0; };
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+  for (int64_t i = 0; i < tokens; ++i) {
+    lo = std::min(lo, first_of(lens[r0 + i]));
+    hi = std::max(hi, lens[r0 + i]);
+  }
+  const int64_t n = hi - lo, kp = (n + NR - 1) / NR * NR, dpanels = (d + NR - 1) / NR;
+  float* qm = work;                   // [rows, d]: scaled queries, row (token i, head g)
+  float* sc = qm + rows * d;          // [rows, kp]: scores, then probabilities
+  float* kpan = sc + rows * kp;       // [kp / 16, d, 16]: keys as panels
+  float* vpan = kpan + kp * d;        // [dpanels, kp, 16]: values as panels
+  float* acc = vpan + dpanels * NR * kp;  // [rows, dpanels * 16]
+  for (int64_t i = 0; i < tokens; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      const T* src = q + ((r0 + i) * sh.heads + h * g + j) * d;
+      for (int64_t x = 0; x < d; ++x) qm[(i * g + j) * d + x] = static_cast<float>(src[x]) * sh.scale;
+    }
+  // zero what the copies below leave: the last key panel's tail, the value rows past n, and the
+  // last value panel's columns past d
+  std::fill(kpan + (n / NR) * d * NR, kpan + kp * d, 0.f);
+  for (int64_t p = 0; p < dpanels; ++p) std::fill(vpan + (p * kp + n) * NR, vpan + (p + 1) * kp * NR, 0.f);
+  if (d % NR != 0) std::fill(vpan + (dpanels - 1) * kp * NR, vpan + dpanels * kp * NR, 0.f);
+  const T* kh = k + h * sh.slots * d;
+  const T* vh = v + h * sh.slots * d;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = lo + t;
+    const int64_t slot = table[pos / sh.block_size] * sh.block_size + pos % sh.block_size;
+    const T* kr = kh + slot * d;
+    const T* vr = vh + slot * d;
+    float* kc = kpan + (t / NR) * d * NR + t % NR;
+    for (int64_t x = 0; x < d; ++x) kc[x * NR] = static_cast<float>(kr[x]);
+    for (int64_t x = 0; x < d; ++x) vpan[(x / NR) * kp * NR + t * NR + x % NR] = static_cast<float>(vr[x]);
+  }
+  for (int64_t p = 0; p < kp / NR; ++p)
+    panel_rows(qm, kpan + p * d * NR, rows, d, sc + p * NR, kp, NR, nullptr);
+  for (int64_t i = 0; i < tokens; ++i) {
+    const int64_t len = lens[r0 + i], a = first_of(len) - lo, b = len - lo;
+    for (int64_t j = 0; j < g; ++j) {
+      float* row = sc + (i * g + j) * kp;
+      const float mx = *std::max_element(row + a, row + b);
+      const float inv = 1.f / exp_shifted(row + a, b - a, mx);
+      std::fill(row, row + a, 0.f);
+      std::fill(row + b, row + kp, 0.f);
+      for (int64_t t = a; t < b; ++t) row[t] *= inv;
+    }
+  }
+  for (int64_t p = 0; p < dpanels; ++p)
+    panel_rows(sc, vpan + p * kp * NR, rows, kp, acc + p * NR, dpanels * NR, NR, nullptr);
+  for (int64_t i = 0; i < tokens; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      T* dst = out + ((r0 + i) * sh.heads + h * g + j) * d;
+      const float* src = acc + (i * g + j) * dpanels * NR;
+      for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<T>(src[x]);
+    }
+}
+
+// out, q: [rows, heads, dim]; k_cache, v_cache: [kv_heads, slots, dim]; block_tables: [seqs, max_blocks];
+// row_seq, context_lens: [rows] int64 (the row's block table, and keys 0..len-1 are its sequence's)
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& row_seq, const at::Tensor& context_lens,
+                     int64_t block_size, double scale, int64_t sliding_window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-D");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q, out and the caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
-              "block_tables and context_lens must be int64");
-  auto bt = block_tables.contiguous();
-  auto cl = context_lens.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                            v_cache.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), q.size(0),
-                            q.size(1), k_cache.size(0), q.size(2), k_cache.size(1), bt.size(1), block_size,
-                            static_cast<float>(scale), sliding_window);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  row_seq.scalar_type() == at::kLong,
+              "block_tables, row_seq and context_lens must be int64");
+  TORCH_CHECK(row_seq.numel() == q.size(0) && context_lens.numel() == q.size(0),
+              "row_seq and context_lens need one entry per query row");
+  const auto bt = block_tables.contiguous(), rs = row_seq.contiguous(), cl = context_lens.contiguous();
+  const Shape sh{q.size(1), k_cache.size(0), q.size(1) / k_cache.size(0), q.size(2), k_cache.size(1), bt.size(1),
+                 block_size, sliding_window, static_cast<float>(scale)};
+  const int64_t* seq = rs.data_ptr<int64_t>();
+  const int64_t* lens = cl.data_ptr<int64_t>();
+  // work items: (first row, tokens) chunks of runs of one sequence, times the KV heads
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  int64_t most = 0, max_len = 0;
+  for (int64_t r = 0, n = q.size(0); r < n;) {
+    int64_t e = r + 1;
+    while (e < n && e - r < RUN_TOKENS && seq[e] == seq[r]) ++e;
+    chunks.emplace_back(r, e - r);
+    most = std::max(most, e - r);
+    for (int64_t i = r; i < e; ++i) max_len = std::max(max_len, lens[i]);
+    r = e;
+  }
+  const int64_t keys = sliding_window > 0 ? std::min(max_len, sliding_window + RUN_TOKENS) : max_len;
+  const int64_t per_thread = scratch_floats(sh, most * sh.group, keys);
+  // allocated here: a buffer allocated inside a worker thread lands in that thread's own malloc
+  // arena, which keeps its pages after the model is unloaded
+  std::vector<float> scratch(at::get_num_threads() * per_thread);
+  const int64_t items = static_cast<int64_t>(chunks.size()) * sh.kv_heads;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
+    const auto* qp = q.data_ptr<scalar_t>();
+    const auto* kp = k_cache.data_ptr<scalar_t>();
+    const auto* vp = v_cache.data_ptr<scalar_t>();
+    auto* op = out.data_ptr<scalar_t>();
+    const int64_t* tables = bt.data_ptr<int64_t>();
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      float* work = scratch.data() + at::get_thread_num() * per_thread;
+      for (int64_t item = begin; item < end; ++item) {
+        const auto [r0, tokens] = chunks[item / sh.kv_heads];
+        run_item(op, qp, kp, vp, tables + seq[r0] * sh.max_blocks, lens, r0, tokens, item % sh.kv_heads, sh, work);
+      }
+    });
   });
 }
 
 }  // namespace
 
 TORCH_LIBRARY(runner_kernels, m) {
-  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, int block_size, float scale, int sliding_window) -> ()");
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor row_seq, Tensor context_lens, int block_size, float scale, int sliding_window) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(runner_kernels, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(runner_kernels, CPU, m) { m.impl("paged_attention", &paged_attention); }

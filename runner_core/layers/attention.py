@@ -5,8 +5,8 @@ chunks. K/V of every token are written into the KV pool at `slot_mapping`; queri
 then read their sequence's keys by one of three backends, chosen by ForwardPass
 (`attention_backend`) through the metadata it builds once per step for all layers:
 "gather" copies each sequence's keys out of the pool through gather indices derived
-from block tables; "native" runs the CPU decode kernel over the pool in place (prefills
-gather); "flex" runs FlexAttention over the pool in place for every token (flex_attention.py).
+from block tables; "native" runs the CPU kernel over the pool in place for every token;
+"flex" runs FlexAttention over the pool in place for every token (flex_attention.py).
 Under torch.compile the whole of it is one custom op, opaque to the graph.
 
 The forward context (the step's metadata, and whether the KV pool is used) is set by ForwardPass
@@ -27,7 +27,7 @@ from torch import nn
 
 from runner_core.config import ATTENTION_BACKENDS
 from runner_core.errors import ConfigError
-from runner_core.kernels import cpu_kernels_available, paged_decode_attention
+from runner_core.kernels import cpu_kernels_available, native_paged_attention
 from runner_core.layers.flex_attention import flex_paged_attention
 
 
@@ -51,9 +51,10 @@ class AttentionMetadata:
     prefill_q_idx: torch.Tensor | None  # [N - D] position of each prefill token in the padded grid
     prefill_kv_idx: torch.Tensor | None  # [P, L_p]
     prefill_mask: torch.Tensor | None  # [P, 1, max_query_len, L_p]; None: plain causal (fresh prompts)
-    # set instead of decode_kv_idx/decode_bias when the native kernel reads the pool in place
-    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
-    decode_context_lens: torch.Tensor | None = None  # [D]
+    # set instead of all the gather fields when the native kernel runs every row over the pool in place
+    native_block_tables: torch.Tensor | None = None  # [S, max_blocks]
+    native_row_seq: torch.Tensor | None = None  # [N] each token's sequence (its row of the block tables)
+    native_context_lens: torch.Tensor | None = None  # [N] keys 0..len-1 of its sequence: its position + 1
     block_size: int = 0
     sliding_window: int | None = None
     # set instead of all the above (but the slot mapping) by the flex backend: flex_attention.py
@@ -71,7 +72,7 @@ class AttentionMetadata:
 
 def resolve_attention_backend(choice: str, device: torch.device, block_size: int) -> str:
     """The backend `choice` (RunnerConfig.attention_backend) runs as on `device`: "auto" is flex on
-    CUDA, the native decode kernel on the CPU when it is built, else gather."""
+    CUDA, the native kernel on the CPU when it is built, else gather."""
     if choice not in ATTENTION_BACKENDS:
         raise ConfigError(f"config field 'attention_backend' got {choice!r}; allowed: one of "
                           + ", ".join(map(repr, ATTENTION_BACKENDS)))
@@ -154,12 +155,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         k_src, v_src = k, v
     if ctx.use_kv_cache and meta.flex_q_rows is not None:
         return flex_paged_attention(q, k_src, v_src, meta, scale).reshape(n, num_heads * head_dim)
-    d = meta.num_decode_tokens
     out = torch.empty_like(q)
-    if d and meta.decode_block_tables is not None:
-        paged_decode_attention(out[:d], q[:d], k_src, v_src, meta.decode_block_tables, meta.decode_context_lens,
-                               meta.block_size, scale, meta.sliding_window)
-    elif d:
+    if ctx.use_kv_cache and meta.native_row_seq is not None:
+        native_paged_attention(out, q, k_src, v_src, meta.native_block_tables, meta.native_row_seq,
+                               meta.native_context_lens, meta.block_size, scale, meta.sliding_window)
+        return out.view(n, num_heads * head_dim)
+    d = meta.num_decode_tokens
+    if d:
         idx = meta.decode_kv_idx
         out[:d] = _decode(q[:d], k_src[:, idx], v_src[:, idx], meta.decode_bias, num_heads, num_kv_heads,
                           head_dim, scale)
