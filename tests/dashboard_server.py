@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import stop
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -40,8 +42,4 @@ def served_dashboard(*args: str, wait_s: float = 180) -> Iterator[str]:
             pytest.fail("the server printed no URL:\n" + "".join(lines))
         yield url[0]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 15)

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.processes import stop
+
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120  # a cold start on a busy 2-core machine
 
@@ -101,9 +103,4 @@ def lab_server(root: Path, state: Path) -> Iterator[LabServer]:
         _wait_ready(proc, f"{url}api/status?token={token}", log)
         yield LabServer(url, token, root)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 20)

@@ -9,7 +9,7 @@ import torch
 from runner_core import ModelRunner, SamplingParams
 from runner_core.engine import InputBuffers
 from runner_core.engine.forward_pass import build_metadata
-from runner_core.kernels import cpu_kernels_available
+from runner_core.kernels import cpu_kernels_available, native_paged_attention
 from runner_core.layers.attention import Attention, set_forward_context
 
 
@@ -65,3 +65,11 @@ def test_engine_tokens_equal_with_and_without_kernel(tiny_llama_path):
     with_kernel = [o.token_ids for o in runner.generate(prompts, params)]
     runner.engine.worker.forward_pass.decode_kernel = False
     assert [o.token_ids for o in runner.generate(prompts, params)] == with_kernel
+
+
+def test_native_kernel_refuses_rows_without_a_sequence_or_length():
+    q, cache = torch.zeros(3, 2, 8), torch.zeros(1, 16, 8)
+    tables, two = torch.zeros(1, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="row_seq and context_lens need one entry per query row"):
+        native_paged_attention(torch.empty_like(q), q, cache, cache, tables, two, torch.ones(3, dtype=torch.long),
+                               4, 1.0, None)
