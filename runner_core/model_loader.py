@@ -52,7 +52,7 @@ class LoadedModel:
     buffer_bytes: int  # its buffers (rotary tables)
     adapter: ModelAdapter  # which class built it, by which path, and why
     bytes_read: int = 0  # checkpoint bytes read from the safetensors files
-    panel_bytes: int = 0  # the panel copies of its linear weights (float32 CPU: layers/linear.py)
+    panel_bytes: int = 0  # the panel copies of its linear weights (CPU: layers/linear.py)
     processor: object | None = None  # a multimodal model's Hugging Face processor (tokenizer + image processor)
 
 

@@ -1,14 +1,16 @@
 """The panel GEMM kernel (kernels/panel_linear_cpu.cpp) against F.linear, and its use by the layers:
-every float32 CPU linear and LM head of a single-process runner multiplies its panel copy, eager
-and in compiled graphs."""
+every float32 (and, on a CPU with AVX512-BF16, bfloat16) CPU linear and LM head of a
+single-process runner multiplies its panel copy, eager and in compiled graphs."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear
+from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear, panels_support
 from runner_core.layers import linear
 from runner_core.layers.embedding import ParallelLMHead
 
@@ -18,17 +20,27 @@ def built():
     assert cpu_kernels_available(), "gcc and ninja are project requirements; see the warning logged above"
 
 
-# rows: every register tile (6, the tails 1-5) and several tiles; n: partial and whole panels; k odd
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 13, 64])
-@pytest.mark.parametrize("n, k", [(1, 7), (16, 96), (37, 33), (160, 512)])
+NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported()
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not NATIVE_BF16, reason="bfloat16 panels need AVX512-BF16; this CPU has none"))]
+
+
+# rows: every register tile (12 on AVX512, 6 on AVX2, their tails) and several tiles; n: partial and
+# whole panels, pairs of panels and an odd panel out; k odd (bfloat16 takes k in pairs)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 11, 12, 13, 25, 64])
+@pytest.mark.parametrize("n, k", [(1, 7), (16, 96), (37, 33), (48, 20), (160, 512)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_linear_equals_linear(rows, n, k, bias):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_panel_linear_equals_linear(rows, n, k, bias, dtype):
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
-    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
-    b = torch.randn(n, generator=g) if bias else None
+    x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
     got = panel_linear(x, pack_panels(w), n, b)
-    assert got.shape == (rows, n)
-    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    # the float32 product of the same (rounded) inputs; bfloat16 output is it rounded once
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    tol = 1e-4 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got.float(), want, atol=tol * k ** 0.5, rtol=tol)
 
 
 def test_panel_linear_with_several_threads_equals_one():
@@ -50,37 +62,45 @@ def test_panel_linear_refuses_what_it_cannot_multiply():
         panel_linear(torch.zeros(1, 9), panels, 20, None)
     with pytest.raises(RuntimeError, match="panels must be pack_panels of an"):
         panel_linear(torch.zeros(1, 8), panels, 40, None)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="in the panels' dtype"):
         panel_linear(torch.zeros(1, 8, dtype=torch.bfloat16), panels, 20, None)
-    with pytest.raises(RuntimeError, match="float32"):
-        pack_panels(torch.zeros(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="no panel kernel for Half"):
+        pack_panels(torch.zeros(4, 4, dtype=torch.float16))
+    assert panels_support(torch.bfloat16) == NATIVE_BF16  # the build sees what the CPU has
+    if not NATIVE_BF16:
+        with pytest.raises(RuntimeError, match="bfloat16 needs AVX512-BF16"):
+            pack_panels(torch.zeros(4, 4, dtype=torch.bfloat16))
 
 
-def test_layers_multiply_their_panels_in_eager_and_in_compiled_graphs(monkeypatch):
-    layer = linear.RowParallelLinear(24, 40, bias=True)
-    head = ParallelLMHead(50, 24)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layers_multiply_their_panels_in_eager_and_in_compiled_graphs(monkeypatch, dtype):
+    layer = linear.RowParallelLinear(24, 40, bias=True).to(dtype)
+    head = ParallelLMHead(50, 24).to(dtype)
     for p in (layer.weight, layer.bias, head.weight):
         torch.nn.init.normal_(p)
-    x = torch.randn(5, 24)
+    x = torch.randn(5, 24, dtype=dtype)
     plain = layer(x), head.compute_logits(x)
     model = torch.nn.Sequential(layer, head)
-    assert linear.pack_panel_weights(model) == (48 * 24 + 64 * 24) * 4
+    assert linear.pack_panel_weights(model) == (48 * 24 + 64 * 24) * dtype.itemsize
+    assert linear.panel_bytes(Counter({(40, 24): 1, (50, 24): 1}), dtype) == (48 * 24 + 64 * 24) * dtype.itemsize
     # a traced graph holds the op itself (opaque, with its registered output shape)
     graph = torch.export.export(layer, (x,)).graph_module.code
     assert "runner_kernels.panel_linear" in graph and "aten.linear" not in graph
     compiled = torch.compile(layer, backend="inductor", fullgraph=True)
-    torch.testing.assert_close(compiled(x), plain[0])
+    tol = {} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2 ** -7}  # F.linear rounds differently
+    torch.testing.assert_close(compiled(x), layer(x))
     calls = []
     real = linear.panel_linear
     monkeypatch.setattr(linear, "panel_linear", lambda *a: calls.append(a[0].shape) or real(*a))
-    torch.testing.assert_close(layer(x), plain[0])
-    torch.testing.assert_close(head.compute_logits(x), plain[1])
-    torch.testing.assert_close(layer(x.view(1, 5, 24)), plain[0].view(1, 5, 40))  # any leading shape
+    torch.testing.assert_close(layer(x), plain[0], **tol)
+    torch.testing.assert_close(head.compute_logits(x), plain[1], **tol)
+    torch.testing.assert_close(layer(x.view(1, 5, 24)), plain[0].view(1, 5, 40), **tol)  # any leading shape
     assert calls == [(5, 24), (5, 24), (5, 24)]
 
 
-def test_panels_only_for_a_float32_cpu_runner_in_one_process():
+def test_panels_only_for_a_cpu_runner_in_one_process_in_a_native_dtype():
     assert linear.panels_apply("cpu", torch.float32, 1)
-    assert not linear.panels_apply("cpu", torch.bfloat16, 1)
+    assert linear.panels_apply("cpu", torch.bfloat16, 1) == NATIVE_BF16
+    assert not linear.panels_apply("cpu", torch.float16, 1)
     assert not linear.panels_apply("cpu", torch.float32, 2)
     assert not linear.panels_apply("meta", torch.float32, 1)

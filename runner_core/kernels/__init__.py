@@ -2,8 +2,8 @@
 
 `native_paged_attention()` is attention for any mix of decode and prefill tokens, reading
 keys and values in place from the KV pool through block tables (no gathered copy);
-`panel_linear()` is x W^T + b in float32 over weights prepacked by `pack_panels()` into panels
-of 16 output columns (a register-tiled GEMM: BLAS on these CPUs runs the decode batch sizes at a
+`panel_linear()` is x W^T + b in float32 (or bfloat16 on AVX512-BF16 CPUs, float32 accumulation)
+over weights prepacked by `pack_panels()` into panels of 16 output columns (a register-tiled GEMM: BLAS on these CPUs runs the decode batch sizes at a
 third of its speed, see the README's performance section). The kernels run on torch's OpenMP
 threads (`torch.set_num_threads`). If the build fails, or RUNNER_CORE_NO_KERNELS=1 is set, callers
 get None and keep the pure-torch path; the reason is logged once. Under CI=true a failed
@@ -123,8 +123,14 @@ def native_paged_attention(out, q, k_cache, v_cache, block_tables, row_seq, cont
                                            block_size, scale, sliding_window or 0)
 
 
+def panels_support(dtype: torch.dtype) -> bool:
+    """Whether this build multiplies panels of `dtype`: float32 always, bfloat16 with AVX512-BF16."""
+    return torch.ops.runner_kernels.panels_support(dtype)
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 [n, k] weight as [ceil(n / 16), k, 16] panels (zero padded), what `panel_linear` reads."""
+    """An [n, k] weight as panels of 16 output columns (zero padded), what `panel_linear` reads:
+    [ceil(n / 16), k, 16] in float32, [ceil(n / 16), ceil(k / 2), 32] in bfloat16 (k in pairs)."""
     return torch.ops.runner_kernels.pack_panels(weight)
 
 

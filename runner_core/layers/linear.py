@@ -10,7 +10,7 @@ static decode program is exported) the layers call the opaque `runner_core::pack
 it. The packed buffer cannot move (MKL keeps address-dependent metadata in it), so it is a
 program *input* made in this process, never a constant stored in a package.
 
-Panels (float32 CPU): `pack_panel_weights` gives each linear layer and the LM head a `panel_weight`
+Panels (CPU, float32 or native bfloat16): `pack_panel_weights` gives each linear layer and the LM head a `panel_weight`
 buffer, its weight as panels of 16 output columns, which `dense` multiplies with the native kernel
 (kernels/panel_linear_cpu.cpp) at every batch size, eager and in compiled graphs (an opaque op to
 them). It is a copy made once after loading: `weight` stays the parameter every other path reads.
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear
+from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear, panels_support
 from runner_core.parallel.state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 PANEL_ROWS = 16  # output columns per panel (kernels/panel_linear_cpu.cpp)
@@ -103,15 +103,19 @@ def unpack_linear_weights(model: nn.Module) -> None:
 
 
 def panels_apply(device: torch.device | str, dtype: torch.dtype, world_size: int) -> bool:
-    """Whether a runner with these settings gets panel copies of its weights: float32 on the CPU, one
-    process, the native kernels built."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and world_size == 1 \
-        and cpu_kernels_available()
+    """Whether a runner with these settings gets panel copies of its weights: the CPU, one process,
+    the native kernels built, float32 (or bfloat16 where the CPU multiplies it natively: AVX512-BF16)."""
+    return torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) and world_size == 1 \
+        and cpu_kernels_available() and panels_support(dtype)
 
 
-def panel_bytes(shapes: Counter) -> int:
-    """Bytes of the panel copies of float32 weights of these [out, in] shapes (with counts)."""
-    return sum(count * -(-n // PANEL_ROWS) * PANEL_ROWS * k * 4 for (n, k), count in shapes.items())
+def panel_bytes(shapes: Counter, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the panel copies of weights of these [out, in] shapes (with counts) in `dtype`: 16
+    output columns per panel; bfloat16 panels hold k in pairs."""
+    size = torch.empty((), dtype=dtype).element_size()
+    pair = 2 if dtype == torch.bfloat16 else 1
+    return sum(count * -(-n // PANEL_ROWS) * PANEL_ROWS * -(-k // pair) * pair * size
+               for (n, k), count in shapes.items())
 
 
 def pack_panel_weights(model: nn.Module) -> int:
@@ -129,7 +133,7 @@ def pack_panel_weights(model: nn.Module) -> int:
 def dense(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b: through `module`'s panel copy of W when it has one, else F.linear."""
     panels = module._buffers.get("panel_weight")
-    if panels is None or x.dtype != torch.float32:
+    if panels is None or x.dtype != panels.dtype:
         return F.linear(x, weight, bias)
     y = panel_linear(x.reshape(-1, x.shape[-1]), panels, weight.shape[0], bias)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -254,7 +254,8 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
                                    tensor_parallel_size=tp, context_len=max_len, decode_gather=dev_type == "cuda")
     packed = (packed_bytes(_linear_shapes(shape)) if a["packed_decode_weights"] and tp * pp == 1
               and dtype == "float32" else 0)
-    panels = (panel_bytes(_linear_shapes(shape) + Counter({(shape.vocab_size, shape.hidden_size): 1}))
+    panels = (panel_bytes(_linear_shapes(shape) + Counter({(shape.vocab_size, shape.hidden_size): 1}),
+                          TORCH_DTYPES[dtype])
               if a["native_linears"] and panels_apply(dev_type, TORCH_DTYPES[dtype], tp * pp) else 0)
     encoder = (a["encoder_cache_tokens"] if a["encoder_cache_tokens"] is not None else tokens) * shape.hidden_size * b
     totals = [w + pool_tokens * k + act + buf + packed + panels + encoder
