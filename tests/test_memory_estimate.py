@@ -53,6 +53,20 @@ def test_prediction_matches_measurement(loaded):
                                           + est.buffers_bytes + est.panel_weights_bytes)
 
 
+def test_bfloat16_panels_predicted_to_the_byte(tiny_llama_path):
+    """bfloat16 runners get panel copies where the CPU multiplies bfloat16 natively (AVX512-BF16), none
+    elsewhere; the estimate says which, to the byte."""
+    runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "bfloat16", "max_model_len": 64,
+                          "max_num_seqs": 2}).load_model()
+    try:
+        est = estimate_memory(tiny_llama_path, dtype="bfloat16", max_model_len=64, max_num_seqs=2)
+        panels = runner.engine.worker.memory_bytes()["panel_weights_bytes"]
+        assert est.panel_weights_bytes == panels
+        assert (panels > 0.5 * est.weights_bytes) == torch.cpu._is_avx512_bf16_supported()
+    finally:
+        runner.shutdown()
+
+
 def test_pool_without_kv_cache_memory_is_max_num_seqs_sequences(tiny_llama_path):
     runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "max_model_len": 100,
                           "max_num_seqs": 3}).load_model()
