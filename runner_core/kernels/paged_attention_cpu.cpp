@@ -1,7 +1,7 @@
 // Paged attention on the CPU over the KV pool in place, for any mix of decode and prefill rows: each
 // query row names its sequence's block table and its context length, and attends to keys
 // [len - window, len) of that sequence (causal by construction: a prefill token's length is its
-// position + 1). Consecutive rows of one sequence form a run; a work item is up to 8 tokens of a run
+// position + 1). Consecutive rows of one sequence form a run; a work item is up to 32 tokens of a run
 // and one KV head, so the grouped query heads and the run's tokens share every key read. Per item:
 // the keys [first, last len) are copied out of their blocks into 16-key panels, scores = Q K^T and
 // out = P V run on the register tile of the GEMM kernel (panel_tile.h), with a float32 softmax
@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -23,9 +25,12 @@ namespace {
 using runner_kernels::NR;
 using runner_kernels::panel_rows;
 
-constexpr int64_t RUN_TOKENS = 8;  // tokens of one run per work item
+// tokens of one run per work item: the item's keys are copied into panels once for all its rows, so
+// longer runs amortise the copy (prefill chunks), at the price of masked scores near the diagonal
+constexpr int64_t RUN_TOKENS = 32;
 
-#ifdef RW_PANEL_AVX2
+#if defined(__AVX2__) && defined(__FMA__)
+#define RW_EXP_AVX2 1
 // e^x for 8 floats: x = n ln2 + r, e^r by Cephes' degree-6 polynomial (relative error ~1e-7), 2^n
 // through the exponent bits. glibc's scalar exp made the softmax half of this kernel's time.
 inline __m256 exp8(__m256 x) {
@@ -50,7 +55,7 @@ inline __m256 exp8(__m256 x) {
 inline float exp_shifted(float* s, int64_t n, float max) {
   int64_t t = 0;
   float sum = 0.f;
-#ifdef RW_PANEL_AVX2
+#ifdef RW_EXP_AVX2
   __m256 acc = _mm256_setzero_ps();
   const __m256 m = _mm256_set1_ps(max);
   for (; t + 8 <= n; t += 8) {
@@ -140,6 +145,23 @@ void run_item(T* out, const T* q, const T* k, const T* v, const int64_t* table, 
     }
 }
 
+// items differ in cost (a prefill's later tokens see more keys): the threads take them one at a
+// time (dynamic), where at::parallel_for would hand each thread a fixed range
+template <typename T>
+void run_items(T* out, const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* seq,
+               const int64_t* lens, const std::vector<std::pair<int64_t, int64_t>>& chunks, const Shape& sh,
+               float* scratch, int64_t per_thread) {
+  const int64_t items = static_cast<int64_t>(chunks.size()) * sh.kv_heads;
+  const int threads =
+      at::in_parallel_region() ? 1 : static_cast<int>(std::clamp<int64_t>(items, 1, at::get_num_threads()));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t item = 0; item < items; ++item) {
+    const auto [r0, tokens] = chunks[item / sh.kv_heads];
+    run_item(out, q, k, v, tables + seq[r0] * sh.max_blocks, lens, r0, tokens, item % sh.kv_heads, sh,
+             scratch + omp_get_thread_num() * per_thread);
+  }
+}
+
 // out, q: [rows, heads, dim]; k_cache, v_cache: [kv_heads, slots, dim]; block_tables: [seqs, max_blocks];
 // row_seq, context_lens: [rows] int64 (the row's block table, and keys 0..len-1 are its sequence's)
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -174,20 +196,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   // allocated here: a buffer allocated inside a worker thread lands in that thread's own malloc
   // arena, which keeps its pages after the model is unloaded
   std::vector<float> scratch(at::get_num_threads() * per_thread);
-  const int64_t items = static_cast<int64_t>(chunks.size()) * sh.kv_heads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
     const auto* qp = q.data_ptr<scalar_t>();
     const auto* kp = k_cache.data_ptr<scalar_t>();
     const auto* vp = v_cache.data_ptr<scalar_t>();
     auto* op = out.data_ptr<scalar_t>();
     const int64_t* tables = bt.data_ptr<int64_t>();
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      float* work = scratch.data() + at::get_thread_num() * per_thread;
-      for (int64_t item = begin; item < end; ++item) {
-        const auto [r0, tokens] = chunks[item / sh.kv_heads];
-        run_item(op, qp, kp, vp, tables + seq[r0] * sh.max_blocks, lens, r0, tokens, item % sh.kv_heads, sh, work);
-      }
-    });
+    run_items(op, qp, kp, vp, tables, seq, lens, chunks, sh, scratch.data(), per_thread);
   });
 }
 

@@ -76,12 +76,17 @@ void run(const at::Tensor& x, const at::Tensor& panels, int64_t n, const float* 
   const E* pp = reinterpret_cast<const E*>(panels.data_ptr());
   E* yp = reinterpret_cast<E*>(out.data_ptr());
   const int64_t stride = panels.size(1) * panels.size(2), groups = (count + PANELS_PER_TILE - 1) / PANELS_PER_TILE;
+  // rows in blocks of ~256 KiB of x, each against all of this thread's panels: a block stays in L2
+  // while the panels stream past it (a whole prefill's x would not fit beside a panel)
+  const int64_t block = std::max<int64_t>(12, (256 << 10) / (k * static_cast<int64_t>(sizeof(E))) / 12 * 12);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t p = g * PANELS_PER_TILE;
-      runner_kernels::panel_gemm<T>(xp, pp + p * stride, std::min(PANELS_PER_TILE, count - p), m, k, yp + p * NR, n,
-                                    n - p * NR, bias != nullptr ? bias + p * NR : nullptr);
-    }
+    for (int64_t r = 0; r < m; r += block)
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t p = g * PANELS_PER_TILE;
+        runner_kernels::panel_gemm<T>(xp + r * k, pp + p * stride, std::min(PANELS_PER_TILE, count - p),
+                                      std::min(block, m - r), k, yp + r * n + p * NR, n, n - p * NR,
+                                      bias != nullptr ? bias + p * NR : nullptr);
+      }
   });
 }
 
