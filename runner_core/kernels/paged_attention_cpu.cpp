@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -85,6 +86,78 @@ int64_t scratch_floats(const Shape& sh, int64_t rows, int64_t keys) {
   return rows * sh.dim + rows * kp + kp * sh.dim + dp * kp + rows * dp;
 }
 
+// the pool slot of a sequence's position, through its block table
+inline int64_t slot_of(const int64_t* table, int64_t pos, int64_t block_size) {
+  return table[pos / block_size] * block_size + pos % block_size;
+}
+
+#ifdef RW_PANEL_AVX512
+// A decode item (one token, a few query rows) reads its keys and values in place: copying them into
+// panels would cost more than the products. 16 floats of a cache row, whatever its dtype.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const double*) { return _mm512_setzero_ps(); }  // never taken (direct_ok)
+
+template <typename T>
+bool direct_ok(int64_t tokens, int64_t d) {
+  return !std::is_same_v<T, double> && tokens == 1 && d % NR == 0 && d <= 16 * NR;
+}
+
+// sc[r * kp + t] = q_r . k_(lo + t), r < rows, t < n
+template <typename T>
+void direct_scores(const float* qm, int64_t rows, const T* kh, const int64_t* table, int64_t lo, int64_t n,
+                   const Shape& sh, float* sc, int64_t kp) {
+  const int64_t d = sh.dim, vecs = d / NR;
+  __m512 kv[16];
+  for (int64_t t = 0; t < n; ++t) {
+    const T* kr = kh + slot_of(table, lo + t, sh.block_size) * d;
+    for (int64_t c = 0; c < vecs; ++c) kv[c] = load16(kr + c * NR);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = qm + r * d;
+      __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]), a1 = _mm512_setzero_ps();
+      int64_t c = 1;
+      for (; c + 1 < vecs; c += 2) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c * NR), kv[c], a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + (c + 1) * NR), kv[c + 1], a1);
+      }
+      if (c < vecs) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c * NR), kv[c], a0);
+      sc[r * kp + t] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    }
+  }
+}
+
+// acc[r * d + x] = sum_t sc[r * kp + t] v_(lo + t)[x]
+template <typename T>
+void direct_values(const float* sc, int64_t rows, int64_t kp, const T* vh, const int64_t* table, int64_t lo,
+                   int64_t n, const Shape& sh, float* acc) {
+  const int64_t d = sh.dim;
+  std::fill(acc, acc + rows * d, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* vr = vh + slot_of(table, lo + t, sh.block_size) * d;
+    for (int64_t c = 0; c < d; c += NR) {
+      const __m512 vv = load16(vr + c);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* a = acc + r * d + c;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(sc[r * kp + t]), vv, _mm512_loadu_ps(a)));
+      }
+    }
+  }
+}
+#else
+template <typename T>
+bool direct_ok(int64_t, int64_t) { return false; }
+template <typename T>
+void direct_scores(const float*, int64_t, const T*, const int64_t*, int64_t, int64_t, const Shape&, float*, int64_t) {}
+template <typename T>
+void direct_values(const float*, int64_t, int64_t, const T*, const int64_t*, int64_t, int64_t, const Shape&, float*) {}
+#endif
+
 template <typename T>
 void run_item(T* out, const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lens, int64_t r0,
               int64_t tokens, int64_t h, const Shape& sh, float* work) {
@@ -106,24 +179,28 @@ void run_item(T* out, const T* q, const T* k, const T* v, const int64_t* table, 
       const T* src = q + ((r0 + i) * sh.heads + h * g + j) * d;
       for (int64_t x = 0; x < d; ++x) qm[(i * g + j) * d + x] = static_cast<float>(src[x]) * sh.scale;
     }
-  // zero what the copies below leave: the last key panel's tail, the value rows past n, and the
-  // last value panel's columns past d
-  std::fill(kpan + (n / NR) * d * NR, kpan + kp * d, 0.f);
-  for (int64_t p = 0; p < dpanels; ++p) std::fill(vpan + (p * kp + n) * NR, vpan + (p + 1) * kp * NR, 0.f);
-  if (d % NR != 0) std::fill(vpan + (dpanels - 1) * kp * NR, vpan + dpanels * kp * NR, 0.f);
   const T* kh = k + h * sh.slots * d;
   const T* vh = v + h * sh.slots * d;
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = lo + t;
-    const int64_t slot = table[pos / sh.block_size] * sh.block_size + pos % sh.block_size;
-    const T* kr = kh + slot * d;
-    const T* vr = vh + slot * d;
-    float* kc = kpan + (t / NR) * d * NR + t % NR;
-    for (int64_t x = 0; x < d; ++x) kc[x * NR] = static_cast<float>(kr[x]);
-    for (int64_t x = 0; x < d; ++x) vpan[(x / NR) * kp * NR + t * NR + x % NR] = static_cast<float>(vr[x]);
+  const bool direct = direct_ok<T>(tokens, d);
+  if (direct) {
+    direct_scores(qm, rows, kh, table, lo, n, sh, sc, kp);
+  } else {
+    // zero what the copies below leave: the last key panel's tail, the value rows past n, and the
+    // last value panel's columns past d
+    std::fill(kpan + (n / NR) * d * NR, kpan + kp * d, 0.f);
+    for (int64_t p = 0; p < dpanels; ++p) std::fill(vpan + (p * kp + n) * NR, vpan + (p + 1) * kp * NR, 0.f);
+    if (d % NR != 0) std::fill(vpan + (dpanels - 1) * kp * NR, vpan + dpanels * kp * NR, 0.f);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t slot = slot_of(table, lo + t, sh.block_size);
+      const T* kr = kh + slot * d;
+      const T* vr = vh + slot * d;
+      float* kc = kpan + (t / NR) * d * NR + t % NR;
+      for (int64_t x = 0; x < d; ++x) kc[x * NR] = static_cast<float>(kr[x]);
+      for (int64_t x = 0; x < d; ++x) vpan[(x / NR) * kp * NR + t * NR + x % NR] = static_cast<float>(vr[x]);
+    }
+    for (int64_t p = 0; p < kp / NR; ++p)
+      panel_rows(qm, kpan + p * d * NR, rows, d, sc + p * NR, kp, NR, nullptr);
   }
-  for (int64_t p = 0; p < kp / NR; ++p)
-    panel_rows(qm, kpan + p * d * NR, rows, d, sc + p * NR, kp, NR, nullptr);
   for (int64_t i = 0; i < tokens; ++i) {
     const int64_t len = lens[r0 + i], a = first_of(len) - lo, b = len - lo;
     for (int64_t j = 0; j < g; ++j) {
@@ -135,8 +212,11 @@ void run_item(T* out, const T* q, const T* k, const T* v, const int64_t* table, 
       for (int64_t t = a; t < b; ++t) row[t] *= inv;
     }
   }
-  for (int64_t p = 0; p < dpanels; ++p)
-    panel_rows(sc, vpan + p * kp * NR, rows, kp, acc + p * NR, dpanels * NR, NR, nullptr);
+  if (direct)
+    direct_values(sc, rows, kp, vh, table, lo, n, sh, acc);  // acc rows are d = dpanels * 16 apart
+  else
+    for (int64_t p = 0; p < dpanels; ++p)
+      panel_rows(sc, vpan + p * kp * NR, rows, kp, acc + p * NR, dpanels * NR, NR, nullptr);
   for (int64_t i = 0; i < tokens; ++i)
     for (int64_t j = 0; j < g; ++j) {
       T* dst = out + ((r0 + i) * sh.heads + h * g + j) * d;
