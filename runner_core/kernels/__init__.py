@@ -3,8 +3,9 @@
 `native_paged_attention()` is attention for any mix of decode and prefill tokens, reading
 keys and values in place from the KV pool through block tables (no gathered copy);
 `panel_linear()` is x W^T + b in float32 (or bfloat16 on AVX512-BF16 CPUs, float32 accumulation)
-over weights prepacked by `pack_panels()` into panels of 16 output columns (a register-tiled GEMM: BLAS on these CPUs runs the decode batch sizes at a
-third of its speed, see the README's performance section). The kernels run on torch's OpenMP
+over weights prepacked by `pack_panels()` into panels of 16 output columns (a register-tiled GEMM:
+BLAS on these CPUs runs the decode batch sizes at a third of its speed, see the README's
+performance section); `argmax_rows()` is greedy sampling's argmax (torch's is 10x slower). The kernels run on torch's OpenMP
 threads (`torch.set_num_threads`). If the build fails, or RUNNER_CORE_NO_KERNELS=1 is set, callers
 get None and keep the pure-torch path; the reason is logged once. Under CI=true a failed
 build is an error, so a broken toolchain cannot hide behind the fallback. A build (~10 s, once
@@ -28,7 +29,8 @@ from runner_core.progress import progress, ticking
 
 logger = logging.getLogger("runner_core")
 _NAME = "runner_core_cpu_kernels"
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "panel_linear_cpu.cpp"))
+_SOURCES = tuple(Path(__file__).with_name(name)
+                 for name in ("paged_attention_cpu.cpp", "panel_linear_cpu.cpp", "argmax_cpu.cpp"))
 _HEADERS = (Path(__file__).with_name("panel_tile.h"),)  # included by the sources
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -121,6 +123,11 @@ def native_paged_attention(out, q, k_cache, v_cache, block_tables, row_seq, cont
     sequence whose block table is block_tables[row_seq[i]], read in place from the pool."""
     torch.ops.runner_kernels.paged_attention(out, q, k_cache, v_cache, block_tables, row_seq, context_lens,
                                            block_size, scale, sliding_window or 0)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) of a float32 [rows, vocab] CPU matrix, at memory speed."""
+    return torch.ops.runner_kernels.argmax_rows(logits)
 
 
 def panels_support(dtype: torch.dtype) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from runner_core.kernels import argmax_rows, cpu_kernels_available
 from runner_core.sampling_params import SamplingParams
 
 
@@ -100,17 +101,24 @@ def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p:
     return torch.empty_like(logits).scatter_(-1, order, logits_sort)
 
 
+def greedy(logits: Tensor) -> Tensor:
+    """logits.argmax(dim=-1) of float32 [B, V] logits; on the CPU through the native kernel."""
+    if logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0 and cpu_kernels_available():
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 class Sampler(torch.nn.Module):
     """Picks one token per row of `logits` [B, V] and, when asked, the logprobs."""
 
     def forward(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy(logits)
         else:
             sampled = self._sample_random(logits, meta)
             if not meta.all_random:
-                sampled = torch.where(meta.temperature == 0, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(meta.temperature == 0, greedy(logits), sampled)
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=None, logprobs=None)
         logprobs = logits.log_softmax(dim=-1)
@@ -136,4 +144,4 @@ class Sampler(torch.nn.Module):
             q.exponential_()  # one draw for every unseeded row
         for row, generator in meta.generators.items():
             q[row].exponential_(generator=generator)
-        return probs.div_(q).argmax(dim=-1)
+        return greedy(probs.div_(q))
