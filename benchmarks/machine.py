@@ -1,7 +1,9 @@
 """This machine's limits, measured in the same run as the engines, and the workload's work in FLOPs.
 
-  matmul_peak(dtype)   GFLOP/s of torch.mm at the benchmark's thread count: the best over square
-                       and tall shapes (64-2048) of the fastest of several calls
+  matmul_peak(dtype)   GFLOP/s of the fastest matmul code here at the benchmark's thread count:
+                       torch.mm, or runner_core's panel GEMM where it is faster (on AMD CPUs MKL
+                       takes its AVX2 path: a limit set by torch.mm alone would be beaten), the
+                       best over square and tall shapes (64-2048) of the fastest of several calls
   read_bandwidth()     GB/s of reading a 512 MiB buffer once (torch.sum; fastest of several)
   workload_flops(...)  the useful work of a workload on a model shape: every prompt and output
                        token through every layer's linears (2 x parameters), causal attention over
@@ -35,11 +37,19 @@ def _fastest(fn, calls: int) -> float:
 
 
 def matmul_peak(dtype: torch.dtype, calls: int = 5) -> float:
-    """GFLOP/s: the best torch.mm rate over a few shapes (m x k @ k x n)."""
+    """GFLOP/s: the best rate of torch.mm, and of the panel GEMM where it applies, over a few shapes
+    (m x k @ k x n)."""
+    from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear, panels_support
+
+    panels = cpu_kernels_available() and panels_support(dtype)
     best = 0.0
     for m, k, n in _PEAK_SHAPES:
         a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-        best = max(best, 2 * m * k * n / _fastest(functools.partial(torch.mm, a, b), calls) / 1e9)
+        candidates = [functools.partial(torch.mm, a, b)]
+        if panels:
+            candidates.append(functools.partial(panel_linear, a, pack_panels(b.t()), n, None))
+        for fn in candidates:
+            best = max(best, 2 * m * k * n / _fastest(fn, calls) / 1e9)
     return best
 
 

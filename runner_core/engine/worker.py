@@ -186,7 +186,7 @@ class Worker:
         out = {"weights_bytes": self.weights_bytes, "kv_pool_bytes": self.memory.kv_cache_bytes,
                "kv_bytes_per_token": self.pool_plan.bytes_per_token,
                "activation_peak_bytes": self.pool_plan.activation_peak_bytes,
-               "panel_weights_bytes": self.panel_bytes,  # CPU (float32, native bfloat16): the panel copies of the linear weights
+               "panel_weights_bytes": self.panel_bytes,  # CPU: the panel copies of the linear weights
                # CPU: the decode programs' prepacked weights; CUDA: their graphs' memory pool
                "decode_programs_bytes": programs.memory_bytes if programs is not None else 0}
         if self.encoder_cache is not None:

@@ -5,7 +5,9 @@
 // and one KV head, so the grouped query heads and the run's tokens share every key read. Per item:
 // the keys [first, last len) are copied out of their blocks into 16-key panels, scores = Q K^T and
 // out = P V run on the register tile of the GEMM kernel (panel_tile.h), with a float32 softmax
-// between them. Registered as runner_kernels::paged_attention.
+// between them. A decode item (one token) on AVX512 reads its keys and values in place instead: a
+// copy would cost more than its few rows of products. The threads take items dynamically.
+// Registered as runner_kernels::paged_attention.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

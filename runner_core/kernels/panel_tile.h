@@ -6,7 +6,8 @@
 //   accumulators, rounded to bfloat16 once at the store.
 // - AVX2 (float32): 6 rows x 1 panel, 12 accumulators, 12 FMAs per 2 loads and 6 broadcasts.
 // - Otherwise the same loop order, vectorised by the compiler.
-// Rows past the last full tile take smaller tiles; one row a k-unrolled tile.
+// Rows past the last full tile take smaller tiles; one row a k-unrolled tile, on one panel at a time
+// (one memory stream: a single row is bound by reading the panels).
 #pragma once
 
 #include <cstdint>
@@ -161,10 +162,12 @@ inline void panel_gemm(const typename T::E* x, const typename T::E* panels, int6
     alignas(64) float b[2 * NR] = {0};
     const int64_t cols = std::min<int64_t>(2 * NR, ncols - p * NR);
     if (bias != nullptr) std::copy(bias + p * NR, bias + p * NR + cols, b);
-    if (npanels - p >= 2)
+    if (npanels - p >= 2 && m > 1)
       tile_rows<T, 2>(x, panels + p * pstride, pstride, m, k, steps, y + p * NR, ldy, cols, b);
     else
-      tile_rows<T, 1>(x, panels + p * pstride, pstride, m, k, steps, y + p * NR, ldy, cols, b);
+      for (int64_t q = p; q < std::min(p + 2, npanels); ++q)  // one row: one panel stream at a time
+        tile_rows<T, 1>(x, panels + q * pstride, pstride, m, k, steps, y + q * NR, ldy,
+                        std::min<int64_t>(NR, ncols - q * NR), b + (q - p) * NR);
   }
 }
 

@@ -121,7 +121,7 @@ class MemoryEstimate:
     dtype: str
     buffers_bytes: int = 0  # rotary cos/sin tables (float32)
     decode_programs_bytes: int = 0  # CPU decode programs' MKL-prepacked weights (compiled, one device)
-    panel_weights_bytes: int = 0  # float32 CPU, one device: the linear weights' panel copies (layers/linear.py)
+    panel_weights_bytes: int = 0  # CPU, one device: the linear weights' panel copies (layers/linear.py)
     encoder_cache_bytes: int = 0  # a multimodal model's cached image features (encoder_cache_tokens rows)
     min_kv_pool_bytes: int = 0  # one max_model_len sequence, rounded up to whole blocks
     block_size: int = 16
