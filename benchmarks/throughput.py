@@ -208,7 +208,8 @@ def main() -> None:
           f"outputs {min(r.max_tokens for r in reqs)}-{max(r.max_tokens for r in reqs)}, {useful} useful tokens, "
           f"{flops / 1e12:.3f} TFLOP; {args.dtype}; torch threads {torch.get_num_threads()}; "
           f"load average {os.getloadavg()[0]:.2f} (other busy processes skew every figure)")
-    print(f"this machine: matmul peak {peak:.0f} GFLOP/s ({args.dtype}), read bandwidth {bandwidth:.1f} GB/s; "
+    print(f"this machine: matmul peak {peak:.0f} GFLOP/s ({args.dtype}, the faster of torch.mm and the panel GEMM), "
+          f"read bandwidth {bandwidth:.1f} GB/s; "
           f"the workload's compute limit {limit:.0f} useful tok/s")
 
     engines, errors = {}, {}

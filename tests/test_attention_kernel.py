@@ -13,7 +13,9 @@ from runner_core.kernels import cpu_kernels_available, native_paged_attention
 from runner_core.layers.attention import Attention, set_forward_context
 
 
-def test_kernel_builds():
+@pytest.fixture(autouse=True, scope="module")
+def built():
+    """Every test here needs the kernels (the native backend and the op), run alone or not."""
     assert cpu_kernels_available(), "gcc and ninja are project requirements; see the warning logged above"
 
 
