@@ -104,7 +104,8 @@ def check_memory_prediction(nb) -> None:
         predicted, measured = map(float, re.search(rf"^{part}\s+([\d.]+)\s+([\d.]+)", text, re.M).groups())
         assert measured > 0 and abs(predicted - measured) <= 0.01 * measured, part
     assert "refused: tiny-llama does not fit" in text and "kv_cache_memory=" in text
-    assert "dtype='bfloat16' or 'float16' (needs 7.5 MiB: fits)" in text
+    # bfloat16 halves the weights, their panel copies where the CPU has bf16 panels, and the pool
+    assert re.search(r"dtype='bfloat16' or 'float16' \(needs [\d.]+ MiB: fits\)", text)
     before, after = map(int, re.search(r"highest occupied block (\d+) -> (\d+)", text).groups())
     assert after < before
     assert re.search(r"shrink: 128 -> 48 blocks, 2.50 MiB released", text)
