@@ -88,7 +88,7 @@ inline void tile(const typename T::E* x, int64_t ldx, const typename T::E* p0, i
     RW_ROW(6, 6) RW_ROW(7, 7) RW_ROW(8, 8) RW_ROW(9, 9) RW_ROW(A, 10) RW_ROW(B, 11)
 #undef RW_ROW
   }
-  const __m512 bias0 = _mm512_loadu_ps(bias), bias1 = _mm512_loadu_ps(bias + NR);
+  const __m512 bias0 = _mm512_loadu_ps(bias), bias1 = NP > 1 ? _mm512_loadu_ps(bias + NR) : bias0;
 #define RW_OUT(R, I)                                                                     \
   if constexpr (MR > I) {                                                                \
     T::store(y + I * ldy, _mm512_add_ps(c##R##0, bias0), ncols);                         \
