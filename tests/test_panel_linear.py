@@ -64,6 +64,10 @@ def test_panel_linear_refuses_what_it_cannot_multiply():
         panel_linear(torch.zeros(1, 8), panels, 40, None)
     with pytest.raises(RuntimeError, match="in the panels' dtype"):
         panel_linear(torch.zeros(1, 8, dtype=torch.bfloat16), panels, 20, None)
+    with pytest.raises(RuntimeError, match="bias must be \\[n\\] in x's dtype"):
+        panel_linear(torch.zeros(1, 8), panels, 20, torch.zeros(20, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="pack_panels: a \\[n, k\\] weight"):
+        pack_panels(torch.zeros(2, 4, 4))
     with pytest.raises(RuntimeError, match="no panel kernel for Half"):
         pack_panels(torch.zeros(4, 4, dtype=torch.float16))
     assert panels_support(torch.bfloat16) == NATIVE_BF16  # the build sees what the CPU has

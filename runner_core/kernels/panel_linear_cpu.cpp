@@ -20,14 +20,13 @@ namespace {
 using runner_kernels::NR;
 using runner_kernels::PANELS_PER_TILE;
 
+// whether this build multiplies panels of `dtype` (registered as panels_support)
 bool supported(at::ScalarType dtype) {
 #ifdef RW_PANEL_BF16
   if (dtype == at::kBFloat16) return true;
 #endif
   return dtype == at::kFloat;
 }
-
-bool panels_support(at::ScalarType dtype) { return supported(dtype); }
 
 // k values per panel step: 1 (float32) or 2 (bfloat16)
 int64_t k_per_step(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
@@ -124,7 +123,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
 TORCH_LIBRARY_FRAGMENT(runner_kernels, m) {
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
-  m.def("panels_support(ScalarType dtype) -> bool", &panels_support);
+  m.def("panels_support(ScalarType dtype) -> bool", &supported);
 }
 
 TORCH_LIBRARY_IMPL(runner_kernels, CPU, m) {

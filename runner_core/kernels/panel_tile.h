@@ -99,7 +99,7 @@ inline void tile(const typename T::E* x, int64_t ldx, const typename T::E* p0, i
 #undef RW_OUT
 }
 
-// one row: 2 accumulator chains would wait on FMA latency, so steps are unrolled by 4 (8 accumulators)
+// one row: NP accumulator chains would wait on FMA latency, so steps are unrolled by 4 (4 NP accumulators)
 template <class T, int NP>
 inline void tile1(const typename T::E* x, const typename T::E* p0, int64_t pstride, int64_t steps,
                   typename T::E* y, int64_t ncols, const float* bias) {
