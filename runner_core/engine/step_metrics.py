@@ -1,8 +1,14 @@
 """The step's observer: once per step, after the step's work, it records what the step did (a
 `StepMetrics` in a bounded deque the workbench reads) and feeds the same live requests to the
 contiguous allocators the paged pool is compared with (a static max_model_len reservation and a
-first-fit simulation). `memory_figures()` gives those figures on demand. It times itself, so the
-recording cost per step is a benchmark figure (benchmarks/throughput.py).
+first-fit simulation). `memory_figures()` gives those figures on demand.
+
+A record's times: `schedule_s` (the scheduler), `prepare_s` (building the step's input tensors),
+`forward_s` (the model, without `prepare_s`), `sample_s` (sampling and handing the tokens out),
+`observe_s` (this observer making the record, up to the moment it is stored, the waste figures
+included) and `total_s`, their sum: from the step's start until its record is stored. So the share
+of a step outside the forward, 1 - forward_s / total_s, counts the recording too. The observer also
+keeps `seconds`, its own time over all steps (a benchmark figure, benchmarks/throughput.py).
 
 For an MoE model each record also holds the step's tokens per expert (`expert_counts`, [MoE
 layers, experts], pad rows of decode programs excluded), and the observer keeps their running
@@ -47,7 +53,8 @@ class StepMetrics:
     prepare_s: float
     forward_s: float
     sample_s: float
-    total_s: float
+    observe_s: float  # the observer's own time for this record
+    total_s: float  # from the step's start until its record was stored: the five above together
     blocks_used: int
     blocks_free: int
     blocks_cached: int
@@ -62,7 +69,8 @@ class StepMetrics:
 
 @dataclass(slots=True)
 class StepTimes:
-    """perf_counter stamps of a step's phases and the forward's own share of preparing inputs."""
+    """perf_counter stamps of a step's phases and the forward's own share of preparing inputs;
+    `end`: the step's work done, just before the observer runs."""
 
     start: float
     scheduled: float
@@ -98,20 +106,23 @@ class StepObserver:
         alloc = self.contiguous.allocator
         tokens = {s.request_id: s.num_computed_tokens for s in running}
         self.num_steps += 1
-        self.records.append(StepMetrics(
+        record = StepMetrics(
             step=self.num_steps, time=times.end, num_seqs=len(sched.scheduled),
             num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decodes, num_sampled=num_sampled,
             num_preempted=len(sched.preempted), num_admitted=len(sched.admitted), num_finished=num_finished,
             num_waiting=len(self.scheduler.waiting), num_running=len(running),
             schedule_s=times.scheduled - times.start, prepare_s=times.prepare_s,
             forward_s=times.executed - times.scheduled - times.prepare_s, sample_s=times.end - times.executed,
-            total_s=times.end - times.start, blocks_used=mem["blocks_used"], blocks_free=mem["blocks_free"],
+            observe_s=0.0, total_s=0.0, blocks_used=mem["blocks_used"], blocks_free=mem["blocks_free"],
             blocks_cached=mem["blocks_cached"], kv_utilization=mem["kv_utilization"],
             internal_fragmentation=mem["internal_fragmentation"],
             static_reservation_waste=static_reservation_waste(list(tokens.values()), self.max_model_len),
             firstfit_reserved_waste=alloc.waste(tokens), firstfit_external_fragmentation=alloc.external_fragmentation(),
-            prefix_cache_hit_rate=mem["prefix_cache_hit_rate"], expert_counts=expert_counts))
-        self.seconds += time.perf_counter() - t
+            prefix_cache_hit_rate=mem["prefix_cache_hit_rate"], expert_counts=expert_counts)
+        self.records.append(record)
+        done = time.perf_counter()
+        record.observe_s, record.total_s = done - times.end, done - times.start
+        self.seconds += done - t
 
     def on_release(self, request_id: str) -> None:
         """A request finished, failed or was aborted: the contiguous allocators free its reservation."""
