@@ -12,7 +12,7 @@ PORT ?= 5006
 BINDER_VENV ?= build/binder-venv
 BINDER_CACHE ?= build/binder-cache
 
-.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-peers soak fuzz lesson-screenshots clean
+.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-poll bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-peers soak fuzz lesson-screenshots clean
 
 setup: $(STAMP)
 
@@ -104,6 +104,9 @@ $(PEERS)/.installed:
 
 bench-memory: setup
 	$(PY) benchmarks/kv_waste.py
+
+bench-poll: setup
+	$(PY) benchmarks/session_poll.py
 
 bench-compile: setup
 	$(PY) benchmarks/compile.py

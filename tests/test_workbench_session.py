@@ -216,10 +216,6 @@ def test_metrics_series_is_bounded_and_pollable(tiny_llama_path):
                     "static_reservation_waste"):
             assert key in last, key
         assert sum(r["prefill_tokens"] for r in s.metrics.rows()) > 0 or cursor2 > 20
-        t0 = time.perf_counter()
-        for _ in range(1000):
-            s.metrics.poll(cursor2)
-        assert (time.perf_counter() - t0) / 1000 < 1e-4  # cheap enough to poll from a UI timer
         assert s.block_map()["num_blocks"] == last["blocks_total"]
     finally:
         s.close()
