@@ -101,7 +101,7 @@ def hf_methods(model_path, reqs, repeats: int, single: int) -> tuple[dict, dict,
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                      experts_implementation=impl).eval()
         # EOS becomes a token like any other: with it set, throughput.py's min_new_tokens suppresses the
-        # model's EOS id, which our ignore_eos run emits (shared/NOTES.md, transformers 5.x)
+        # model's EOS id, which our ignore_eos run emits (transformers 5.x)
         model.generation_config.eos_token_id = None
         runs = [(f"hf batch 64 ({impl})", reqs, 64)]
         if impl == "grouped_mm":

@@ -1,4 +1,4 @@
-"""workbench: the notebook session and dashboards around runner_core (see DESIGN.md).
+"""workbench: the notebook session and dashboards around runner_core (docs/workbench.md).
 
 `Session.current()` is the kernel's long-lived session; `SessionDashboard(session)` (Panel) and
 `SessionWidgets(session)` (ipywidgets) are views over it; `workbench.charts` draws its metrics.

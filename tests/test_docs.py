@@ -1,0 +1,129 @@
+"""The documentation a newcomer reads: every relative link in README.md, docs/, ARCHITECTURE.md,
+CONTRIBUTING.md and the notebooks' markdown resolves to a file of the repository (and to a heading,
+where it names an anchor); the README stays short and keeps its two commands; no document or source
+points at a file outside the repository; the docs state current facts, not project history."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README_MAX_LINES = 220
+
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+
+
+def markdown_documents() -> dict[str, tuple[Path, str]]:
+    """Each document's display name -> (the folder its links are relative to, its markdown)."""
+    paths = [REPO / "README.md", REPO / "ARCHITECTURE.md", REPO / "CONTRIBUTING.md",
+             *sorted((REPO / "docs").glob("*.md"))]
+    docs = {str(p.relative_to(REPO)): (p.parent, p.read_text(encoding="utf-8")) for p in paths}
+    for nb in sorted((REPO / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+        text = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        docs[str(nb.relative_to(REPO))] = (nb.parent, text)
+    return docs
+
+
+def prose(markdown: str) -> str:
+    """The markdown without code blocks and inline code, where link syntax is not a link."""
+    return INLINE_CODE.sub("", FENCE.sub("", markdown))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"[`*_]|!?\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(markdown: str) -> set[str]:
+    """The anchors of a document's headings, duplicates numbered as GitHub does (-1, -2, ...)."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in HEADING.findall(FENCE.sub("", markdown)):
+        base = slug(heading)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def broken_links(name: str, folder: Path, markdown: str, root: Path = REPO) -> list[str]:
+    """The relative links of one document under `root` that lead nowhere, each with the reason."""
+    problems = []
+    for target in LINK.findall(prose(markdown)):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto: ...
+            continue
+        path_part, _, anchor = target.partition("#")
+        path = (folder / path_part).resolve() if path_part else folder / Path(name).name
+        if path_part and not path.is_relative_to(root):
+            problems.append(f"{name}: {target} points outside the repository")
+        elif path_part and not path.exists():
+            problems.append(f"{name}: {target} -> no file {path.relative_to(root)}")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path.read_text(encoding="utf-8")):
+            problems.append(f"{name}: {target} -> no heading with anchor #{anchor} in {path.relative_to(root)}")
+    return problems
+
+
+DOCUMENTS = markdown_documents()
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTS))
+def test_every_relative_link_resolves(name):
+    folder, markdown = DOCUMENTS[name]
+    assert broken_links(name, folder, markdown) == []
+
+
+def test_a_broken_link_or_anchor_is_reported(tmp_path):
+    (tmp_path / "page.md").write_text("# A page\n\n## Some section\n")
+    text = ("[ok](page.md#some-section) [gone](missing.md) [no anchor](page.md#other) "
+            "`[in code](missing.md)` [web](https://example.com) [up](../elsewhere.md)")
+    problems = broken_links("index.md", tmp_path, text, root=tmp_path)
+    assert len(problems) == 3, problems
+    assert "no file missing.md" in problems[0] and "#other" in problems[1] and "outside" in problems[2]
+
+
+def test_slugs_follow_github():
+    assert slug("Images (LLaVA)") == "images-llava"
+    assert slug("Multi-GPU, on paper") == "multi-gpu-on-paper"
+    assert slug("`make bench`: figures") == "make-bench-figures"
+    assert anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
+
+
+def test_readme_is_short_and_keeps_the_two_commands():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= README_MAX_LINES, "move detail into docs/ and link to it"
+    for command in ("make run", "make test"):
+        assert re.search(rf"^{command}\b", readme, re.M), f"the README lost its `{command}` line"
+    for page in ("engine", "memory", "compile", "parallel", "models", "workbench", "reliability", "benchmarks"):
+        assert f"(docs/{page}.md)" in readme, f"the README does not link docs/{page}.md"
+
+
+# Files that live beside the repository on the machines it was written on, never in a clone.
+OUTSIDE = re.compile(r"\.\./shared|\bshared/(?:NOTES|DESIGN)\.md|\bDESIGN\.md|\bNOTES\.md|\bseed/\d|/work/main")
+SOURCES = ("runner_core", "workbench", "tests", "benchmarks", "notebooks", "docs", "binder", ".ci")
+
+
+def test_nothing_points_outside_the_repository():
+    files = [REPO / n for n in ("README.md", "ARCHITECTURE.md", "CONTRIBUTING.md", "Makefile", "pyproject.toml")]
+    for folder in SOURCES:
+        files += [p for p in (REPO / folder).rglob("*") if p.suffix in {".py", ".md", ".ipynb", ".txt", ""}
+                  and p.is_file() and p != Path(__file__).resolve()]
+    hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()[:100]}"
+            for p in files for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+            if OUTSIDE.search(line)]
+    assert hits == [], "cite the article by its title, or state the fact here"
+
+
+def test_docs_state_current_facts_not_history():
+    pattern = re.compile(r"\b(?:issue|session|wave) \d+\b", re.I)
+    hits = [f"{name}: {m.group(0)}" for name, (_, text) in DOCUMENTS.items()
+            if not name.endswith(".ipynb") for m in pattern.finditer(text)]
+    assert hits == [], "history belongs in commit messages; the docs say what is true now"
