@@ -4,8 +4,8 @@ what the package assumes (there are no dynamo guards at run time).
 
 One program serves every target module of a scope (all one class: their tensors are inputs), for
 any token count >= 1; with `size`, a static decode program of exactly that many tokens exported
-with the layers' prepacked weights (layers/linear.py, decode_programs.py). Why this route, with the
-measurements and what else was tried: the README's "Compilation" section.
+with the layers' prepacked weights (layers/linear.py, decode_programs.py). Why this route and what else
+was tried: docs/compile.md; its figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

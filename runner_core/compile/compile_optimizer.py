@@ -28,7 +28,7 @@ Two routes, chosen per optimizer (`compile_stats()["warm_start"]` says which and
   process before compiling (inductor's vector-ISA probe is skipped when the CPU claims the ISAs
   recorded at compile time); dynamo still traces at every start.
 
-Why aoti, and what else was tried: the README's "Compilation" section. The cache key and the
+Why aoti, and what else was tried: docs/compile.md. The cache key and the
 folder's files: compile_cache.py. Static decode programs built after the warm-up: decode_plan.py.
 """
 

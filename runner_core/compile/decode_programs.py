@@ -111,7 +111,7 @@ class PackedDecodePrograms(DecodePrograms):
         """Time the smallest size's program against the general program on one stateless dummy
         step (best of `rounds` alternating runs of each): (at least MIN_GAIN faster?, the figures).
         The packed GEMM pays where the matmuls dominate; on tiny models it gains little for many
-        times their weights in packed buffers (README, "Compilation")."""
+        times their weights in packed buffers (docs/compile.md)."""
         size = self.sizes[0]
         ids, positions, meta = run_dummy(size)
         runs = {"program": lambda: self._run(size, ids, positions, meta), "general": lambda: self.model(ids, positions)}

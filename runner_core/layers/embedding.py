@@ -45,7 +45,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     Its own (untied) weight is stored column-major: `weight` is the [vocab, hidden] view of a
     contiguous [hidden, vocab] tensor, so the projection is a plain x @ W^T GEMM over contiguous
     columns. On the CPU, BLAS handles this wide matrix far better that way at decode batch sizes
-    (benchmarks: README, "Where the time goes"). A head tied to the embedding keeps its layout.
+    (docs/benchmarks.md, "Where the time goes"). A head tied to the embedding keeps its layout.
     On a float32 CPU runner the eager path multiplies its panel copy instead (linear.py)."""
 
     uses_panels = True

@@ -6,8 +6,8 @@ with `norm_topk_prob`); the N x k (token, expert) pairs are sorted by expert, ea
 matmul pair (gate|up, SiLU-and-mul, down) over its contiguous slice of the gathered tokens, and
 the results are weighted and summed back into token order with one `index_add_` — no loop over
 tokens. Two ways to run the experts: "loop" (one `F.linear` pair per expert with tokens, the
-default) and "grouped_mm" (`torch._grouped_mm` over the expert offsets); the README's "Models"
-section has the measurement that chose the default.
+default) and "grouped_mm" (`torch._grouped_mm` over the expert offsets); docs/benchmarks.md ("Models")
+has the measurement that chose the default.
 
 Under torch.compile the whole of it is one custom op (`runner_core::fused_moe`), like paged
 attention: no graph break per expert, and its Python kernel (which reports the layer's routing to
