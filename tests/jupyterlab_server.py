@@ -37,9 +37,28 @@ class LabServer:
     url: str  # ends with "/"
     token: str
     root: Path
+    runtime: Path  # the kernels' connection files
 
     def notebook_url(self, name: str) -> str:
         return f"{self.url}lab/tree/{name}?token={self.token}&reset"
+
+    @contextlib.contextmanager
+    def kernel_client(self, name: str):
+        """A second client (beside the page's) of the kernel that runs the notebook `name`."""
+        from jupyter_client import BlockingKernelClient
+
+        with urllib.request.urlopen(f"{self.url}api/sessions?token={self.token}", timeout=10) as response:
+            kernels = [s["kernel"]["id"] for s in json.load(response) if s["path"] == name]
+        if len(kernels) != 1:
+            raise RuntimeError(f"expected one kernel for {name}, the server runs {len(kernels)}")
+        client = BlockingKernelClient(connection_file=str(self.runtime / f"kernel-{kernels[0]}.json"))
+        client.load_connection_file()
+        client.start_channels()
+        try:
+            client.wait_for_ready(timeout=30)
+            yield client
+        finally:
+            client.stop_channels()
 
 
 CHROMIUM = "/usr/bin/chromium"
@@ -86,12 +105,12 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
 @contextlib.contextmanager
 def lab_server(root: Path, state: Path) -> Iterator[LabServer]:
     """`jupyter lab` serving `root`; its settings, workspaces, runtime files and log live in `state`."""
-    settings, log = state / "settings", state / "lab.log"
+    settings, log, runtime = state / "settings", state / "lab.log", state / "runtime"
     _write_settings(settings)
     port, token = _free_port(), secrets.token_hex(16)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
            "JUPYTERLAB_SETTINGS_DIR": str(settings), "JUPYTERLAB_WORKSPACES_DIR": str(state / "workspaces"),
-           "JUPYTER_RUNTIME_DIR": str(state / "runtime"), "OMP_NUM_THREADS": "2"}
+           "JUPYTER_RUNTIME_DIR": str(runtime), "OMP_NUM_THREADS": "2"}
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
            f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
            f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--LabApp.check_for_updates_class="
@@ -101,6 +120,6 @@ def lab_server(root: Path, state: Path) -> Iterator[LabServer]:
     try:
         url = f"http://127.0.0.1:{port}/"
         _wait_ready(proc, f"{url}api/status?token={token}", log)
-        yield LabServer(url, token, root)
+        yield LabServer(url, token, root, runtime)
     finally:
         stop(proc, 20)

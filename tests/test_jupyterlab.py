@@ -2,9 +2,9 @@
 for the module (tests/jupyterlab_server.py) over a copy of notebooks/, Debian's Chromium through
 Playwright. For each notebook: Run All, wait until every cell has run and the kernel is idle, then
 no error output, widgets rendered as widgets, plotly charts drawn with their traces, the inline
-dashboard committing a value typed and confirmed with Enter; a screenshot of its main chart under
-test-output/screenshots/; then the notebook is saved from JupyterLab (Ctrl+S) and the saved copy
-passes its lesson's check of tests/test_notebooks.py and stays small.
+dashboard committing a value typed and confirmed with Enter (read back in the kernel); a screenshot
+of its main chart under test-output/screenshots/; then the notebook is saved from JupyterLab (Ctrl+S)
+and the saved copy passes its lesson's check of tests/test_notebooks.py and stays small.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,9 @@ MAIN_CHART_JS = ("els => els.map(el => (el.data || []).reduce((n, t) => n + (t.x
                  ".reduce((best, n, i, all) => n > all[best] ? i : best, 0)")
 # An output the widget manager drew holds the widget's view (class jupyter-widgets).
 WIDGET_OUTPUTS = ".jp-OutputArea-output:has(> .jupyter-widgets)"
+# In the kernel: the max tokens value of every SessionDashboard (the notebook does not name its one).
+KERNEL_MAX_TOKENS = ("[d.max_tokens.value for d in __import__('gc').get_objects()"
+                     " if type(d).__name__ == 'SessionDashboard']")
 
 
 def _require_tools():
@@ -103,28 +107,37 @@ def _save(page, path: Path):
     return nbformat.read(path, as_version=4)
 
 
-def _check_dashboard_takes_enter(page) -> None:
-    """Max tokens 0 confirmed with Enter reaches Python: Generate is refused with the reason."""
+def _kernel_value(client, expression: str) -> str:
+    """`expression` evaluated in the kernel without a trace in the notebook (silent, no history)."""
+    reply = client.execute("", silent=True, user_expressions={"value": expression}, reply=True,
+                           timeout=STEP_MS / 1000)
+    result = reply["content"]["user_expressions"]["value"]
+    assert result["status"] == "ok", result
+    return result["data"]["text/plain"]
+
+
+def _check_dashboard_takes_enter(page, kernel) -> None:
+    """Max tokens 0 confirmed with Enter reaches Python: Generate is refused with the reason.
+
+    One try. Leaving the field would also commit its value, so the field keeps the focus until the
+    kernel holds the value (read there, not in the page); only then is Generate clicked, which makes
+    the refusal independent of the order in which the value and the click are handled."""
     from playwright.sync_api import expect
 
     dashboard = page.locator(".wb-dashboard").first
     expect(dashboard).to_be_visible(timeout=STEP_MS)
     error = dashboard.locator(".wb-error")
     max_tokens = dashboard.locator(".wb-max-tokens input")
-    # the value and the click travel as separate messages through the kernel's comm; once (a fresh-
-    # clone CI run) the click was handled with the old value, a plain generation and no error. The
-    # refusal must come within three tries of Enter then Generate.
-    for attempt in range(3):
-        max_tokens.fill("0")
-        max_tokens.press("Enter")
-        expect(max_tokens).to_have_value("0")
-        dashboard.get_by_role("button", name="Generate").click()
-        try:
-            expect(error).to_contain_text("max_tokens got 0", timeout=STEP_MS // 3)
-            return
-        except AssertionError:
-            if attempt == 2:
-                raise
+    assert _kernel_value(kernel, KERNEL_MAX_TOKENS) == "[64]", "one dashboard, max tokens at its default"
+    max_tokens.fill("0")
+    max_tokens.press("Enter")
+    deadline = time.monotonic() + STEP_MS / 1000
+    while (seen := _kernel_value(kernel, KERNEL_MAX_TOKENS)) != "[0]" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert seen == "[0]", f"max tokens 0 + Enter did not reach the kernel (it holds {seen})"
+    assert max_tokens.evaluate("el => el === el.getRootNode().activeElement"), "the field kept the focus"
+    dashboard.get_by_role("button", name="Generate").click()
+    expect(error).to_contain_text("max_tokens got 0", timeout=STEP_MS)
 
 
 def _screenshot_main_chart(page, name: str) -> None:
@@ -159,7 +172,8 @@ def test_notebook_in_jupyterlab(path, lab, browser):
         drawn_widgets = page.locator(WIDGET_OUTPUTS).count()
         drawn_charts = page.evaluate(DRAWN_CHARTS_JS)
         if "SessionDashboard(" in source:
-            _check_dashboard_takes_enter(page)  # after Run All: the dashboard still answers
+            with lab.kernel_client(path.name) as kernel:  # after Run All: the dashboard still answers
+                _check_dashboard_takes_enter(page, kernel)
         _screenshot_main_chart(page, path.name)
 
         saved_path = lab.root / path.name
