@@ -32,6 +32,7 @@ _NAME = "runner_core_cpu_kernels"
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("paged_attention_cpu.cpp", "panel_linear_cpu.cpp", "argmax_cpu.cpp"))
 _HEADERS = (Path(__file__).with_name("panel_tile.h"),)  # included by the sources
+PANEL_COLUMNS = 16  # output columns per panel (NR in panel_tile.h)
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -91,10 +92,21 @@ def _load() -> bool:
 
 
 def _register_fakes() -> None:
-    """Output shapes for tracing, so compiled graphs call the panel GEMM as an opaque op."""
+    """Output shapes for tracing, so compiled graphs (and fake-tensor tracing) call the kernels as
+    opaque ops. (paged_attention returns nothing: it writes `out`, which its schema declares.)"""
     @torch.library.register_fake("runner_kernels::panel_linear")
     def _(x, panels, n, bias):
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("runner_kernels::pack_panels")
+    def _(weight):
+        per_step = 2 if weight.dtype == torch.bfloat16 else 1  # k values per panel row (panel_linear_cpu.cpp)
+        n, k = weight.shape
+        return weight.new_empty(-(-n // PANEL_COLUMNS), -(-k // per_step), PANEL_COLUMNS * per_step)
+
+    @torch.library.register_fake("runner_kernels::argmax_rows")
+    def _(logits):
+        return logits.new_empty(logits.shape[0], dtype=torch.long)
 
 
 def cpu_kernels_available() -> bool:

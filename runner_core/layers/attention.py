@@ -7,7 +7,8 @@ then read their sequence's keys by one of three backends, chosen by ForwardPass
 "gather" copies each sequence's keys out of the pool through gather indices derived
 from block tables; "native" runs the CPU kernel over the pool in place for every token;
 "flex" runs FlexAttention over the pool in place for every token (flex_attention.py).
-Under torch.compile the whole of it is one custom op, opaque to the graph.
+Under torch.compile the whole of it is one custom op, opaque to the graph, declared as writing
+the pool (tests/test_custom_ops.py checks every op's schema with torch.library.opcheck).
 
 The forward context (the step's metadata, and whether the KV pool is used) is set by ForwardPass
 around a model call and read here; keeping it out of the model's arguments lets the model's
@@ -175,11 +176,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     return out.view(n, num_heads * head_dim)
 
 
-@torch.library.custom_op("runner_core::paged_attention", mutates_args=())
+@torch.library.custom_op("runner_core::paged_attention", mutates_args=("kv_cache",))
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, num_heads: int,
                        num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
-    """`paged_attention` as one opaque op, so a compiled graph neither traces nor breaks on it.
-    (Its write into the pool is invisible to the graph on purpose, as in vLLM.)"""
+    """`paged_attention` as one opaque op, so a compiled graph neither traces nor breaks on it. Its
+    schema declares that it writes `kv_cache` (the step's K/V go into the pool), so compiled and
+    AOTInductor graphs know the pool they take as an input changes under them."""
     return paged_attention(q, k, v, kv_cache, num_heads, num_kv_heads, head_dim, scale)
 
 
