@@ -1,18 +1,24 @@
-"""One engine in a process of its own, from cold: load, first token, the workload, batch-1 decode.
+"""One engine in a process of its own, started cold, then serving the driver's commands.
 
-benchmarks/throughput.py starts this script once per engine and dtype (ours with our venv's
-python; vLLM with .venv-peers' python, since vLLM pins an older transformers), so every engine
-starts cold, runs alone on the machine and is measured the same way:
+benchmarks/throughput.py starts this script once per engine and mode (ours with our venv's python;
+vLLM with .venv-peers' python, since vLLM pins an older transformers) through
+benchmarks/engine_client.py. The driver sets the cache folders (our `--compile-cache-dir`, and in the
+environment TORCHINDUCTOR_CACHE_DIR and VLLM_CACHE_ROOT), so the cache state of every start is known.
+Both engines get the same batch limits and prefix-caching setting, read back from the engine.
 
-  first_token_s    wall seconds from the driver launching the process (`--launched-at`, a
-                   time.time() stamp) to the first generated token of a 16-token prompt
-  seconds          the workload (the requests file: [[prompt ids, max_tokens], ...]) submitted at
-                   once, greedy, EOS ignored; fastest of `--repeats` runs after one warm-up
-  batch1_decode_tok_s  one request, `--batch1-prompt` token prompt: 128 / (seconds for 129 output
-                   tokens - seconds for 1), so prefill and start-up cancel out; fastest of `--repeats`
-
-They go to the `--out` file as one JSON object, with the workload's output token ids (stdout is
-left to the engine: vLLM logs there).
+At start it writes one JSON line to the reply descriptor (`--reply-fd`):
+  ready_s          wall seconds from the driver launching the process (`--launched-at`, a time.time()
+                   stamp) until the engine is built and ready to serve (weights loaded, compiled)
+  first_token_s    from the launch to the first generated token of a 16-token prompt
+  device, settings the device the engine runs on; max_num_seqs, max_num_batched_tokens and
+                   prefix caching as the engine holds them; our compile route
+Then, for each command line on stdin, one reply line:
+  {"cmd": "workload"}  the requests file ([[prompt ids, max_tokens], ...]) submitted at once, greedy,
+                   EOS ignored: seconds, the tokens returned (counted, not requested) and their ids
+  {"cmd": "batch1"}    one request with a `--batch1-prompt` token prompt: seconds for 1 and for 129
+                   output tokens; 128 / their difference is decode tok/s (prefill cancels out)
+  {"cmd": "quit"}
+stdout and stderr are left to the engine (vLLM logs there); the driver sends them to a log file.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 
@@ -31,12 +38,25 @@ class OursEngine:
 
         torch.set_num_threads(args.threads)
         self._params = SamplingParams
-        self.runner = ModelRunner({"model": args.model, "dtype": args.dtype, "compile": args.compile,
-                                   "max_num_seqs": 64, "max_model_len": args.max_model_len}).load_model()
+        self.runner = ModelRunner({
+            "model": args.model, "dtype": args.dtype, "device": args.device, "compile": args.compile,
+            "compile_fallback": False, "compile_cache_dir": args.compile_cache_dir,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "enable_prefix_caching": args.prefix_caching, "max_model_len": args.max_model_len}).load_model()
 
     def generate(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
         params = [self._params(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
         return [o.token_ids for o in self.runner.generate([ids for ids, _ in requests], params)]
+
+    def describe(self) -> dict:
+        import runner_core
+        config = self.runner.config
+        stats = self.runner.compile_stats() if config.compile else {}
+        return {"device": str(config.torch_device), "version": getattr(runner_core, "__version__", "?"),
+                "settings": {"max_num_seqs": config.max_num_seqs,
+                             "max_num_batched_tokens": config.effective_max_num_batched_tokens,
+                             "prefix_caching": config.enable_prefix_caching},
+                "compile_route": stats.get("warm_start")}
 
 
 class VllmEngine:
@@ -48,7 +68,9 @@ class VllmEngine:
 
         self._params, self._prompt = SamplingParams, TokensPrompt
         self.llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                       skip_tokenizer_init=True, seed=0, enforce_eager=not args.compile)
+                       skip_tokenizer_init=True, seed=0, enforce_eager=not args.compile,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       enable_prefix_caching=args.prefix_caching)
 
     def generate(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
         prompts = [self._prompt(prompt_token_ids=ids) for ids, _ in requests]
@@ -57,17 +79,42 @@ class VllmEngine:
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    def describe(self) -> dict:
+        import vllm
+        from vllm.platforms import current_platform
+        config = self.llm.llm_engine.vllm_config
+        return {"device": current_platform.device_type, "version": vllm.__version__,
+                "settings": {"max_num_seqs": config.scheduler_config.max_num_seqs,
+                             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+                             "prefix_caching": bool(config.cache_config.enable_prefix_caching)},
+                "compile_route": None if config.model_config.enforce_eager
+                else f"torch.compile, mode {config.compilation_config.mode}"}
+
 
 ENGINES = {"ours": OursEngine, "vllm": VllmEngine}
 
 
-def _fastest(repeats: int, fn) -> tuple[float, object]:
-    best, result = float("inf"), None
-    for _ in range(max(1, repeats)):
-        t = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, result
+def _timed(fn) -> tuple[float, object]:
+    t = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t, result
+
+
+def serve(engine, requests, args, reply) -> None:
+    prompt = [7 + i % 100 for i in range(args.batch1_prompt)]
+    for line in sys.stdin:
+        cmd = json.loads(line)["cmd"]
+        if cmd == "workload":
+            seconds, tokens = _timed(lambda: engine.generate(requests))
+            reply({"seconds": seconds, "returned_tokens": sum(map(len, tokens)), "tokens": tokens})
+        elif cmd == "batch1":
+            one, _ = _timed(lambda: engine.generate([(prompt, 1)]))
+            many, out = _timed(lambda: engine.generate([(prompt, 129)]))
+            reply({"one_s": one, "many_s": many, "returned_tokens": len(out[0])})
+        elif cmd == "quit":
+            return
+        else:
+            reply({"error": f"unknown command {cmd!r}"})
 
 
 def main() -> None:
@@ -75,33 +122,33 @@ def main() -> None:
     ap.add_argument("--engine", choices=list(ENGINES), required=True)
     ap.add_argument("--model", required=True, help="a model directory")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="ours: the runner's device (vLLM runs where its build does)")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile-cache-dir", default="./compile_cache", help="ours: the compile cache folder")
     ap.add_argument("--requests", required=True, help="a JSON file: [[prompt ids, max_tokens], ...]")
     ap.add_argument("--launched-at", type=float, default=None, help="time.time() when the driver started us")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--batch1-prompt", type=int, default=32)
-    ap.add_argument("--out", required=True, help="where the JSON figures go")
+    ap.add_argument("--reply-fd", type=int, required=True, help="the descriptor the JSON replies go to")
     args = ap.parse_args()
     launched = args.launched_at or time.time()
     with open(args.requests) as f:
         requests = [(list(ids), int(n)) for ids, n in json.load(f)]
+    out = os.fdopen(args.reply_fd, "w", buffering=1)
 
-    t = time.perf_counter()
+    def reply(obj: dict) -> None:
+        out.write(json.dumps(obj) + "\n")
+
     engine = ENGINES[args.engine](args)
-    load_s = time.perf_counter() - t
+    ready_s = time.time() - launched
     engine.generate([([5] * 16, 1)])
     first_token_s = time.time() - launched
-    engine.generate([([5] * 16, 4)])  # warm-up
-    seconds, tokens = _fastest(args.repeats, lambda: engine.generate(requests))
-    prompt = [7 + i % 100 for i in range(args.batch1_prompt)]
-    one, _ = _fastest(args.repeats, lambda: engine.generate([(prompt, 1)]))
-    many, _ = _fastest(args.repeats, lambda: engine.generate([(prompt, 129)]))
-    with open(args.out, "w") as f:
-        json.dump({"engine": args.engine, "dtype": args.dtype, "compile": args.compile, "load_s": load_s,
-                   "first_token_s": first_token_s, "seconds": seconds,
-                   "batch1_decode_tok_s": 128 / max(many - one, 1e-9), "tokens": tokens}, f)
+    reply({"ready_s": ready_s, "first_token_s": first_token_s, **engine.describe()})
+    serve(engine, requests, args, reply)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,36 @@
-"""This machine's limits, measured in the same run as the engines, and the workload's work in FLOPs.
+"""The limits of the device an engine runs on, measured in the same run as the engines, and the
+workload's work in FLOPs.
 
-  matmul_peak(dtype)   GFLOP/s of the fastest matmul code here at the benchmark's thread count:
-                       torch.mm, or runner_core's panel GEMM where it is faster (on AMD CPUs MKL
-                       takes its AVX2 path: a limit set by torch.mm alone would be beaten), the
-                       best over square and tall shapes (64-2048) of the fastest of several calls
-  read_bandwidth()     GB/s of reading a 512 MiB buffer once (torch.sum; fastest of several)
-  workload_flops(...)  the useful work of a workload on a model shape: every prompt and output
-                       token through every layer's linears (2 x parameters), causal attention over
-                       its context (QK^T and PV), and the LM head once per output token
-  decode_weight_bytes  the bytes one decode step reads from the weights (all but the input
-                       embedding table, of which it reads one row per token)
+Every probe takes a device ("cpu", "cuda:0"): the figures an engine's share is computed against come
+from the device that engine ran on, never from another one.
+
+  machine_info(device)    what the figures ran on: the CPU model, torch's CPU kernel tier
+                          (torch.backends.cpu.get_cpu_capability()), whether runner_core's AVX512-BF16
+                          panel path is active; on CUDA the GPU's name
+  matmul_peak(dtype, dev) GFLOP/s of the fastest matmul code there at the benchmark's thread count:
+                          torch.mm, and on the CPU runner_core's panel GEMM where it is faster (on AMD
+                          CPUs MKL takes its AVX2 path: a limit set by torch.mm alone would be beaten),
+                          the best over square and tall shapes (64-2048) of the fastest of several calls
+  bandwidth_probes(dev)   GB/s of two methods, each at several buffer sizes past the last-level cache
+                          (4x, 8x and 16x it: L3 from sysfs on the CPU, L2 on CUDA), several calls each:
+                          "sum" reads the buffer once (bytes = its size), "copy" reads it and writes a
+                          second buffer (bytes = twice its size, as STREAM counts a copy); each method's
+                          median and range over all its calls
+  workload_flops(...)     the useful work of a workload on a model shape: every prompt and output token
+                          through every layer's linears (2 x parameters), causal attention over its
+                          context (QK^T and PV), and the LM head once per output token
+  decode_weight_bytes     the bytes one decode step reads from the weights (all but the input embedding
+                          table, of which it reads one row per token)
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import platform
+import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,39 +38,119 @@ from runner_core.config import dtype_bytes
 from runner_core.memory.shapes import ModelShape
 
 _PEAK_SHAPES = ((2048, 2048, 2048), (1024, 1024, 1024), (512, 2048, 2048), (256, 1376, 512), (64, 512, 512))
+LLC_MULTIPLES = (4, 8, 16)
 
 
-def _fastest(fn, calls: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(calls):
+def device_name(device: str | torch.device) -> str:
+    """The canonical name figures carry: "cpu" or "cuda:N"."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        return f"cuda:{d.index if d.index is not None else torch.cuda.current_device()}"
+    return d.type
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str) -> dict:
+    """The CPU model and kernel tier (and the GPU's name on CUDA) that the figures ran on."""
+    from runner_core.kernels import cpu_kernels_available, panels_support
+
+    kernels = cpu_kernels_available()
+    info = {"device": device_name(device), "cpu_model": _cpu_model(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_kernels": kernels,
+            "avx512_bf16_panels": bool(kernels and panels_support(torch.bfloat16))}
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def describe(info: dict) -> str:
+    """One line: the device, CPU model and kernel tier."""
+    gpu = f"GPU {info['gpu']}; " if "gpu" in info else ""
+    bf16 = "active" if info["avx512_bf16_panels"] else "inactive"
+    return (f"device {info['device']}: {gpu}CPU {info['cpu_model']}, torch CPU capability "
+            f"{info['cpu_capability']}, native kernels {'built' if info['native_kernels'] else 'unavailable'}, "
+            f"AVX512-BF16 panel path {bf16}")
+
+
+def _timer(device: torch.device):
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def seconds(fn) -> float:
+        sync()
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        sync()
+        return time.perf_counter() - t
+    return seconds
 
 
-def matmul_peak(dtype: torch.dtype, calls: int = 5) -> float:
-    """GFLOP/s: the best rate of torch.mm, and of the panel GEMM where it applies, over a few shapes
-    (m x k @ k x n)."""
+def _fastest(fn, calls: int, device: torch.device) -> float:
+    timed = _timer(device)
+    fn()
+    return min(timed(fn) for _ in range(calls))
+
+
+def matmul_peak(dtype: torch.dtype, device: str = "cpu", calls: int = 5) -> float:
+    """GFLOP/s on `device`: the best rate of torch.mm, and on the CPU of the panel GEMM where it
+    applies, over a few shapes (m x k @ k x n)."""
     from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear, panels_support
 
-    panels = cpu_kernels_available() and panels_support(dtype)
+    dev = torch.device(device)
+    panels = dev.type == "cpu" and cpu_kernels_available() and panels_support(dtype)
     best = 0.0
     for m, k, n in _PEAK_SHAPES:
-        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+        a, b = torch.randn(m, k).to(dev, dtype), torch.randn(k, n).to(dev, dtype)
         candidates = [functools.partial(torch.mm, a, b)]
         if panels:
             candidates.append(functools.partial(panel_linear, a, pack_panels(b.t()), n, None))
         for fn in candidates:
-            best = max(best, 2 * m * k * n / _fastest(fn, calls) / 1e9)
+            best = max(best, 2 * m * k * n / _fastest(fn, calls, dev) / 1e9)
     return best
 
 
-def read_bandwidth(mib: int = 512, calls: int = 5) -> float:
-    """GB/s of one pass over `mib` MiB of float32 (a sum, so nothing is written)."""
-    x = torch.ones(mib << 18)
-    return x.numel() * 4 / _fastest(lambda: x.sum(), calls) / 1e9
+def last_level_cache_bytes(device: str = "cpu") -> int:
+    """The CPU's largest cache (sysfs; 32 MiB when unreadable) or the GPU's L2."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).L2_cache_size
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        best = max(best, int(size.rstrip("KMG")) * scale)
+    return best or 32 << 20
+
+
+def bandwidth_probes(device: str = "cpu", calls: int = 5, multiples=LLC_MULTIPLES) -> dict:
+    """{"sum"|"copy": {"median", "min", "max" GB/s, "runs": [...]}, "device", "sizes_mib": [...],
+    "llc_mib"} on `device`; each method is timed `calls` times at each size (after one untimed call)."""
+    dev = torch.device(device)
+    timed = _timer(dev)
+    llc = last_level_cache_bytes(device)
+    sizes = [m * llc for m in multiples]
+    runs: dict[str, list[float]] = {"sum": [], "copy": []}
+    for size in sizes:
+        x = torch.ones(size // 4, device=dev)
+        y = torch.empty_like(x)
+        methods = {"sum": (x.sum, size), "copy": (functools.partial(y.copy_, x), 2 * size)}
+        for name, (fn, moved) in methods.items():
+            fn()
+            runs[name] += [moved / timed(fn) / 1e9 for _ in range(calls)]
+        del x, y
+    out = {name: {"median": statistics.median(r), "min": min(r), "max": max(r), "runs": r} for name, r in runs.items()}
+    return {**out, "device": device_name(device), "sizes_mib": [s >> 20 for s in sizes], "llc_mib": llc >> 20}
 
 
 def workload_flops(shape: ModelShape, requests: list[tuple[int, int]], attention: bool = True) -> float:

@@ -1,33 +1,34 @@
-"""Offline throughput: our engine against vLLM and transformers on one fixed mixed workload.
+"""Offline throughput and start-up: our engine against vLLM and transformers, like with like.
 
 Workload (benchmarks/workload.py, fixed seed): 64 requests, prompts of 16-256 random token ids,
-outputs of 16-128 tokens, greedy, EOS ignored, so each request yields exactly its own length; one
-`--dtype` per run (float32 or bfloat16), torch with 2 threads everywhere. Methods:
-  ours, ours compiled   ModelRunner.generate on all requests at once (continuous batching, paged
-                 KV), eager and with compile=True, each in a cold process of its own
-                 (benchmarks/engine_proc.py)
-  vllm           vLLM for CPUs (`make bench-peers` makes its venv, .venv-peers) on the same model
-                 directory and requests, compiled (its default; `--vllm-eager` adds eager), in a
-                 cold process of its own; without the venv the table says so and goes on
-  hf single      transformers generate one request at a time, unpadded (slow: by default only
-                 the first 8 requests; its tok/s is from that subset)
-  hf batch B     transformers generate, FIFO batches of B in arrival order, left padding; a batch
-                 runs to its longest request, only each request's own tokens count
-  hf cb          transformers continuous batching (the manager behind generate_batch), each
-                 request with its own max_new_tokens
-Useful tok/s = sum of the requests' output lengths / wall seconds. Greedy check: every method's ids
-against ours (eager); in bf16 the counts are reported, not expected equal.
-The same run measures this machine (benchmarks/machine.py): the matmul peak in the dtype and the
-memory read bandwidth; a method's MFU is its tok/s / the workload's compute limit (useful tokens
-x peak / the workload's FLOPs), and batch-1 decode (32-token prompt, 128 tokens) is reported as
-weight bytes x tok/s / bandwidth. Cold start = seconds from launching the process to the first
-token. Then the step overhead: 32 requests (prompt 64, 64 outputs, max_num_seqs 32); over the
-pure-decode steps, the share of step time spent outside the model forward.
-Targets (reported, never enforced): best ours / vLLM >= 1.25; fp32 MFU >= 70%; batch-1 decode >=
-75% of the bandwidth; cold start <= 1/5 of vLLM's; step overhead <= 5%; ours >= 3x transformers.
-The last stdout line is one JSON object with the figures.
+outputs of 16-128 tokens, greedy, EOS ignored; one `--dtype` per run, torch with 2 threads
+everywhere. Engines, each in a process of its own (benchmarks/engine_proc.py), with the same batch
+limits (`--max-num-seqs`, `--max-num-batched-tokens`) and prefix-caching setting, read back from each:
+  ours eager, ours compiled     ModelRunner.generate on all requests at once, compile off / on
+  vllm eager, vllm compiled     vLLM for CPUs (`make bench-peers` makes .venv-peers) on the same
+                                model directory and requests, enforce_eager on / off; compared only
+                                when it runs on the same device as ours, else the table says none
+  hf single / batch 16 / batch 64 / cb   transformers in this process (benchmarks/hf_methods.py)
+Start-up (each a new process, caches in fresh temporary folders: our compile cache,
+TORCHINDUCTOR_CACHE_DIR, VLLM_CACHE_ROOT): eager; compiled with every cache cold; compiled again on
+the caches the cold start filled (warm). Reported: seconds from launch until the engine is ready to
+serve, and until its first token; ours / vLLM only within one of those three conditions.
+Throughput: every method runs the whole workload once untimed (the same warm-up for all), then the
+methods take turns (A B C ... A B C ...) for `--repeats` rounds; useful tok/s = tokens the method
+returned / seconds; the median and range over the rounds. Batch-1 decode (32-token prompt, 128
+tokens), the same way. Greedy check: every method's ids against ours eager's.
+The device's limits (benchmarks/machine.py) are measured on the device ours runs on: the matmul peak
+in the dtype (MFU = tok/s / the workload's compute limit) and the memory bandwidth, probed with a
+sum and a copy at sizes past the last-level cache; the batch-1 share is weight bytes x tok/s / the
+sum probe's median (also printed against the copy's). Every ratio goes through
+benchmarks/verdicts.py, which refuses figures from different devices or unlike conditions. Then
+the step overhead: 32 requests (prompt 64, 64 outputs); over the pure-decode steps, the share of
+step time spent outside the model forward.
+Targets (reported, never enforced): ours / vLLM >= 1.25 (eager and compiled each); fp32 MFU >= 70%;
+batch-1 >= 75% of the bandwidth; first token <= 1/5 of vLLM's; step overhead <= 5%; ours >= 3x
+transformers. The last stdout line is one JSON object with the figures.
 
-Run:  make bench    or    .venv/bin/python benchmarks/throughput.py [--dtype bfloat16] [--quick]
+Run:  make bench    or    .venv/bin/python benchmarks/throughput.py [--dtype bfloat16] [--quick] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -35,105 +36,52 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
+import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from runner_core import ModelRunner, SamplingParams
-from runner_core.kernels import cpu_kernels_available
+from runner_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from runner_core.memory.shapes import ModelShape
 from runner_core.model_loader import read_hf_config, resolve_model_path
 
 try:
-    from machine import decode_weight_bytes, matmul_peak, read_bandwidth, workload_flops
-    from workload import Request, fixed_workload, make_workload, useful_tokens
+    import hf_methods
+    from engine_client import PEER_PYTHON, EngineFailed, EngineProcess, EngineSpec, peer_device
+    from machine import bandwidth_probes, decode_weight_bytes, describe, machine_info, matmul_peak, workload_flops
+    from verdicts import Figure, UnlikeFigures, ratio, verdict
+    from workload import fixed_workload, make_workload, useful_tokens
 except ImportError:  # run as `python -m benchmarks.throughput`
-    from benchmarks.machine import decode_weight_bytes, matmul_peak, read_bandwidth, workload_flops
-    from benchmarks.workload import Request, fixed_workload, make_workload, useful_tokens
+    from benchmarks import hf_methods
+    from benchmarks.engine_client import PEER_PYTHON, EngineFailed, EngineProcess, EngineSpec, peer_device
+    from benchmarks.machine import (
+        bandwidth_probes,
+        decode_weight_bytes,
+        describe,
+        machine_info,
+        matmul_peak,
+        workload_flops,
+    )
+    from benchmarks.verdicts import Figure, UnlikeFigures, ratio, verdict
+    from benchmarks.workload import fixed_workload, make_workload, useful_tokens
 
 HF_RATIO_TARGET, VLLM_RATIO_TARGET, OVERHEAD_TARGET = 3.0, 1.25, 0.05
 MFU_TARGET, BANDWIDTH_TARGET, COLD_START_TARGET = 0.70, 0.75, 0.2
-ROOT = Path(__file__).resolve().parents[1]
-PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+SPECS = (EngineSpec("ours eager", "ours", False), EngineSpec("ours compiled", "ours", True),
+         EngineSpec("vllm eager", "vllm", False), EngineSpec("vllm compiled", "vllm", True))
 
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def run_ours(runner: ModelRunner, reqs: list[Request]) -> tuple[float, list[list[int]]]:
-    runner.generate([[5] * 16], [greedy(4)])  # warm-up
-    t0 = time.perf_counter()
-    outs = runner.generate([r.prompt_ids for r in reqs], [greedy(r.max_tokens) for r in reqs])
-    return time.perf_counter() - t0, [o.token_ids for o in outs]
-
-
-def hf_config(n: int):
-    from transformers import GenerationConfig
-    # min_new_tokens == max_new_tokens: no early stop even if a default eos id gets merged in
-    return GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-
-
-@torch.inference_mode()
-def hf_batches(model, reqs: list[Request], batch: int, desc: str) -> tuple[float, list[list[int]]]:
-    """generate() over FIFO batches (left padding); batch=1 means unpadded one-at-a-time."""
-    model.generate(torch.full((1, 16), 5), attention_mask=torch.ones(1, 16, dtype=torch.long),
-                   generation_config=hf_config(4))  # warm-up
-    outs, t0 = [], time.perf_counter()
-    for i in tqdm(range(0, len(reqs), batch), desc=desc, leave=False):
-        chunk = reqs[i:i + batch]
-        width = max(r.prompt_len for r in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, r in enumerate(chunk):
-            ids[j, width - r.prompt_len:] = torch.tensor(r.prompt_ids)
-            mask[j, width - r.prompt_len:] = 1
-        gen = model.generate(ids, attention_mask=mask, generation_config=hf_config(max(r.max_tokens for r in chunk)))
-        outs += [gen[j, width:width + r.max_tokens].tolist() for j, r in enumerate(chunk)]
-    return time.perf_counter() - t0, outs
-
-
-@torch.inference_mode()
-def hf_continuous(model, reqs: list[Request]) -> tuple[float, list[list[int]]]:
-    """transformers continuous batching with a per-request max_new_tokens (generate_batch takes one)."""
-    from transformers import GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-    gc = GenerationConfig(max_new_tokens=max(r.max_tokens for r in reqs), do_sample=False, eos_token_id=-1)
-    hints = WorkloadHints(max(r.prompt_len for r in reqs), gc.max_new_tokens, len(reqs))
-    with model.continuous_batching_context_manager(generation_config=gc, workload_hints=hints, timeout=30) as mgr:
-        def collect(ids: list[str], bar=None) -> dict[str, list[int]]:
-            done = {}
-            while len(done) < len(ids):
-                res = mgr.get_result(timeout=1)
-                if res is None:
-                    if not mgr.is_running():
-                        raise RuntimeError("generation thread stopped")
-                    continue
-                if res.is_finished():
-                    if res.error is not None:
-                        raise RuntimeError(res.error)
-                    done[res.request_id] = res.generated_tokens
-                    bar and bar.update(1)
-            return done
-        collect([mgr.add_request([5] * 16, "warmup", max_new_tokens=4, eos_token_id=-1)])
-        t0 = time.perf_counter()
-        ids = [mgr.add_request(r.prompt_ids, f"r{i}", max_new_tokens=r.max_tokens, eos_token_id=-1)
-               for i, r in enumerate(reqs)]
-        with tqdm(total=len(ids), desc="hf cb", leave=False) as bar:
-            done = collect(ids, bar)
-        seconds = time.perf_counter() - t0
-    return seconds, [done[i] for i in ids]
-
-
 def decode_overhead(args) -> dict:
     """Mean pure-decode step time at batch 32, the share of it outside the model forward, and what
     the step's observer (its metrics record and waste figures) costs per step."""
-    runner = ModelRunner({"model": args.model, "dtype": args.dtype, "max_num_seqs": 32}).load_model()
+    runner = ModelRunner({"model": args.model, "dtype": args.dtype, "device": args.device,
+                          "max_num_seqs": 32}).load_model()
     runner.generate([[5] * 16], [greedy(4)])
     runner.engine.step_metrics.clear()
     observer = runner.engine.observer
@@ -147,33 +95,72 @@ def decode_overhead(args) -> dict:
             "observer_us": 1e6 * (observer.seconds - seconds) / (observer.num_steps - num_steps)}
 
 
-def best_of(repeats: int, fn, *args) -> tuple[float, list[list[int]]]:
-    """Fastest of `repeats` runs (this machine is shared: the minimum is the least disturbed)."""
-    runs = [fn(*args) for _ in range(max(1, repeats))]
-    return min(s for s, _ in runs), runs[0][1]
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def matches(ours: list[list[int]], ref: list[list[int]]) -> int:
-    return sum(a == b for a, b in zip(ours, ref))
+def start_engines(specs, model_dir: str, requests_file: Path, tmp: Path, args) -> tuple[dict, dict, dict]:
+    """Each engine started cold (and compiled ones once more on warm caches): {name: process kept for
+    the throughput rounds}, {(name, condition): start-up figures}, {name: error}."""
+    procs, starts, errors = {}, {}, {}
+    for spec in specs:
+        if any(e.startswith(spec.engine) for e in errors):
+            errors[spec.name] = f"skipped: {spec.engine}'s other mode failed"
+            continue
+        cache = tmp / spec.name.replace(" ", "-")
+        conditions = ["caches cold", "caches warm"] if spec.compile else ["eager"]
+        try:
+            for condition in conditions:
+                print(f"starting {spec.name} in a new process ({condition}) ...", flush=True)
+                proc = EngineProcess(spec, model_dir, requests_file, cache, tmp / f"{spec.name}.log", args,
+                                     args.engine_timeout)
+                starts[(spec.name, spec.mode if condition == "eager" else f"compiled, {condition}")] = {
+                    **proc.started, "cache_state": proc.cache_state}
+                if condition == conditions[-1]:
+                    procs[spec.name] = proc
+                else:
+                    proc.close()
+        except EngineFailed as e:
+            errors[spec.name] = str(e)
+            print(f"  {e}")
+    return procs, starts, errors
 
 
-def run_engine(engine: str, compile_: bool, model_dir: str, reqs: list[Request], args) -> dict:
-    """benchmarks/engine_proc.py in a cold process: its figures, or {"error": why}."""
-    python = sys.executable if engine == "ours" else str(PEER_PYTHON)
-    if engine == "vllm" and not PEER_PYTHON.exists():
-        return {"error": f"no peer venv at {PEER_PYTHON.parent.parent} (make bench-peers makes it)"}
-    with tempfile.TemporaryDirectory() as tmp:
-        requests, out = Path(tmp) / "requests.json", Path(tmp) / "figures.json"
-        requests.write_text(json.dumps([[r.prompt_ids, r.max_tokens] for r in reqs]))
-        cmd = [python, str(ROOT / "benchmarks" / "engine_proc.py"), "--engine", engine, "--model", model_dir,
-               "--dtype", args.dtype, "--requests", str(requests), "--out", str(out), "--repeats", str(args.repeats),
-               "--launched-at", repr(time.time())] + (["--compile"] if compile_ else [])
-        env = {**os.environ, "PYTHONPATH": str(ROOT)} if engine == "ours" else dict(os.environ)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.engine_timeout)
-        if proc.returncode or not out.exists():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            return {"error": f"{engine} exited {proc.returncode}: {' | '.join(tail)}"}
-        return json.loads(out.read_text())
+def rounds(procs: dict, hf: dict, model, reqs, repeats: int) -> tuple[dict, dict, dict]:
+    """One untimed workload per method, then `repeats` rounds in turn: {name: [(seconds, returned)]},
+    {name: first token ids}, {name: [batch-1 tok/s]} (engines only)."""
+    for proc in procs.values():
+        proc.ask("workload")
+        proc.ask("batch1")
+    for part, fn in hf.values():
+        fn(model, part)
+    runs: dict[str, list] = {name: [] for name in [*procs, *hf]}
+    tokens, batch1 = {}, {name: [] for name in procs}
+    for r in range(repeats):
+        print(f"round {r + 1}/{repeats}: {', '.join(runs)}", flush=True)
+        for name, proc in procs.items():
+            res = proc.ask("workload")
+            runs[name].append((res["seconds"], res["returned_tokens"]))
+            tokens.setdefault(name, res["tokens"])
+        for name, (part, fn) in hf.items():
+            seconds, ids = fn(model, part)
+            runs[name].append((seconds, sum(map(len, ids))))
+            tokens.setdefault(name, ids)
+        for name, proc in procs.items():
+            res = proc.ask("batch1")
+            batch1[name].append(128 / max(res["many_s"] - res["one_s"], 1e-9))
+    return runs, tokens, batch1
+
+
+def say(line_fn, *args, **kw) -> float | None:
+    """Print a verdict line; an unlike comparison prints why it has no figure and yields None."""
+    try:
+        line, r = line_fn(*args, **kw)
+    except UnlikeFigures as e:
+        print(f"{args[0]}: none ({e})")
+        return None
+    print(line)
+    return r
 
 
 def main() -> None:
@@ -183,142 +170,186 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="small-llama")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default=None, help="ours' device (default: cuda:0 where CUDA is visible, else cpu)")
     ap.add_argument("--hf-single-requests", type=int, default=8, help="requests run one at a time (0 = all)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers methods")
-    ap.add_argument("--skip-compiled", action="store_true", help="no compiled run of ours")
-    ap.add_argument("--vllm-eager", action="store_true", help="also run vLLM with enforce_eager")
-    ap.add_argument("--engine-timeout", type=float, default=900, help="seconds an engine process may take")
-    ap.add_argument("--repeats", type=int, default=1, help="time each method this many times, keep the fastest")
+    ap.add_argument("--skip-compiled", action="store_true", help="no compiled engines (ours and vLLM)")
+    ap.add_argument("--skip-vllm", action="store_true", help="no vLLM engines")
+    ap.add_argument("--engine-timeout", type=float, default=900, help="seconds an engine may take to start or reply")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every method (median, range)")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="both engines' sequence limit")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="both engines' tokens per step (default: ours' default on the device)")
+    ap.add_argument("--prefix-caching", action="store_true", help="prefix caching on in both engines (default off)")
     ap.add_argument("--skip-overhead", action="store_true", help="skip the batch-32 decode step figure")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats got {args.repeats}; it must be >= 1 (3 or more gives a median and a range)")
     torch.set_num_threads(2)
     dtype = getattr(torch, args.dtype)
+    args.device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    info = machine_info(args.device)  # builds the native kernels first: not part of any start below
+    device = info["device"]
+    kind = torch.device(device).type
+    args.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[kind]
 
     model_dir = str(resolve_model_path(args.model))
-    cpu_kernels_available()  # a first build (once per machine) is not part of any cold start below
     shape = ModelShape.from_hf_config(read_hf_config(Path(model_dir)))
     n = args.num_requests or (8 if args.quick else 64)
     lens = dict(prompt_len=(16, 64), output_len=(8, 32)) if args.quick else {}
     reqs = make_workload(n, seed=args.seed, vocab_size=shape.vocab_size, **lens)
     useful = useful_tokens(reqs)
     flops = workload_flops(shape, [(r.prompt_len, r.max_tokens) for r in reqs])
-    peak, bandwidth = matmul_peak(dtype), read_bandwidth()
+    peak, probes = matmul_peak(dtype, device), bandwidth_probes(device)
+    bandwidth = probes["sum"]["median"]
     limit = useful / (flops / (peak * 1e9))
+    print(describe(info))
     print(f"workload: {n} requests, prompts {min(r.prompt_len for r in reqs)}-{max(r.prompt_len for r in reqs)}, "
           f"outputs {min(r.max_tokens for r in reqs)}-{max(r.max_tokens for r in reqs)}, {useful} useful tokens, "
-          f"{flops / 1e12:.3f} TFLOP; {args.dtype}; torch threads {torch.get_num_threads()}; "
-          f"load average {os.getloadavg()[0]:.2f} (other busy processes skew every figure)")
-    print(f"this machine: matmul peak {peak:.0f} GFLOP/s ({args.dtype}, the faster of torch.mm and the panel GEMM), "
-          f"read bandwidth {bandwidth:.1f} GB/s; "
-          f"the workload's compute limit {limit:.0f} useful tok/s")
+          f"{flops / 1e12:.3f} TFLOP; {args.dtype}; torch threads {torch.get_num_threads()}; both engines: "
+          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, prefix caching "
+          f"{'on' if args.prefix_caching else 'off'}; load average {os.getloadavg()[0]:.2f}")
+    print(f"{device}: matmul peak {peak:.0f} GFLOP/s ({args.dtype}), the workload's compute limit {limit:.0f} "
+          f"useful tok/s; bandwidth probes at {probes['sizes_mib']} MiB (last-level cache {probes['llc_mib']} MiB):")
+    for method in ("sum", "copy"):
+        p = probes[method]
+        print(f"  {method:<5} median {p['median']:6.1f} GB/s, range {p['min']:.1f}-{p['max']:.1f} "
+              f"({len(p['runs'])} calls)")
 
-    engines, errors = {}, {}
-    runs = [("ours", "ours", False)] + ([] if args.skip_compiled else [("ours compiled", "ours", True)])
-    runs += [("vllm", "vllm", True)] + ([("vllm eager", "vllm", False)] if args.vllm_eager else [])
-    for name, engine, compile_ in runs:
-        print(f"running {name} in its own process ...", flush=True)
-        res = run_engine(engine, compile_, model_dir, reqs, args)
-        if "error" in res:
-            errors[name] = res["error"]
-            print(f"  {name}: {res['error']}")
-            if engine == "vllm":
-                break  # no venv or a broken peer: its other mode would fail the same way
-        else:
-            engines[name] = res
-
-    if "ours" not in engines:
-        raise SystemExit(f"ours did not run: {errors['ours']}")
-    rows = {name: (n, r["seconds"], useful / r["seconds"]) for name, r in engines.items()}
-    ours = engines["ours"]["tokens"]
-    match = {name: (matches(ours, r["tokens"]), n) for name, r in engines.items() if name != "ours"}
-    if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        sub = reqs[:args.hf_single_requests or n]
-        for name, part, b in (("hf single", sub, 1), ("hf batch 16", reqs, 16), ("hf batch 64", reqs, 64)):
-            secs, outs = best_of(args.repeats, hf_batches, model, part, b, name)
-            rows[name], match[name] = (len(part), secs, useful_tokens(part) / secs), (matches(ours, outs), len(part))
+    specs = [s for s in SPECS if not (args.skip_compiled and s.compile) and not (args.skip_vllm and s.engine == "vllm")]
+    peer_errors = {}
+    if kind != "cpu" and PEER_PYTHON.exists() and any(s.engine == "vllm" for s in specs):
+        peer = peer_device()
+        if peer != kind:
+            peer_errors["vllm"] = f"the vLLM build in .venv-peers runs on {peer}, ours on {device}: no peer on " \
+                                  "the same device, so no comparison"
+            specs = [s for s in specs if s.engine != "vllm"]
+    hf_runs = {} if args.skip_hf else hf_methods.methods(reqs, args.hf_single_requests)
+    model = None if args.skip_hf else hf_methods.load(model_dir, dtype, device)
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        requests_file = Path(tmp) / "requests.json"
+        requests_file.write_text(json.dumps([[r.prompt_ids, r.max_tokens] for r in reqs]))
+        procs, starts, errors = start_engines(specs, model_dir, requests_file, Path(tmp), args)
+        errors.update(peer_errors)
         try:
-            secs, outs = best_of(args.repeats, hf_continuous, model, reqs)
-            rows["hf cb"], match["hf cb"] = (n, secs, useful / secs), (matches(ours, outs), n)
-        except Exception as e:  # report, don't crash: it is a peer, not the subject
-            errors["hf cb"] = f"{type(e).__name__}: {e}"
-        del model
+            if "ours eager" not in procs:
+                raise SystemExit(f"ours did not run: {errors.get('ours eager')}")
+            runs, tokens, batch1 = rounds(procs, hf_runs, model, reqs, args.repeats)
+        finally:
+            for proc in procs.values():
+                proc.close()
+    devices = {name: proc.started["device"] for name, proc in procs.items()} | dict.fromkeys(hf_runs, device)
+    devices = {k: "cuda:0" if v == "cuda" else v for k, v in devices.items()}
+    settings = {name: proc.started["settings"] for name, proc in procs.items()}
+    modes = {s.name: s.mode for s in SPECS} | dict.fromkeys(hf_runs, "eager")
+    requested = {name: useful_tokens(hf_runs[name][0]) if name in hf_runs else useful for name in runs}
+    tok_s = {name: spread([t / s for s, t in r]) for name, r in runs.items()}
+    returned = {name: r[0][1] for name, r in runs.items()}
+    ref = tokens["ours eager"]
+    match = {name: (sum(a == b for a, b in zip(ids, ref)), len(ids)) for name, ids in tokens.items()}
 
-    mine = max(rows[k][2] for k in rows if k.startswith("ours"))
-    print(f"\n{'method':<15}{'requests':>9}{'seconds':>10}{'useful tok/s':>14}{'MFU':>7}{'best ours/it':>14}"
-          f"  greedy match vs ours")
-    for name, (k, s, tps) in rows.items():
-        mfu = f"{100 * tps / limit:.0f}%" if k == n else "-"
-        m = f"{match[name][0]}/{match[name][1]}" if name in match else "-"
-        print(f"{name:<15}{k:>9}{s:>10.2f}{tps:>14.1f}{mfu:>7}{mine / tps:>14.2f}  {m}")
-    if "hf single" in rows and rows["hf single"][0] < n:
-        print(f"(hf single ran the first {rows['hf single'][0]} requests only; its tok/s is from that subset)")
+    print(f"\n{'method':<15}{'device':>7}{'median tok/s':>14}{'range':>17}{'MFU':>6}{'returned/asked':>16}"
+          f"  greedy vs ours eager")
+    limit_fig = Figure(limit, device, label=f"compute limit of {device}")
+
+    def fig(name: str, value: float) -> Figure:
+        return Figure(value, devices[name], modes[name], name)
+
+    for name, t in tok_s.items():
+        try:
+            mfu = f"{100 * ratio(fig(name, t['median']), limit_fig):.0f}%" if requested[name] == useful else "-"
+        except UnlikeFigures:
+            mfu = "-"
+        print(f"{name:<15}{devices[name]:>7}{t['median']:>14.1f}{t['min']:>9.1f}-{t['max']:<7.1f}{mfu:>6}"
+              f"{returned[name]:>9}/{requested[name]:<6}  {match[name][0]}/{match[name][1]}")
     for name, why in errors.items():
         print(f"{name} not measured: {why}")
+    if "hf single" in runs and len(hf_runs["hf single"][0]) < n:
+        print(f"(hf single ran the first {len(hf_runs['hf single'][0])} requests only; its tok/s is from that subset)")
+    for name, s in settings.items():
+        print(f"  {name}: {s}; compile: {procs[name].started.get('compile_route')}")
 
-    hf = [tps for name, (_, _, tps) in rows.items() if name.startswith("hf")]
-    vllm = [tps for name, (_, _, tps) in rows.items() if name.startswith("vllm")]
-    hf_ratio = mine / max(hf) if hf else None
-    vllm_ratio = mine / max(vllm) if vllm else None
-    mfu = mine / limit
-
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "NOT met"
-
-    if vllm_ratio is not None:
-        print(f"best ours / best vLLM: {vllm_ratio:.2f}x; target >= {VLLM_RATIO_TARGET:g}x: "
-              f"{verdict(vllm_ratio >= VLLM_RATIO_TARGET)}")
-    if hf_ratio is not None:
-        print(f"best ours / best transformers: {hf_ratio:.2f}x; target >= {HF_RATIO_TARGET:g}x: "
-              f"{verdict(hf_ratio >= HF_RATIO_TARGET)}")
-    print(f"best ours MFU {100 * mfu:.0f}% of the {args.dtype} compute limit"
-          + (f"; target >= {100 * MFU_TARGET:g}% in float32: {verdict(mfu >= MFU_TARGET)}"
-             if args.dtype == "float32" else ""))
+    print()
+    ratios = {}
+    for mode in ("eager", "compiled"):
+        if f"ours {mode}" in tok_s and f"vllm {mode}" in tok_s:
+            ratios[f"vllm {mode}"] = say(verdict, f"ours {mode} / vLLM {mode} (median tok/s)",
+                                         fig(f"ours {mode}", tok_s[f"ours {mode}"]["median"]),
+                                         fig(f"vllm {mode}", tok_s[f"vllm {mode}"]["median"]), VLLM_RATIO_TARGET)
+    best = {side: max((k for k in tok_s if k.startswith(side)), key=lambda k: tok_s[k]["median"], default=None)
+            for side in ("ours", "vllm", "hf")}
+    if best["vllm"]:
+        ratios["best vs best"] = say(verdict, f"extra, best vs best: {best['ours']} / {best['vllm']}",
+                                     fig(best["ours"], tok_s[best["ours"]]["median"]),
+                                     fig(best["vllm"], tok_s[best["vllm"]]["median"]), VLLM_RATIO_TARGET, like=False)
+    if best["hf"]:
+        ratios["hf"] = say(verdict, f"ours eager / best transformers ({best['hf']}, eager)",
+                           fig("ours eager", tok_s["ours eager"]["median"]),
+                           fig(best["hf"], tok_s[best["hf"]]["median"]), HF_RATIO_TARGET)
+    mfu = {k: say(verdict, f"{k} MFU (of the {args.dtype} compute limit)", fig(k, tok_s[k]["median"]), limit_fig,
+                  MFU_TARGET, percent=True) for k in tok_s if k.startswith("ours")}
 
     weight_bytes = decode_weight_bytes(shape, args.dtype)
-    print(f"\nbatch-1 decode ({weight_bytes / 1e6:.0f} MB of weights read per token; "
-          f"{bandwidth:.1f} GB/s measured) and cold start (launch to first token):")
-    batch1, cold = {}, {}
-    for name, r in engines.items():
-        tps = r["batch1_decode_tok_s"]
-        batch1[name], cold[name] = tps, r["first_token_s"]
-        share = weight_bytes * tps / (bandwidth * 1e9)
-        print(f"  {name:<15}{tps:>8.1f} tok/s  {100 * share:>5.1f}% of bandwidth   "
-              f"cold start {r['first_token_s']:6.1f} s")
-    best1 = max(v for k, v in batch1.items() if k.startswith("ours"))
-    bw_share = weight_bytes * best1 / (bandwidth * 1e9)
-    print(f"best ours batch-1: {100 * bw_share:.0f}% of bandwidth; target >= {100 * BANDWIDTH_TARGET:g}%: "
-          f"{verdict(bw_share >= BANDWIDTH_TARGET)}")
-    vllm_cold = min((v for k, v in cold.items() if k.startswith("vllm")), default=None)
-    if vllm_cold:
-        print(f"cold start ours / vLLM: {cold['ours'] / vllm_cold:.2f}; target <= {COLD_START_TARGET:g}: "
-              f"{verdict(cold['ours'] / vllm_cold <= COLD_START_TARGET)}")
+    print(f"\nbatch-1 decode ({weight_bytes / 1e6:.0f} MB of weights read per token); the share is of the sum "
+          f"probe's median ({bandwidth:.1f} GB/s), in brackets of the copy probe's ({probes['copy']['median']:.1f}):")
+    b1 = {name: spread(v) for name, v in batch1.items()}
+    share = {}
+    for name, t in b1.items():
+        moved = Figure(weight_bytes * t["median"] / 1e9, devices[name], label=f"{name} weight GB/s")
+        share[name] = say(verdict, f"  {name:<14} {t['median']:6.1f} tok/s ({t['min']:.1f}-{t['max']:.1f}) share",
+                          moved, Figure(bandwidth, device, label=f"sum probe of {device}"), BANDWIDTH_TARGET,
+                          percent=True)
+        if share[name] is not None:
+            print(f"  {'':<14} ({100 * moved.value / probes['copy']['median']:.0f}% of the copy probe's median)")
+    for mode in ("eager", "compiled"):
+        if f"ours {mode}" in b1 and f"vllm {mode}" in b1:
+            say(verdict, f"batch-1 ours {mode} / vLLM {mode}", fig(f"ours {mode}", b1[f"ours {mode}"]["median"]),
+                fig(f"vllm {mode}", b1[f"vllm {mode}"]["median"]), 1.0)
+
+    print("\nstart-up of a new process (seconds from launch to ready to serve / to the first token):")
+    for (name, condition), s in starts.items():
+        print(f"  {name:<14} {condition:<24} ready {s['ready_s']:6.1f}  first token {s['first_token_s']:6.1f}  "
+              f"caches: {s['cache_state']}")
+    cold = {}
+    for condition in ("eager", "compiled, caches cold", "compiled, caches warm"):
+        mode = condition.split(",")[0]
+        pair = [starts.get((f"{side} {mode}", condition)) for side in ("ours", "vllm")]
+        if all(pair):
+            dev = [devices.get(f"{side} {mode}", "?") for side in ("ours", "vllm")]
+            cold[condition] = say(verdict, f"first token, ours / vLLM ({condition})",
+                                  Figure(pair[0]["first_token_s"], dev[0], condition, "ours"),
+                                  Figure(pair[1]["first_token_s"], dev[1], condition, "vLLM"),
+                                  COLD_START_TARGET, at_least=False)
 
     ov = None if args.skip_overhead else decode_overhead(args)
     if ov:
         print(f"decode step at batch 32 ({ov['steps']} pure-decode steps): {ov['total_ms']:.2f} ms total, "
               f"{ov['forward_ms']:.2f} ms forward, outside-forward share {100 * ov['share']:.1f}%; "
-              f"target <= {100 * OVERHEAD_TARGET:g}%: {verdict(ov['share'] <= OVERHEAD_TARGET)}; "
+              f"target <= {100 * OVERHEAD_TARGET:g}%: {'met' if ov['share'] <= OVERHEAD_TARGET else 'NOT met'}; "
               f"the step observer (record + waste figures) {ov['observer_us']:.0f} us per step")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
-    def r2(x):
+    def r3(x):
         return None if x is None else round(x, 3)
 
     print(json.dumps({
-        "dtype": args.dtype, "tok_s": {k: round(v[2], 2) for k, v in rows.items()},
-        "ratio_to_vllm": r2(vllm_ratio), "ratio_to_hf": r2(hf_ratio), "mfu": r2(mfu),
-        "mfu_by_method": {k: r2(v[2] / limit) for k, v in rows.items() if v[0] == n},
-        "matmul_peak_gflops": round(peak, 1), "read_bandwidth_gbs": round(bandwidth, 2),
+        "dtype": args.dtype, "machine": info, "repeats": args.repeats, "num_requests": n, "quick": args.quick,
+        "tok_s": {k: {q: round(v, 2) for q, v in t.items()} for k, t in tok_s.items()},
+        "returned_tokens": returned, "requested_tokens": requested, "devices": devices, "engine_settings": settings,
+        "ratio_to_vllm": {k: r3(v) for k, v in ratios.items() if k != "hf"}, "ratio_to_hf": r3(ratios.get("hf")),
+        "mfu": {k: r3(v) for k, v in mfu.items()}, "matmul_peak_gflops": round(peak, 1),
+        "bandwidth_gbs": {m: {q: round(probes[m][q], 2) for q in ("median", "min", "max")} for m in ("sum", "copy")},
+        "bandwidth_probe_mib": probes["sizes_mib"], "share_against": "sum probe median",
         "workload_tflop": round(flops / 1e12, 4), "compute_limit_tok_s": round(limit, 1),
-        "batch1_tok_s": {k: round(v, 2) for k, v in batch1.items()}, "batch1_bandwidth_share": r2(bw_share),
-        "first_token_s": {k: round(v, 2) for k, v in cold.items()},
+        "batch1_tok_s": {k: {q: round(v, 2) for q, v in t.items()} for k, t in b1.items()},
+        "batch1_bandwidth_share": {k: r3(v) for k, v in share.items()},
+        "start": {f"{k} ({c})": {"ready_s": round(s["ready_s"], 2), "first_token_s": round(s["first_token_s"], 2),
+                                 "cache_state": s["cache_state"]} for (k, c), s in starts.items()},
+        "first_token_ratio_to_vllm": {k: r3(v) for k, v in cold.items()},
         "greedy_match": {k: f"{a}/{b}" for k, (a, b) in match.items()},
         "decode_step_overhead_share_b32": None if ov is None else round(ov["share"], 4),
         "decode_step_ms_b32": None if ov is None else round(ov["total_ms"], 3),
-        "observer_us_per_step": None if ov is None else round(ov["observer_us"], 1),
-        "errors": errors, "num_requests": n, "quick": args.quick, "repeats": args.repeats}))
+        "observer_us_per_step": None if ov is None else round(ov["observer_us"], 1), "errors": errors}))
 
 
 if __name__ == "__main__":

