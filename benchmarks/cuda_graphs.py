@@ -9,7 +9,7 @@ exactly), in one process, each mode switched on the same loaded runner:
 For decode batches 1, 3 (padded to 4), 8 and 32: tokens/s of the steady pure-decode steps
 (runner.step_metrics), best of --rounds. Checks: greedy tokens of every mode equal eager's;
 compile_stats()["cuda_graphs"] names the captured sizes; the graphs' memory. The last stdout line
-is one JSON object with the figures.
+is one JSON object with the figures; the exit code is 1 when any mode's tokens differ from eager's.
 
 Run:  .venv/bin/python benchmarks/cuda_graphs.py [--model small-llama] [--rounds 2]
 """
@@ -87,6 +87,15 @@ def main() -> None:
                       "greedy_equal": equal, "cuda_graphs": stats["graphs"]["cuda_graphs"],
                       "decode_programs": stats["graphs"]["decode_programs"], "graph_memory_bytes": graphs_mem,
                       "switch_seconds": switch_s}, default=str))
+    sys.exit(parity_exit_code(equal))
+
+
+def parity_exit_code(equal: dict[str, bool]) -> int:
+    """0 when every mode's greedy tokens equal eager's, else 1 (after saying which modes differ)."""
+    differ = [mode for mode, ok in equal.items() if not ok]
+    if differ:
+        print(f"FAILED: greedy tokens of {', '.join(differ)} differ from eager's", file=sys.stderr)
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

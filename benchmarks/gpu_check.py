@@ -6,10 +6,13 @@ own with a time limit (together under 8 minutes), and goes on when one fails:
                attention_backend "flex" and "gather": small-llama, and a tiny Mistral with a
                sliding window of 24; prompts of 3-300 tokens, the longest prefilled in chunks
   cuda_graphs  benchmarks/cuda_graphs.py (eager vs compiled vs decode CUDA graphs)
-  throughput   benchmarks/throughput.py --dtype bfloat16 --skip-hf --skip-compiled (ours eager,
-               vLLM where its venv exists)
-Then one summary: each part's status, seconds and figures (the last JSON object line it printed); the
-summary is also the last stdout line, one JSON object, and is written to --out when given.
+  throughput   benchmarks/throughput.py --dtype bfloat16 --skip-hf --skip-compiled (ours eager on the
+               GPU, its MFU and bandwidth share against the GPU's own peak and bandwidth; vLLM only
+               where its build runs on the same device: the CPU build gives no comparison)
+Then one summary: each part's status, seconds and figures (the last JSON object line it printed) and
+the failures; the summary is also the last stdout line, one JSON object, and is written to --out
+when given. The exit code is 1 when any part failed or its figures report tokens unequal to the
+reference (even if that part exited 0).
 
 Run:  make gpu-check    or    .venv/bin/python benchmarks/gpu_check.py [--out summary.json]
 """
@@ -85,9 +88,9 @@ def _is_json_object(line: str) -> bool:
         return False
 
 
-def run_part(name: str) -> dict:
+def run_part(name: str, parts: dict = PARTS) -> dict:
     """One part in its own process: status (ok, failed, timeout), seconds, figures, the output's tail."""
-    cmd, limit = PARTS[name]
+    cmd, limit = parts[name]
     print(f"== {name}: {' '.join(cmd)} (limit {limit} s)", flush=True)
     t = time.perf_counter()
     # a session of its own, so a timeout ends the part's own child processes too (throughput's engines)
@@ -105,6 +108,40 @@ def run_part(name: str) -> dict:
             "tail": out.strip().splitlines()[-3:]}
 
 
+def failures(summary: dict) -> list[str]:
+    """Why the check fails: a part that did not exit 0, or whose figures report tokens unequal to the
+    reference (cuda_graphs' greedy_equal, parity's counts), whatever its exit code said."""
+    problems = []
+    for name, part in summary["parts"].items():
+        if part["status"] != "ok":
+            problems.append(f"{name}: {part['status']}")
+        figures = part["figures"] or {}
+        unequal = [mode for mode, ok in (figures.get("greedy_equal") or {}).items() if ok is not True]
+        if unequal:
+            problems.append(f"{name}: greedy tokens of {', '.join(unequal)} differ from eager's")
+        if name == "parity":
+            short = [f"{case} {backend}" for case, counts in figures.items() for backend, n in counts.items()
+                     if n != len(PROMPT_LENGTHS)]
+            if short:
+                problems.append(f"parity: {', '.join(short)} differ from transformers")
+    return problems
+
+
+def check(parts: dict, summary: dict, out: Path | None = None) -> int:
+    """Run every part, print and keep the summary; the exit code: 0 only when nothing failed."""
+    summary["parts"] = {name: run_part(name, parts) for name in parts}
+    summary["failures"] = failures(summary)
+    print("== summary")
+    for name, part in summary["parts"].items():
+        print(f"{name:>12}: {part['status']} in {part['seconds']} s")
+    for problem in summary["failures"]:
+        print(f"FAILED {problem}")
+    if out:
+        out.write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    return 1 if summary["failures"] else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parity", action="store_true", help="only the parity part, in this process")
@@ -120,15 +157,7 @@ def main() -> None:
         result = parity(args.device)
         print(json.dumps(result))
         sys.exit(0 if all(n == len(PROMPT_LENGTHS) for case in result.values() for n in case.values()) else 1)
-    summary = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    summary.update({name: run_part(name) for name in PARTS})
-    print("== summary")
-    for name in PARTS:
-        print(f"{name:>12}: {summary[name]['status']} in {summary[name]['seconds']} s")
-    if args.out:
-        args.out.write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary))
-    sys.exit(0 if all(summary[name]["status"] == "ok" for name in PARTS) else 1)
+    sys.exit(check(PARTS, {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}, args.out))
 
 
 if __name__ == "__main__":

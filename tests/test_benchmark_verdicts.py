@@ -1,0 +1,87 @@
+"""The benchmarks' verdicts compare like with like, and a failed token check reaches the exit code:
+figures from different devices (or unlike conditions) are refused, a GPU check whose CUDA-graph
+tokens differ exits non-zero. All on the CPU, no model runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import gpu_check
+from benchmarks.cuda_graphs import parity_exit_code
+from benchmarks.engine_client import cache_state
+from benchmarks.machine import bandwidth_probes
+from benchmarks.verdicts import Figure, UnlikeFigures, ratio, verdict
+
+
+def test_a_verdict_over_figures_from_different_devices_is_an_error_not_a_figure():
+    engine = Figure(900.0, "cuda:0", "eager", "ours eager")  # e.g. GB/s of weights read on the GPU
+    cpu_bandwidth = Figure(30.0, "cpu", label="sum probe")
+    with pytest.raises(UnlikeFigures, match=r"ours eager \(cuda:0, eager\).*sum probe \(cpu\).*different devices"):
+        verdict("batch-1 share", engine, cpu_bandwidth, 0.75, percent=True)
+    with pytest.raises(UnlikeFigures, match="different devices"):
+        ratio(Figure(1.0, "cpu", "eager", "ours"), Figure(1.0, "cuda:0", "eager", "vLLM"), like=False)
+    line, r = verdict("batch-1 share", Figure(24.0, "cpu", "eager", "ours eager"), cpu_bandwidth, 0.75, percent=True)
+    assert r == pytest.approx(0.8) and line == "batch-1 share: 80%; target >= 75%: met"
+
+
+def test_eager_is_compared_with_eager_and_compiled_with_compiled_unless_labelled_an_extra():
+    eager, compiled = Figure(600.0, "cpu", "eager", "ours eager"), Figure(700.0, "cpu", "compiled", "vllm compiled")
+    with pytest.raises(UnlikeFigures, match="conditions differ"):
+        verdict("ours / vLLM", eager, compiled, 1.25)
+    cold = Figure(50.0, "cpu", "compiled, caches cold", "vLLM")
+    with pytest.raises(UnlikeFigures, match="conditions differ"):
+        ratio(Figure(2.0, "cpu", "compiled, caches warm", "ours"), cold)
+    assert ratio(eager, compiled, like=False) == pytest.approx(600 / 700)
+    line, _ = verdict("first token", Figure(5.0, "cpu", "compiled, caches cold", "ours"), cold, 0.2, at_least=False)
+    assert line == "first token: 0.10x; target <= 0.20x: met"
+
+
+def test_the_bandwidth_probes_report_each_method_with_its_median_and_range():
+    probes = bandwidth_probes("cpu", calls=3, multiples=(1, 2))
+    for method in ("sum", "copy"):
+        p = probes[method]
+        assert len(p["runs"]) == 6  # 3 calls at each of 2 sizes
+        assert 0 < p["min"] <= p["median"] <= p["max"]
+    assert probes["device"] == "cpu" and probes["sizes_mib"] == [probes["llc_mib"], 2 * probes["llc_mib"]]
+
+
+def test_cuda_graph_token_parity_reaches_the_exit_code(capsys):
+    assert parity_exit_code({"eager": True, "compiled": True, "graphs": True}) == 0
+    assert parity_exit_code({"eager": True, "compiled": True, "graphs": False}) == 1
+    assert "greedy tokens of graphs differ from eager's" in capsys.readouterr().err
+
+
+def _part(figures: dict, code: int) -> tuple[list[str], int]:
+    return ["-c", f"import sys; print({json.dumps(json.dumps(figures))}); sys.exit({code})"], 60
+
+
+@pytest.mark.parametrize("figures, code, failed", [
+    ({"greedy_equal": {"eager": True, "graphs": True}}, 0, None),
+    ({"greedy_equal": {"eager": True, "graphs": False}}, 0, "cuda_graphs: greedy tokens of graphs differ"),
+    ({"greedy_equal": {"eager": True, "graphs": False}}, 1, "cuda_graphs: failed (exit 1)"),
+])
+def test_the_gpu_check_exits_non_zero_when_a_part_reports_unequal_tokens(figures, code, failed, capsys):
+    parts = {"cuda_graphs": _part(figures, code), "parity": _part({"small-llama": {"flex": 4, "gather": 4}}, 0)}
+    summary = {}
+    assert gpu_check.check(parts, summary) == (1 if failed else 0)
+    assert summary["parts"]["cuda_graphs"]["figures"] == figures
+    if failed:
+        assert any(f.startswith(failed) for f in summary["failures"])
+        assert f"FAILED {failed}" in capsys.readouterr().out
+
+
+def test_the_gpu_check_fails_when_parity_counts_fall_short_even_on_exit_0():
+    summary = {}
+    assert gpu_check.check({"parity": _part({"small-llama": {"flex": 4, "gather": 3}}, 0)}, summary) == 1
+    assert summary["failures"] == ["parity: small-llama gather differ from transformers"]
+
+
+def test_a_start_records_whether_its_caches_were_cold_or_warm(tmp_path):
+    assert cache_state(tmp_path / "start") == "cold (empty folders)"
+    (tmp_path / "start" / "inductor").mkdir(parents=True)
+    assert cache_state(tmp_path / "start") == "cold (empty folders)"
+    (tmp_path / "start" / "inductor" / "fxgraph").write_text("x")
+    assert cache_state(tmp_path / "start") == "warm (inductor)"
+
