@@ -170,6 +170,11 @@ def main() -> None:
             "num_requests": args.num_requests or (8 if args.quick else 64), "max_num_seqs": 64,
             "prompt_len": 16 if args.quick else 32, "decode_len": 16 if args.quick else 48}
     root = Path(tempfile.mkdtemp(prefix="bench-compile-"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from machine import describe, machine_info
+
+    info = machine_info("cpu")
+    print(describe(info))
     print(f"model {model}; scopes {scopes}; routes {routes}; temp caches under {root}; "
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (shared: figures are noisy)", flush=True)
 
@@ -202,7 +207,7 @@ def main() -> None:
 
     print(f"\n{'scope':<7}{'route':<6}{'cold s':>8}{'warm s':>8}{'warm/cold':>10}{'ready cold':>11}{'ready warm':>11}"
           f"  warm-start cache")
-    figures = {"model": model, "quick": args.quick, "targets": {"warm_over_cold": WARM_TARGET,
+    figures = {"model": model, "quick": args.quick, "machine": info, "targets": {"warm_over_cold": WARM_TARGET,
                "warm_over_cold_stretch": WARM_STRETCH, "decode_speedup": DECODE_TARGET}, "scopes": {}}
     for scope in scopes:
         fs = figures["scopes"].setdefault(scope, {"routes": {}})

@@ -26,8 +26,10 @@ import torch
 from runner_core import ModelRunner, SamplingParams
 
 try:
+    from machine import describe, machine_info
     from workload import fixed_workload
 except ImportError:  # run as `python -m benchmarks.cuda_graphs`
+    from benchmarks.machine import describe, machine_info
     from benchmarks.workload import fixed_workload
 
 BATCHES = (1, 3, 8, 32)
@@ -51,6 +53,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("benchmarks/cuda_graphs.py needs a CUDA device; none is visible here", file=sys.stderr)
         sys.exit(2)
+    info = machine_info("cuda:0")
+    print(describe(info), flush=True)
     runner = ModelRunner({"model": args.model, "dtype": "float32", "device": 0, "max_num_seqs": 64,
                           "compile_cache_dir": "test-output/cuda-compile-cache"}).load_model()
     engine = runner.engine
@@ -82,7 +86,7 @@ def main() -> None:
     print(f"greedy tokens equal eager: {equal}; cuda_graphs: {stats['graphs']['cuda_graphs']}; graph memory "
           f"{graphs_mem / 2**20:.1f} MiB; mode switch seconds {switch_s}; recompiles after warm-up "
           f"{stats['graphs']['recompiles_after_warmup']}")
-    print(json.dumps({"model": args.model, "device": torch.cuda.get_device_name(0),
+    print(json.dumps({"model": args.model, "device": torch.cuda.get_device_name(0), "machine": info,
                       "decode_tok_s": {m: {str(b): round(v, 1) for b, v in speed[m].items()} for m in modes},
                       "greedy_equal": equal, "cuda_graphs": stats["graphs"]["cuda_graphs"],
                       "decode_programs": stats["graphs"]["decode_programs"], "graph_memory_bytes": graphs_mem,

@@ -83,12 +83,13 @@ class VllmEngine:
         import vllm
         from vllm.platforms import current_platform
         config = self.llm.llm_engine.vllm_config
+        mode = config.compilation_config.mode
         return {"device": current_platform.device_type, "version": vllm.__version__,
                 "settings": {"max_num_seqs": config.scheduler_config.max_num_seqs,
                              "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
                              "prefix_caching": bool(config.cache_config.enable_prefix_caching)},
                 "compile_route": None if config.model_config.enforce_eager
-                else f"torch.compile, mode {config.compilation_config.mode}"}
+                else f"torch.compile, {getattr(mode, 'name', mode)}"}
 
 
 ENGINES = {"ours": OursEngine, "vllm": VllmEngine}

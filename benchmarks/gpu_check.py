@@ -157,7 +157,13 @@ def main() -> None:
         result = parity(args.device)
         print(json.dumps(result))
         sys.exit(0 if all(n == len(PROMPT_LENGTHS) for case in result.values() for n in case.values()) else 1)
-    sys.exit(check(PARTS, {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}, args.out))
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.machine import describe, machine_info
+
+    info = machine_info("cuda:0")
+    print(describe(info), flush=True)
+    sys.exit(check(PARTS, {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "machine": info},
+                   args.out))
 
 
 if __name__ == "__main__":

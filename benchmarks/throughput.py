@@ -304,7 +304,7 @@ def main() -> None:
     for mode in ("eager", "compiled"):
         if f"ours {mode}" in b1 and f"vllm {mode}" in b1:
             say(verdict, f"batch-1 ours {mode} / vLLM {mode}", fig(f"ours {mode}", b1[f"ours {mode}"]["median"]),
-                fig(f"vllm {mode}", b1[f"vllm {mode}"]["median"]), 1.0)
+                fig(f"vllm {mode}", b1[f"vllm {mode}"]["median"]), None)
 
     print("\nstart-up of a new process (seconds from launch to ready to serve / to the first token):")
     for (name, condition), s in starts.items():

@@ -43,12 +43,14 @@ def ratio(num: Figure, den: Figure, like: bool = True) -> float:
     return num.value / den.value
 
 
-def verdict(name: str, num: Figure, den: Figure, target: float, at_least: bool = True, like: bool = True,
+def verdict(name: str, num: Figure, den: Figure, target: float | None, at_least: bool = True, like: bool = True,
             percent: bool = False) -> tuple[str, float]:
-    """The printed line for `name` = num / den against `target` (>= when at_least, else <=), and the
-    ratio; raises UnlikeFigures for unlike inputs instead of printing a figure."""
+    """The printed line for `name` = num / den against `target` (>= when at_least, else <=; None: the
+    ratio alone), and the ratio; raises UnlikeFigures for unlike inputs instead of printing a figure."""
     r = ratio(num, den, like=like)
-    met = r >= target if at_least else r <= target
     fmt = (lambda x: f"{100 * x:.0f}%") if percent else (lambda x: f"{x:.2f}x")
+    if target is None:
+        return f"{name}: {fmt(r)}", r
+    met = r >= target if at_least else r <= target
     return (f"{name}: {fmt(r)}; target {'>=' if at_least else '<='} {fmt(target)}: {'met' if met else 'NOT met'}",
             r)
