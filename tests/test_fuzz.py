@@ -1,7 +1,10 @@
 """Fuzzing (hypothesis): configs, sampling parameters, prompts and multimodal inputs. The only outcomes
-are a result or one of the project's documented errors (runner_core.errors) with a message; never
-another exception type, a hang (pytest-timeout) or a dead engine (every example leaves it idle, with
-no KV block held, and a clean request still answers).
+are a result or the documented error of the input (README "How failures are reported"): ConfigError
+for a config, InvalidRequestError for a request, whose message names the offending field (or, for a
+prompt, what is wrong with it). In a batch, an output with finish_reason "error" must be the refusal
+the engine gives that prompt on its own; an accepted request that fails inside a step ("RuntimeError:
+...") fails the test. Never another exception type, a hang (pytest-timeout) or a dead engine (every
+example leaves it idle, with no KV block held, and a clean request still answers).
 
 `make test` runs a small budget; `make fuzz` (RUNNER_FUZZ_EXAMPLES=500) the full one.
 """
@@ -10,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner_core import ModelRunner, RunnerConfig, RunnerError, SamplingParams
+from runner_core import ModelRunner, RunnerConfig, SamplingParams
 from runner_core.errors import ConfigError, InvalidRequestError
 
 EXAMPLES = int(os.environ.get("RUNNER_FUZZ_EXAMPLES", "30"))
@@ -33,8 +37,19 @@ CONFIG_FIELDS = [f.name for f in dataclasses.fields(RunnerConfig)]
 SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 
 
-def documented(exc: BaseException) -> bool:
-    return isinstance(exc, RunnerError) and len(str(exc)) > 10
+# what a refused prompt's message is about (runner_core/engine/input_processor.py, multimodal.py, engine.py)
+PROMPT_SUBJECTS = ("prompt", "token id", "image", "multi_modal_data", "input_ids")
+
+
+def assert_names(message: str, subjects) -> None:
+    """The error message names one of `subjects` (the offending fields or what was given)."""
+    subjects = list(subjects)
+    assert any(s in message for s in subjects), f"{message!r} names none of {subjects}"
+
+
+def sampling_subjects(kwargs: dict) -> list[str]:
+    """How a SamplingParams refusal names a field and the value it got."""
+    return [f"SamplingParams.{k} got {v!r}" for k, v in kwargs.items()]
 
 
 @FUZZ
@@ -42,8 +57,8 @@ def documented(exc: BaseException) -> bool:
 def test_runner_config_dicts(d):
     try:
         config = RunnerConfig(d)
-    except ConfigError as e:
-        assert documented(e), repr(e)
+    except ConfigError as e:  # the field or unknown key at fault, by name (or the missing 'model')
+        assert_names(str(e), [repr(k) for k in d] + ([] if "model" in d else ["'model'"]))
     else:
         assert config.to_dict().keys() == set(CONFIG_FIELDS)
 
@@ -54,7 +69,7 @@ def test_sampling_params(kwargs):
     try:
         SamplingParams(**kwargs)
     except InvalidRequestError as e:
-        assert documented(e), repr(e)
+        assert_names(str(e), sampling_subjects(kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +83,19 @@ text = st.one_of(st.text(max_size=40), st.text(st.characters(codec="utf-8", cate
                                                max_size=40),
                  st.just("x" * 5000), st.just(""))
 tensors = st.builds(lambda ids: torch.tensor(ids, dtype=torch.long), st.lists(st.integers(-3, 600), max_size=6))
-prompt = st.one_of(text, token_ids, st.binary(max_size=12), tensors,
+in_vocab = st.lists(st.integers(0, 511), min_size=1, max_size=12)  # tiny-llama's 512 ids: prompts that run
+prompt = st.one_of(text, token_ids, in_vocab, st.binary(max_size=12), tensors,
                    st.fixed_dictionaries({}, optional={"prompt": text, "prompt_token_ids": token_ids,
                                                        "multi_modal_data": values, "extra": values}),
                    st.dictionaries(st.integers() | st.text(max_size=3), values, max_size=2))
 prompts = st.one_of(prompt, st.lists(prompt, min_size=1, max_size=4))
-sampling = st.one_of(st.none(), st.dictionaries(st.sampled_from(SAMPLING_FIELDS), values, max_size=3))
+# valid settings too, so that most examples reach the engine's step and not only SamplingParams' checks
+valid_sampling = st.fixed_dictionaries({}, optional={
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 600),
+    "min_p": st.floats(0, 1), "seed": st.integers(0, 2**64 - 1), "ignore_eos": st.booleans(),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2), "stop_token_ids": st.lists(st.integers(0, 600)),
+    "logprobs": st.none() | st.integers(0, 600), "min_tokens": st.integers(0, 3)})
+sampling = st.one_of(st.none(), valid_sampling, st.dictionaries(st.sampled_from(SAMPLING_FIELDS), values, max_size=3))
 
 
 def assert_engine_alive(runner, clean_tokens):
@@ -83,20 +105,57 @@ def assert_engine_alive(runner, clean_tokens):
     assert runner.generate("a b c", SMALL)[0].token_ids == clean_tokens
 
 
+def batch_items(p) -> list:
+    """The requests runner.generate makes of `p` (its docstring): a tensor's rows; one str, prompt
+    dict or token-id list; otherwise each element of a sequence is a prompt."""
+    if isinstance(p, torch.Tensor):
+        return (p.unsqueeze(0) if p.dim() == 1 else p).tolist()
+    if isinstance(p, (str, Mapping)) or (isinstance(p, list) and p and isinstance(p[0], int)):
+        return [p]
+    return list(p)
+
+
+def refusal_alone(runner, prompt, params) -> str | None:
+    """The InvalidRequestError message the engine gives `prompt` on its own; None if it accepts it
+    (the accepted request is aborted again)."""
+    engine = runner._engine()
+    try:
+        request_id = engine.add_request(prompt, params).request_id
+    except InvalidRequestError as e:
+        return str(e)
+    engine.abort_request(request_id)
+    return None
+
+
+def check_outcome(runner, p, params, outs) -> None:
+    """Each output of generate(p) finished; an error is the documented refusal of that prompt alone."""
+    outs = outs["outputs"] if isinstance(outs, dict) else outs
+    items = batch_items(p)
+    assert len(outs) == len(items), "one output per prompt"
+    for item, o in zip(items, outs):
+        assert o.finish_reason in ("stop", "length", "error"), o.finish_reason
+        if o.finish_reason == "error":
+            refusal = refusal_alone(runner, item, params)
+            assert refusal is not None, f"an accepted request failed inside a step: {o.error}"
+            assert o.error == refusal
+            assert_names(refusal, PROMPT_SUBJECTS)
+        else:
+            assert o.error is None and len(o.token_ids) <= params.max_tokens
+
+
 @FUZZ
 @given(prompts, sampling)
 def test_prompts_and_sampling_never_break_the_engine(runner, p, kwargs):
     clean = runner.generate("a b c", SMALL)[0].token_ids
+    params = None
     try:
         params = SMALL if kwargs is None else SMALL.replace(**kwargs)
-        outs = runner.generate(p, params.replace(max_tokens=min(params.max_tokens, 4)))
-    except InvalidRequestError as e:
-        assert documented(e), repr(e)
+        params = params.replace(max_tokens=min(params.max_tokens, 4))
+        outs = runner.generate(p, params)
+    except InvalidRequestError as e:  # a bad sampling field, or the only prompt is refused
+        assert_names(str(e), sampling_subjects(kwargs or {}) if params is None else PROMPT_SUBJECTS)
     else:
-        outs = outs["outputs"] if isinstance(outs, dict) else outs
-        for o in outs:
-            assert o.finish_reason in ("stop", "length", "error")
-            assert o.finish_reason != "error" or documented(InvalidRequestError(o.error))
+        check_outcome(runner, p, params, outs)
     assert_engine_alive(runner, clean)
 
 
@@ -132,7 +191,9 @@ mm_prompt = st.builds(lambda text, data: {"prompt": text, "multi_modal_data": da
 def test_multimodal_inputs_never_break_the_engine(llava, p):
     clean = llava.generate("a b c", SMALL)[0].token_ids
     try:
-        llava.generate(p, SMALL)
-    except InvalidRequestError as e:
-        assert documented(e), repr(e)
+        outs = llava.generate(p, SMALL)
+    except InvalidRequestError as e:  # the only prompt is refused
+        assert_names(str(e), PROMPT_SUBJECTS)
+    else:
+        check_outcome(llava, p, SMALL, outs)
     assert_engine_alive(llava, clean)
