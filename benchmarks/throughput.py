@@ -126,29 +126,41 @@ def start_engines(specs, model_dir: str, requests_file: Path, tmp: Path, args) -
     return procs, starts, errors
 
 
-def rounds(procs: dict, hf: dict, model, reqs, repeats: int) -> tuple[dict, dict, dict]:
+def rounds(procs: dict, hf: dict, model, reqs, repeats: int, errors: dict) -> tuple[dict, dict, dict]:
     """One untimed workload per method, then `repeats` rounds in turn: {name: [(seconds, returned)]},
-    {name: first token ids}, {name: [batch-1 tok/s]} (engines only)."""
-    for proc in procs.values():
-        proc.ask("workload")
-        proc.ask("batch1")
+    {name: first token ids}, {name: [batch-1 tok/s]} (engines only). An engine that fails is
+    dropped from every figure, with its error in `errors`."""
+    def ask(name: str, cmd: str) -> dict | None:
+        try:
+            return procs[name].ask(cmd) if name not in errors else None
+        except EngineFailed as e:
+            errors[name] = str(e)
+            print(f"  {e}")
+            return None
+
+    for name in procs:
+        ask(name, "workload")
+        ask(name, "batch1")
     for part, fn in hf.values():
         fn(model, part)
     runs: dict[str, list] = {name: [] for name in [*procs, *hf]}
     tokens, batch1 = {}, {name: [] for name in procs}
     for r in range(repeats):
         print(f"round {r + 1}/{repeats}: {', '.join(runs)}", flush=True)
-        for name, proc in procs.items():
-            res = proc.ask("workload")
-            runs[name].append((res["seconds"], res["returned_tokens"]))
-            tokens.setdefault(name, res["tokens"])
+        for name in procs:
+            if res := ask(name, "workload"):
+                runs[name].append((res["seconds"], res["returned_tokens"]))
+                tokens.setdefault(name, res["tokens"])
         for name, (part, fn) in hf.items():
             seconds, ids = fn(model, part)
             runs[name].append((seconds, sum(map(len, ids))))
             tokens.setdefault(name, ids)
-        for name, proc in procs.items():
-            res = proc.ask("batch1")
-            batch1[name].append(128 / max(res["many_s"] - res["one_s"], 1e-9))
+        for name in procs:
+            if res := ask(name, "batch1"):
+                batch1[name].append(128 / max(res["many_s"] - res["one_s"], 1e-9))
+    for name in errors:
+        for figures in (runs, tokens, batch1):
+            figures.pop(name, None)
     return runs, tokens, batch1
 
 
@@ -234,7 +246,9 @@ def main() -> None:
         try:
             if "ours eager" not in procs:
                 raise SystemExit(f"ours did not run: {errors.get('ours eager')}")
-            runs, tokens, batch1 = rounds(procs, hf_runs, model, reqs, args.repeats)
+            runs, tokens, batch1 = rounds(procs, hf_runs, model, reqs, args.repeats, errors)
+            if "ours eager" in errors:
+                raise SystemExit(f"ours failed: {errors['ours eager']}")
         finally:
             for proc in procs.values():
                 proc.close()
