@@ -1,16 +1,17 @@
 """The benchmarks' verdicts compare like with like, and a failed token check reaches the exit code:
 figures from different devices (or unlike conditions) are refused, a GPU check whose CUDA-graph
-tokens differ exits non-zero. All on the CPU, no model runs."""
+tokens differ exits non-zero. All on the CPU; the one model run is tiny-llama's."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks import gpu_check
 from benchmarks.cuda_graphs import parity_exit_code
-from benchmarks.engine_client import cache_state
+from benchmarks.engine_client import EngineProcess, EngineSpec, cache_state
 from benchmarks.machine import bandwidth_probes
 from benchmarks.verdicts import Figure, UnlikeFigures, ratio, verdict
 
@@ -85,3 +86,24 @@ def test_a_start_records_whether_its_caches_were_cold_or_warm(tmp_path):
     (tmp_path / "start" / "inductor" / "fxgraph").write_text("x")
     assert cache_state(tmp_path / "start") == "warm (inductor)"
 
+
+
+def test_an_engine_process_reports_its_start_settings_and_the_tokens_it_returned(tmp_path, tiny_llama_path):
+    """ours eager through engine_proc.py on tiny-llama: ready before the first token, the batch limits
+    and prefix-caching setting the driver asked for read back from the engine, tokens counted."""
+    requests = tmp_path / "requests.json"
+    requests.write_text(json.dumps([[[5, 6, 7], 4], [[8, 9], 2]]))
+    args = SimpleNamespace(dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=32,
+                           prefix_caching=True)
+    proc = EngineProcess(EngineSpec("ours eager", "ours", False), str(tiny_llama_path), requests,
+                         tmp_path / "cache", tmp_path / "engine.log", args, timeout=300)
+    try:
+        started = proc.started
+        assert 0 < started["ready_s"] <= started["first_token_s"]
+        assert started["device"] == "cpu" and proc.cache_state == "cold (empty folders)"
+        assert started["settings"] == {"max_num_seqs": 4, "max_num_batched_tokens": 32, "prefix_caching": True}
+        res = proc.ask("workload")
+        assert res["returned_tokens"] == 6 and [len(t) for t in res["tokens"]] == [4, 2]
+    finally:
+        proc.close()
+    assert proc.proc.returncode is not None
