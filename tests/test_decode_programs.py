@@ -14,6 +14,7 @@ from runner_core import ConfigError, ModelRunner, SamplingParams
 from runner_core.compile import DecodePrograms, plan_sizes
 from runner_core.compile import decode_plan as dp
 from runner_core.engine import StepBatch
+from runner_core.layers.attention import Attention, set_forward_context
 from tests.test_compile import COMPILED, GREEDY, _prompts
 
 LOGPROBS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -62,6 +63,7 @@ def test_decode_program_reads_a_rebound_pool(compiled, eager):
     assert compiled.engine.memory.kv_cache.data_ptr() != old_pool.data_ptr()
     _assert_same(_run(compiled, _prompts()[:3]), _run(eager, _prompts()[:3]))
     assert compiled.compile_stats()["decode_programs"]["misses"] == 0
+    assert compiled.compile_stats()["decode_programs"]["rebuilds"] == 0  # the pool is an input: nothing to rebuild
 
 
 def test_prepacked_weights_are_reported_and_dropped(compiled):
@@ -112,6 +114,75 @@ def test_static_length_decode_metadata_matches(eager):
         assert programs.runs[4] >= 11 and programs.padded_rows >= 11
     finally:
         fp.decode_programs, fp.decode_kernel = None, kernel
+
+
+class _AddressBound(_EagerAtSizes):
+    """A CUDA graph's contract on the CPU: each size is built over the pool tensors the model is
+    bound to at that moment (their addresses) and always runs on those; its warm-up writes dummy
+    K/V into block 0 over the static key length, as a capture does."""
+
+    kind = "address-bound (test)"
+    holds_pool_address = True
+
+    def __init__(self, model, sizes, static_decode_len):
+        super().__init__(model, sizes)
+        self.static_decode_len, self.layers, self.pools = static_decode_len, [
+            m for m in model.modules() if isinstance(m, Attention)], {}
+
+    def _build_size(self, size, run_dummy):
+        ids, positions, meta = run_dummy(size, self.static_decode_len)
+        with torch.inference_mode(), set_forward_context(meta, True):
+            self.model(ids, positions)
+        self.pools[size] = [layer.kv_cache for layer in self.layers]
+
+    def _drop(self):
+        self.pools.clear()
+
+    def _run(self, n, input_ids, positions, meta):
+        bound = [layer.kv_cache for layer in self.layers]
+        for layer, pool in zip(self.layers, self.pools[n]):
+            layer.kv_cache = pool
+        try:
+            return self.model(input_ids, positions)
+        finally:
+            for layer, pool in zip(self.layers, bound):
+                layer.kv_cache = pool
+
+
+def _finish(runner, ids) -> dict:
+    done = {}
+    while runner.has_unfinished_requests():
+        done.update({o.request_id: o for o in runner.step() if o.finished})
+    return {i: done[i].token_ids for i in ids}
+
+
+def test_programs_holding_the_pool_address_are_rebuilt_when_it_moves(tiny_llama_path, eager):
+    """A shrink re-allocates the pool mid-generation: programs built over the old tensor's address
+    (CUDA graphs) are rebuilt over the new one, and block 0, which their warm-up writes and which
+    holds a live sequence's keys by then, keeps its contents. Running sequences, and requests that
+    arrive after the shrink, decode through the programs to eager's tokens."""
+    runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 22,
+                          "max_model_len": 256, "attention_backend": "gather"}).load_model()
+    fp, memory = runner.engine.worker.forward_pass, runner.engine.memory
+    programs = _AddressBound(runner.model, [1, 4], fp.buffers.max_blocks * fp.block_size)
+    fp.decode_programs = programs.build(fp.dummy_decode)
+    first, later = _prompts()[:4], _prompts()[1:4]
+    expected = [o.token_ids for o in eager.generate(first + later, GREEDY)]
+    ids = [runner.add_request(p, GREEDY) for p in first]
+    for _ in range(4):
+        runner.step()
+    assert 0 in runner.engine.requests[ids[0]].block_table  # a live sequence owns block 0
+    old_pool = memory.kv_cache
+    runner.defragment(shrink_to_blocks=memory.num_blocks // 2)
+    assert memory.kv_cache is not old_pool and programs.rebuilds == 1
+    assert [pool.data_ptr() for pool in programs.pools[4]] == [layer.data_ptr() for layer in memory.kv_cache]
+    runs = dict(programs.runs)
+    got = list(_finish(runner, ids).values())
+    got += list(_finish(runner, [runner.add_request(p, GREEDY) for p in later]).values())
+    assert got == expected
+    assert programs.runs[4] > runs[4]
+    runner.defragment()  # the pool stays where it is: nothing to rebuild
+    assert programs.rebuilds == 1
 
 
 def test_plan_says_why_there_are_none(eager, monkeypatch):

@@ -12,6 +12,10 @@ compile sizes and CUDA-graph capture sizes). Which sizes, and building them: dec
 Padding: a decode batch of D sequences runs at the smallest size S >= D; the S - D pad rows repeat
 the first row (token, position, slot, block table), so they write the values that row writes to the
 slot it writes and read what it reads; their outputs are dropped. No slot is reserved for them.
+
+When the KV pool moves (a shrink re-allocates it), programs that keep its address (CUDA graphs:
+`holds_pool_address`) are rebuilt over the new tensor (`rebuild`, called by the worker); the CPU
+packages take the pool as an input of every call and need nothing.
 """
 
 from __future__ import annotations
@@ -36,12 +40,14 @@ class DecodePrograms:
     kind = ""
     static_decode_len: int | None = None  # the decodes' fixed key length (CUDA graphs); None: as needed
     memory_bytes = 0  # what the programs hold beyond the model (prepacked weights, graph pools)
+    holds_pool_address = False  # True: built over the KV pool's address, so rebuilt when the pool moves
 
     def __init__(self, model: nn.Module, sizes: list[int]):
         self.model, self.sizes = model, sorted(sizes)
         self.build_seconds: dict[int, float] = {}
         self.runs = dict.fromkeys(self.sizes, 0)
         self.padded_rows = 0
+        self.rebuilds = 0  # times the pool moved and the programs were built again over it
 
     def padded_size(self, num_decodes: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_decodes)
@@ -60,6 +66,14 @@ class DecodePrograms:
             bar.set_postfix_str(", ".join(f"batch {k}: {v:.1f} s" for k, v in sorted(self.build_seconds.items())))
         return self
 
+    def rebuild(self, run_dummy: Callable[..., tuple]) -> DecodePrograms:
+        """Drop what was built and build every size again, over the pool the model is bound to now
+        (the caller keeps whatever the warm-up writes into the pool: Worker)."""
+        self._drop()
+        self.build_seconds.clear()
+        self.rebuilds += 1
+        return self.build(run_dummy)
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, num_real: int) -> torch.Tensor | None:
         """Hidden states [S, H] if a program of this size exists, else None."""
         n = input_ids.shape[0]
@@ -71,9 +85,13 @@ class DecodePrograms:
 
     def stats(self) -> dict:
         return {"kind": self.kind, "sizes": self.sizes, "build_seconds": dict(self.build_seconds),
-                "runs": dict(self.runs), "padded_rows": self.padded_rows}
+                "runs": dict(self.runs), "padded_rows": self.padded_rows, "rebuilds": self.rebuilds}
 
     def _build_size(self, size: int, run_dummy) -> None:
+        raise NotImplementedError
+
+    def _drop(self) -> None:
+        """Release what `_build_size` made (before a rebuild)."""
         raise NotImplementedError
 
     def _run(self, n, input_ids, positions, meta) -> torch.Tensor:
@@ -138,6 +156,7 @@ class PackedDecodePrograms(DecodePrograms):
 
 class CUDAGraphDecodePrograms(DecodePrograms):
     kind = "CUDA graphs"
+    holds_pool_address = True  # a graph replays the kernels on the addresses it was captured with
 
     def __init__(self, model: nn.Module, sizes: list[int], static_decode_len: int):
         super().__init__(model, sizes)
@@ -149,7 +168,8 @@ class CUDAGraphDecodePrograms(DecodePrograms):
     def _build_size(self, size: int, run_dummy) -> None:
         """Capture `size` tokens: warm up on a side stream, then record the model over the static
         tensors `run_dummy` leaves (ids, positions, metadata of a decode step of that size over
-        block 0, which the warm-up runs write: the engine frees it of cached prefixes first)."""
+        block 0, which the warm-up runs write: the engine frees it of cached prefixes first, and a
+        rebuild restores its contents afterwards)."""
         ids, positions, meta = run_dummy(size, self.static_decode_len)
         before = torch.cuda.memory_reserved()
         stream = torch.cuda.Stream()
@@ -164,6 +184,14 @@ class CUDAGraphDecodePrograms(DecodePrograms):
         torch.cuda.synchronize()
         self.memory_bytes += torch.cuda.memory_reserved() - before
         self.graphs[size] = (graph, ids, positions, meta, out)
+
+    def _drop(self) -> None:
+        """Free the graphs and their pool, so the recapture's memory is measured anew."""
+        self.graphs.clear()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self.pool = torch.cuda.graph_pool_handle()
+        self.memory_bytes = 0
 
     def _run(self, n, input_ids, positions, meta) -> torch.Tensor:
         graph, ids, pos, static, out = self.graphs[n]

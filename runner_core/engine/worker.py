@@ -168,9 +168,26 @@ class Worker:
 
     def move_kv_blocks(self, moves: dict[int, int], num_blocks: int) -> None:
         """Defragmentation on this rank: copy the K/V of each moved block, then cut the pool to
-        `num_blocks` (rank 0 renumbered its blocks already: MemoryManager.compact)."""
+        `num_blocks` (rank 0 renumbered its blocks already: MemoryManager.compact). A cut pool is a
+        new tensor: decode programs that hold the old one's address (CUDA graphs) are rebuilt."""
         self.memory.move_blocks(moves)
+        pool = self.memory.kv_cache
         self.memory.shrink(num_blocks)
+        programs = self.forward_pass.decode_programs
+        if programs is not None and programs.holds_pool_address and self.memory.kv_cache is not pool:
+            self._rebuild_decode_programs()
+
+    def _rebuild_decode_programs(self) -> None:
+        """Rebuild the decode programs over the moved pool. Their warm-up writes dummy K/V into
+        block 0, which may hold a live sequence's keys now: its contents are kept. If the rebuild
+        fails the programs are dropped (steps run the general program) and the error is raised."""
+        fp = self.forward_pass
+        try:
+            with self.memory.block_kept(0):
+                fp.decode_programs.rebuild(fp.dummy_decode)
+        except Exception:
+            fp.decode_programs = None
+            raise
 
     # ---- figures ------------------------------------------------------------------------------
     def compile_stats(self) -> dict:

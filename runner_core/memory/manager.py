@@ -10,7 +10,8 @@ bookkeeping decides, and every rank moves its tensor the same way (`move_blocks`
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -171,6 +172,20 @@ class MemoryManager:
         src = (torch.tensor(list(moves)).unsqueeze(1) * bs + offsets).flatten().to(device)
         dst = (torch.tensor(list(moves.values())).unsqueeze(1) * bs + offsets).flatten().to(device)
         self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
+
+    @contextmanager
+    def block_kept(self, block_id: int) -> Iterator[None]:
+        """Restore block `block_id`'s K/V on exit, for work that writes dummy K/V there (capturing
+        CUDA graphs over block 0 while it may hold a live sequence's keys)."""
+        if self.kv_cache is None:
+            yield
+            return
+        slots = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+        saved = self.kv_cache[:, :, :, slots].clone()
+        try:
+            yield
+        finally:
+            self.kv_cache[:, :, :, slots] = saved
 
     def shrink(self, num_blocks: int) -> None:
         """Cut the pool to `num_blocks` blocks (after `compact`), releasing the memory beyond and
