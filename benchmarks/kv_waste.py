@@ -16,7 +16,8 @@ engine first admits it and frees it when the request finishes. Sampled every ste
 plus the mean batch the paged pool ran (sequences per step) against what a static reservation
 (pool slots // max_model_len) and the first-fit simulator (its live allocations) held at once.
 Target, from the PagedAttention paper: paged waste <= 4% where contiguous reservation wastes
-60-80%; reported, never enforced.
+60-80%; reported, never enforced. A request that fails stops the script, and the engine's own
+memory_stats()["kv_utilization"] must equal the tracker's (checked every 25 steps).
 
 Part 2 (prefix caching). 32 requests sharing one 512-token system prompt (fixed seed) followed by
 16-64 unique tokens, 32 output tokens each, max_model_len 1024, a pool that holds the whole
@@ -134,6 +135,8 @@ def run_waste(args, reqs: list[Request]) -> dict:
                 admitted.add(seq.request_id)
                 tracker.on_admit(seq.request_id, reserve_of[seq.request_id])
         for out in outs:
+            if out.finish_reason == "error":
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
             if out.finished:
                 if out.request_id not in admitted:  # admitted and finished within one step
                     admitted.add(out.request_id)
