@@ -1,12 +1,18 @@
-"""Tiny random-weight Hugging Face checkpoints for tests, built locally (no download)."""
+"""Tiny random-weight Hugging Face checkpoints for tests, built locally (no download), and a switch that
+turns the native kernels off for the runners a test makes."""
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
+
+from runner_core import kernels
 
 _FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -95,3 +101,14 @@ def random_image(seed: int, size: tuple[int, int] = (40, 48)):
 
     pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+@contextmanager
+def native_kernels_off() -> Iterator[None]:
+    """Runners made inside take the torch paths, as on a CPU where the kernels do not build:
+    RUNNER_CORE_NO_KERNELS=1 (spawned workers inherit it), the switch read again (it is read once per process)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RUNNER_CORE_NO_KERNELS", "1")
+        patch.setattr(kernels, "_state", {})
+        assert not kernels.cpu_kernels_available()
+        yield

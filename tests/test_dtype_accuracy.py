@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from runner_core import ModelRunner, SamplingParams, kernels
+from runner_core import ModelRunner, SamplingParams
 from runner_core.kernels import cpu_kernels_available, panels_support
 from runner_core.models.presets import ensure_preset
 from runner_core.training.corpus import docstrings, prose_paragraphs
 from tests.conftest import REPO
+from tests.helpers import native_kernels_off
 
 DTYPES = ("bfloat16", "float16")
 WINDOW, WINDOWS = 128, 16  # perplexity and logits over 16 windows of 128 held-out tokens (2,048)
@@ -71,13 +72,12 @@ class Run:
 
 @contextmanager
 def kernels_mode(mode: str) -> Iterator[None]:
-    """"native": the kernels built (they are a project requirement); "torch": RUNNER_CORE_NO_KERNELS=1,
-    the switch read again (it is read once per process)."""
-    with pytest.MonkeyPatch.context() as patch:
-        if mode == "torch":
-            patch.setenv("RUNNER_CORE_NO_KERNELS", "1")
-            patch.setattr(kernels, "_state", {})
-        assert cpu_kernels_available() == (mode == "native"), "gcc and ninja are project requirements; see the log"
+    """"native": the kernels built (they are a project requirement); "torch": the paths CPUs without them take."""
+    if mode == "torch":
+        with native_kernels_off():
+            yield
+    else:
+        assert cpu_kernels_available(), "gcc and ninja are project requirements; see the warning logged above"
         yield
 
 
