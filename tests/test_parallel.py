@@ -24,7 +24,7 @@ import torch
 from runner_core import ConfigError, ModelRunner, SamplingParams, WorkerError, suggest_parallel_config
 from runner_core.memory import estimate_memory
 from runner_core.parallel.manager import shutdown_all
-from tests.helpers import make_tiny_hf_model
+from tests.helpers import make_tiny_hf_model, native_kernels_off
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # small step budget and pool: prompts are chunked, batches mix prefill and decode, tiny-llama preempts
@@ -83,15 +83,20 @@ def models(tmp_path_factory, tiny_llama_path):
 
 @pytest.fixture(scope="module")
 def reference(models):
-    """Single-process tokens, logits and hidden states of each model."""
+    """Single-process tokens, logits and hidden states of each model, weights bytes, and the forward of one
+    process multiplying with torch's GEMM (the native kernels off), as every parallel rank does."""
     out = {}
+    ids, mask = _padded(PROMPTS[:3])
     for name, path in models.items():
         runner = ModelRunner(model=path, **COMMON).load_model()
-        ids, mask = _padded(PROMPTS[:3])
         fwd = runner.forward(ids, attention_mask=mask)
         out[name] = ([o.token_ids for o in runner.generate(PROMPTS, GREEDY)], fwd["logits"], fwd["hidden_states"],
                      runner.memory_stats()["weights_bytes"])
         runner.shutdown()
+        with native_kernels_off():
+            runner = ModelRunner(model=path, **COMMON).load_model()
+            out[name] += (runner.forward(ids, attention_mask=mask),)
+            runner.shutdown()
     return out
 
 
@@ -116,7 +121,7 @@ def layout(request, models):
 
 def test_greedy_tokens_and_logits_equal_one_process(layout, reference):
     name, model, runner = layout
-    tokens, logits, hidden, _ = reference[model]
+    tokens, logits, hidden, _, torch_gemm = reference[model]
     outs = runner.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == tokens
     steps = list(runner.step_metrics)
@@ -125,9 +130,14 @@ def test_greedy_tokens_and_logits_equal_one_process(layout, reference):
         assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     ids, mask = _padded(PROMPTS[:3])
     fwd = runner.forward(ids, attention_mask=mask)
-    # pipeline stages are bit-exact; tensor parallel sums partial products in another order
-    torch.testing.assert_close(fwd["logits"], logits, rtol=0, atol=1e-4)
-    torch.testing.assert_close(fwd["hidden_states"], hidden, rtol=0, atol=1e-4)
+    if LAYOUTS[name][1] == 1:  # pipeline only: the stages run one process's layers, bit for bit
+        assert torch.equal(fwd["logits"], torch_gemm["logits"])
+        assert torch.equal(fwd["hidden_states"], torch_gemm["hidden_states"])
+    # against one process with the native kernels: its panel GEMM and the ranks' torch GEMM round
+    # differently, and tensor parallel sums partial products in another order (measured: at most
+    # 6.8e-6 on logits up to 5.5)
+    torch.testing.assert_close(fwd["logits"], logits, rtol=0, atol=2e-5)
+    torch.testing.assert_close(fwd["hidden_states"], hidden, rtol=0, atol=2e-5)
 
 
 def test_each_rank_builds_and_reads_only_its_shard(layout, reference):
