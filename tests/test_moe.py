@@ -19,6 +19,10 @@ from tests.moe_models import FAMILIES, make_tiny_moe_model, to_fused_layout
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # a small step budget: prompts are chunked and steps mix prefill chunks with decodes
 SETTINGS = {"dtype": "float32", "kv_cache_memory": 1 << 22, "max_num_seqs": 8, "max_num_batched_tokens": 48}
+# ours against transformers in float32: the same sums in another order (our panel GEMM, its MKL).
+# Measured over 3 families x 3 weight seeds x 2 prompt sets: at most 1.1e-5 on logits up to 6, 2.4e-5 on
+# router logits up to 17; bound 2x the larger, absolute
+HF_ATOL = 5e-5
 
 
 def _prompts(lengths=(3, 11, 40, 1, 75), seed=1) -> list[list[int]]:
@@ -63,15 +67,15 @@ def test_forward_logits_and_router_logits_close(pair):
     with torch.no_grad():
         full = hf(ids[:1], output_router_logits=True)
         part = hf(ids[1:, 6:], output_router_logits=True)
-    torch.testing.assert_close(out["logits"][0], full.logits[0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out["logits"][1, 6:], part.logits[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out["logits"][0], full.logits[0], atol=HF_ATOL, rtol=0)
+    torch.testing.assert_close(out["logits"][1, 6:], part.logits[0], atol=HF_ATOL, rtol=0)
     router = out["router_logits"]
     assert len(router) == len(full.router_logits) == len(runner.moe_stats()["layers"])
     for ours, ref_full, ref_part in zip(router, full.router_logits, part.router_logits):
         assert ours.shape == (2, 24, hf.config.num_experts if hasattr(hf.config, "num_experts")
                               else hf.config.num_local_experts)
-        torch.testing.assert_close(ours[0], ref_full, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(ours[1, 6:], ref_part, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours[0], ref_full, atol=HF_ATOL, rtol=0)
+        torch.testing.assert_close(ours[1, 6:], ref_part, atol=HF_ATOL, rtol=0)
         assert ours[1, :6].abs().sum() == 0  # padding positions are zero, as in the logits
     assert out["logits"][1, :6].abs().sum() == 0
 
@@ -116,7 +120,7 @@ def test_fused_checkpoint_layout_loads(pair, tmp_path):
     other = ModelRunner({"model": str(fused), **SETTINGS}).load_model()
     with torch.no_grad():
         ref = hf(ids).logits
-    torch.testing.assert_close(other.forward(ids)["logits"], ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(other.forward(ids)["logits"], ref, atol=HF_ATOL, rtol=0)
     assert other.generate(_prompts()[:2], GREEDY)[1].token_ids == runner.generate(_prompts()[:2], GREEDY)[1].token_ids
 
 
