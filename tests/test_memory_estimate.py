@@ -24,10 +24,6 @@ def _unique_param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def _close(predicted: int, measured: int, tol: float = 0.10) -> bool:
-    return abs(predicted - measured) <= tol * measured
-
-
 @pytest.fixture(scope="module", params=["tiny-llama", "small-llama"])
 def loaded(request):
     name = request.param
@@ -41,11 +37,13 @@ def test_prediction_matches_measurement(loaded):
     name, runner = loaded
     est = estimate_memory(name, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=8,
                           max_num_batched_tokens=TOKENS, kv_cache_memory=KV_MEMORY)
-    assert _close(est.weights_bytes, _unique_param_bytes(runner.model))
+    # weights and pool to the byte (headers and shapes give both exactly); the activation peak within 0.1%
+    # (measured: the estimate 28 bytes above, on both presets, in float32 and bfloat16)
+    assert est.weights_bytes == _unique_param_bytes(runner.model) == runner.memory_stats()["weights_bytes"]
     kv = runner.engine.memory.kv_cache
-    assert _close(est.kv_pool_bytes, kv.numel() * kv.element_size())
+    assert est.kv_pool_bytes == kv.numel() * kv.element_size()
     measured = runner.engine.worker.measure_activation_peak(TOKENS, 8)
-    assert _close(est.activation_peak_bytes, measured), (est.activation_peak_bytes, measured)
+    assert abs(est.activation_peak_bytes - measured) <= 0.001 * measured, (est.activation_peak_bytes, measured)
     # float32 on the CPU: the panel copies of the linear weights, predicted to the byte
     panels = runner.engine.worker.memory_bytes()["panel_weights_bytes"]
     assert panels > 0.5 * est.weights_bytes and est.panel_weights_bytes == panels
