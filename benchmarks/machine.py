@@ -15,7 +15,7 @@ from the device that engine ran on, never from another one.
                           (4x, 8x and 16x it: L3 from sysfs on the CPU, L2 on CUDA), several calls each:
                           "sum" reads the buffer once (bytes = its size), "copy" reads it and writes a
                           second buffer (bytes = twice its size, as STREAM counts a copy); each method's
-                          median and range over all its calls
+                          median and range over all its calls (pool_probes: over several probe sets)
   workload_flops(...)     the useful work of a workload on a model shape: every prompt and output token
                           through every layer's linears (2 x parameters), causal attention over its
                           context (QK^T and PV), and the LM head once per output token
@@ -151,6 +151,15 @@ def bandwidth_probes(device: str = "cpu", calls: int = 5, multiples=LLC_MULTIPLE
         del x, y
     out = {name: {"median": statistics.median(r), "min": min(r), "max": max(r), "runs": r} for name, r in runs.items()}
     return {**out, "device": device_name(device), "sizes_mib": [s >> 20 for s in sizes], "llc_mib": llc >> 20}
+
+
+def pool_probes(probes: list[dict]) -> dict:
+    """Several bandwidth_probes() results as one: every call of each method, its median and range."""
+    out = dict(probes[0])
+    for method in ("sum", "copy"):
+        runs = [r for p in probes for r in p[method]["runs"]]
+        out[method] = {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
+    return out
 
 
 def workload_flops(shape: ModelShape, requests: list[tuple[int, int]], attention: bool = True) -> float:

@@ -19,7 +19,8 @@ returned / seconds; the median and range over the rounds. Batch-1 decode (32-tok
 tokens), the same way. Greedy check: every method's ids against ours eager's.
 The device's limits (benchmarks/machine.py) are measured on the device ours runs on: the matmul peak
 in the dtype (MFU = tok/s / the workload's compute limit) and the memory bandwidth, probed with a
-sum and a copy at sizes past the last-level cache; the batch-1 share is weight bytes x tok/s / the
+sum and a copy at sizes past the last-level cache, before the rounds and in each round (a shared
+machine's bandwidth moves: the probes see it as the engines do); the batch-1 share is weight bytes x tok/s / the
 sum probe's median (also printed against the copy's). Every ratio goes through
 benchmarks/verdicts.py, which refuses figures from different devices or unlike conditions. Then
 the step overhead: 32 requests (prompt 64, 64 outputs); over the pure-decode steps, the share of
@@ -50,7 +51,15 @@ from runner_core.model_loader import read_hf_config, resolve_model_path
 try:
     import hf_methods
     from engine_client import PEER_PYTHON, EngineFailed, EngineProcess, EngineSpec, peer_device
-    from machine import bandwidth_probes, decode_weight_bytes, describe, machine_info, matmul_peak, workload_flops
+    from machine import (
+        bandwidth_probes,
+        decode_weight_bytes,
+        describe,
+        machine_info,
+        matmul_peak,
+        pool_probes,
+        workload_flops,
+    )
     from verdicts import Figure, UnlikeFigures, ratio, verdict
     from workload import fixed_workload, make_workload, useful_tokens
 except ImportError:  # run as `python -m benchmarks.throughput`
@@ -62,6 +71,7 @@ except ImportError:  # run as `python -m benchmarks.throughput`
         describe,
         machine_info,
         matmul_peak,
+        pool_probes,
         workload_flops,
     )
     from benchmarks.verdicts import Figure, UnlikeFigures, ratio, verdict
@@ -126,10 +136,11 @@ def start_engines(specs, model_dir: str, requests_file: Path, tmp: Path, args) -
     return procs, starts, errors
 
 
-def rounds(procs: dict, hf: dict, model, reqs, repeats: int, errors: dict) -> tuple[dict, dict, dict]:
+def rounds(procs: dict, hf: dict, model, reqs, repeats: int, errors: dict, probe) -> tuple[dict, dict, dict]:
     """One untimed workload per method, then `repeats` rounds in turn: {name: [(seconds, returned)]},
-    {name: first token ids}, {name: [batch-1 tok/s]} (engines only). An engine that fails is
-    dropped from every figure, with its error in `errors`."""
+    {name: first token ids}, {name: [batch-1 tok/s]} (engines only); `probe()` (the bandwidth) runs
+    before each round's batch-1 turns, so the probes see the machine as the engines do. An engine
+    that fails is dropped from every figure, with its error in `errors`."""
     def ask(name: str, cmd: str) -> dict | None:
         try:
             return procs[name].ask(cmd) if name not in errors else None
@@ -155,6 +166,7 @@ def rounds(procs: dict, hf: dict, model, reqs, repeats: int, errors: dict) -> tu
             seconds, ids = fn(model, part)
             runs[name].append((seconds, sum(map(len, ids))))
             tokens.setdefault(name, ids)
+        probe()
         for name in procs:
             if res := ask(name, "batch1"):
                 batch1[name].append(128 / max(res["many_s"] - res["one_s"], 1e-9))
@@ -213,7 +225,6 @@ def main() -> None:
     useful = useful_tokens(reqs)
     flops = workload_flops(shape, [(r.prompt_len, r.max_tokens) for r in reqs])
     peak, probes = matmul_peak(dtype, device), bandwidth_probes(device)
-    bandwidth = probes["sum"]["median"]
     limit = useful / (flops / (peak * 1e9))
     print(describe(info))
     print(f"workload: {n} requests, prompts {min(r.prompt_len for r in reqs)}-{max(r.prompt_len for r in reqs)}, "
@@ -222,11 +233,7 @@ def main() -> None:
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, prefix caching "
           f"{'on' if args.prefix_caching else 'off'}; load average {os.getloadavg()[0]:.2f}")
     print(f"{device}: matmul peak {peak:.0f} GFLOP/s ({args.dtype}), the workload's compute limit {limit:.0f} "
-          f"useful tok/s; bandwidth probes at {probes['sizes_mib']} MiB (last-level cache {probes['llc_mib']} MiB):")
-    for method in ("sum", "copy"):
-        p = probes[method]
-        print(f"  {method:<5} median {p['median']:6.1f} GB/s, range {p['min']:.1f}-{p['max']:.1f} "
-              f"({len(p['runs'])} calls)")
+          "useful tok/s", flush=True)
 
     specs = [s for s in SPECS if not (args.skip_compiled and s.compile) and not (args.skip_vllm and s.engine == "vllm")]
     peer_errors = {}
@@ -246,12 +253,22 @@ def main() -> None:
         try:
             if "ours eager" not in procs:
                 raise SystemExit(f"ours did not run: {errors.get('ours eager')}")
-            runs, tokens, batch1 = rounds(procs, hf_runs, model, reqs, args.repeats, errors)
+            probe_sets = [probes]
+            runs, tokens, batch1 = rounds(procs, hf_runs, model, reqs, args.repeats, errors,
+                                          lambda: probe_sets.append(bandwidth_probes(device, calls=2)))
             if "ours eager" in errors:
                 raise SystemExit(f"ours failed: {errors['ours eager']}")
         finally:
             for proc in procs.values():
                 proc.close()
+    probes = pool_probes(probe_sets)
+    bandwidth = probes["sum"]["median"]
+    print(f"bandwidth probes at {probes['sizes_mib']} MiB (last-level cache {probes['llc_mib']} MiB), before the "
+          "rounds and before each round's batch-1 turns:")
+    for method in ("sum", "copy"):
+        p = probes[method]
+        print(f"  {method:<5} median {p['median']:6.1f} GB/s, range {p['min']:.1f}-{p['max']:.1f} "
+              f"({len(p['runs'])} calls)")
     devices = {name: proc.started["device"] for name, proc in procs.items()} | dict.fromkeys(hf_runs, device)
     devices = {k: "cuda:0" if v == "cuda" else v for k, v in devices.items()}
     settings = {name: proc.started["settings"] for name, proc in procs.items()}

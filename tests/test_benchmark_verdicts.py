@@ -5,6 +5,7 @@ tokens differ exits non-zero. All on the CPU; the one model run is tiny-llama's.
 from __future__ import annotations
 
 import json
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from benchmarks import gpu_check
 from benchmarks.cuda_graphs import parity_exit_code
 from benchmarks.engine_client import EngineProcess, EngineSpec, cache_state
-from benchmarks.machine import bandwidth_probes
+from benchmarks.machine import bandwidth_probes, pool_probes
 from benchmarks.verdicts import Figure, UnlikeFigures, ratio, verdict
 
 
@@ -46,6 +47,11 @@ def test_the_bandwidth_probes_report_each_method_with_its_median_and_range():
         assert len(p["runs"]) == 6  # 3 calls at each of 2 sizes
         assert 0 < p["min"] <= p["median"] <= p["max"]
     assert probes["device"] == "cpu" and probes["sizes_mib"] == [probes["llc_mib"], 2 * probes["llc_mib"]]
+    again = bandwidth_probes("cpu", calls=1, multiples=(1,))
+    pooled = pool_probes([probes, again])
+    for method in ("sum", "copy"):
+        runs = probes[method]["runs"] + again[method]["runs"]
+        assert pooled[method] == {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
 
 
 def test_cuda_graph_token_parity_reaches_the_exit_code(capsys):
