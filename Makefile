@@ -31,7 +31,7 @@ preset: setup
 run: setup
 	$(PY) -m workbench serve --model $(MODEL) --port $(PORT)
 
-# The command-line generation that `make run` used to do.
+# One generation on the command line.
 generate: setup
 	$(PY) -m runner_core generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 48
 

@@ -1,5 +1,5 @@
 """Fuzzing (hypothesis): configs, sampling parameters, prompts and multimodal inputs. The only outcomes
-are a result or the documented error of the input (README "How failures are reported"): ConfigError
+are a result or the documented error of the input (docs/reliability.md, "How failures are reported"): ConfigError
 for a config, InvalidRequestError for a request, whose message names the offending field (or, for a
 prompt, what is wrong with it). In a batch, an output with finish_reason "error" must be the refusal
 the engine gives that prompt on its own; an accepted request that fails inside a step ("RuntimeError:

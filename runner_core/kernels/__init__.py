@@ -4,8 +4,8 @@
 keys and values in place from the KV pool through block tables (no gathered copy);
 `panel_linear()` is x W^T + b in float32 (or bfloat16 on AVX512-BF16 CPUs, float32 accumulation)
 over weights prepacked by `pack_panels()` into panels of 16 output columns (a register-tiled GEMM:
-BLAS on these CPUs runs the decode batch sizes at a third of its speed, see the README's
-performance section); `argmax_rows()` is greedy sampling's argmax (torch's is 10x slower).
+BLAS on these CPUs runs the decode batch sizes at a third of its speed, see docs/benchmarks.md,
+"Native kernels"); `argmax_rows()` is greedy sampling's argmax (torch's is 10x slower).
 The kernels run on torch's OpenMP threads (`torch.set_num_threads`). If the build fails, or
 RUNNER_CORE_NO_KERNELS=1 is set, callers get None and keep the pure-torch path; the reason is
 logged once. Under CI=true a failed build is an error, so a broken toolchain cannot hide behind
