@@ -331,7 +331,11 @@ def main() -> None:
                           moved, Figure(bandwidth, device, label=f"sum probe of {device}"), BANDWIDTH_TARGET,
                           percent=True)
         if share[name] is not None:
-            print(f"  {'':<14} ({100 * moved.value / probes['copy']['median']:.0f}% of the copy probe's median)")
+            fastest = max(probes["sum"]["max"], probes["copy"]["max"])
+            print(f"  {'':<14} ({100 * moved.value / probes['copy']['median']:.0f}% of the copy probe's median, "
+                  f"{100 * moved.value / fastest:.0f}% of the fastest probe call, {fastest:.1f} GB/s)")
+    if any(v is not None and v > 1 for v in share.values()):
+        print("  a share above 100% means the probes ran slower than the engines did (a busy machine): rerun quieter")
     for mode in ("eager", "compiled"):
         if f"ours {mode}" in b1 and f"vllm {mode}" in b1:
             say(verdict, f"batch-1 ours {mode} / vLLM {mode}", fig(f"ours {mode}", b1[f"ours {mode}"]["median"]),
