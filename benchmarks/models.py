@@ -41,14 +41,19 @@ from runner_core.layers import fused_moe
 from runner_core.model_loader import resolve_model_path
 
 try:
-    from throughput import best_of, hf_batches, hf_continuous, matches, run_ours
-    from workload import make_workload, useful_tokens
+    from hf_methods import hf_batches, hf_continuous
+    from workload import make_workload, matches, run_ours, useful_tokens
 except ImportError:  # run as `python -m benchmarks.models`
-    from benchmarks.throughput import best_of, hf_batches, hf_continuous, matches, run_ours
-    from benchmarks.workload import make_workload, useful_tokens
+    from benchmarks.hf_methods import hf_batches, hf_continuous
+    from benchmarks.workload import make_workload, matches, run_ours, useful_tokens
 
 MOE_MODELS = ("tiny-mixtral", "small-qwen3-moe")
 FALLBACK_OVERHEAD_TARGET = 0.15
+
+
+def best_of(repeats: int, fn, *args) -> tuple[float, list[list[int]]]:
+    """The fastest of `repeats` calls of fn(*args) -> (seconds, token ids), with its tokens."""
+    return min((fn(*args) for _ in range(repeats)), key=lambda run: run[0])
 
 
 def _greedy(n: int) -> SamplingParams:

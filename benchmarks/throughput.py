@@ -61,7 +61,7 @@ try:
         workload_flops,
     )
     from verdicts import Figure, UnlikeFigures, ratio, verdict
-    from workload import fixed_workload, make_workload, useful_tokens
+    from workload import fixed_workload, make_workload, matches, useful_tokens
 except ImportError:  # run as `python -m benchmarks.throughput`
     from benchmarks import hf_methods
     from benchmarks.engine_client import PEER_PYTHON, EngineFailed, EngineProcess, EngineSpec, peer_device
@@ -75,7 +75,7 @@ except ImportError:  # run as `python -m benchmarks.throughput`
         workload_flops,
     )
     from benchmarks.verdicts import Figure, UnlikeFigures, ratio, verdict
-    from benchmarks.workload import fixed_workload, make_workload, useful_tokens
+    from benchmarks.workload import fixed_workload, make_workload, matches, useful_tokens
 
 HF_RATIO_TARGET, VLLM_RATIO_TARGET, OVERHEAD_TARGET = 3.0, 1.25, 0.05
 MFU_TARGET, BANDWIDTH_TARGET, COLD_START_TARGET = 0.70, 0.75, 0.2
@@ -277,7 +277,7 @@ def main() -> None:
     tok_s = {name: spread([t / s for s, t in r]) for name, r in runs.items()}
     returned = {name: r[0][1] for name, r in runs.items()}
     ref = tokens["ours eager"]
-    match = {name: (sum(a == b for a, b in zip(ids, ref)), len(ids)) for name, ids in tokens.items()}
+    match = {name: (matches(ids, ref), len(ids)) for name, ids in tokens.items()}
 
     print(f"\n{'method':<15}{'device':>7}{'median tok/s':>14}{'range':>17}{'MFU':>6}{'returned/asked':>16}"
           f"  greedy vs ours eager")

@@ -1,4 +1,4 @@
-"""Fixed-seed synthetic workloads shared by the benchmarks.
+"""Fixed-seed synthetic workloads shared by the benchmarks, and running one on a ModelRunner.
 
 A request is a list of prompt token ids (random ids, no text) and the exact number of tokens it
 must produce (EOS is ignored), so every method does the same useful work and the same seed gives
@@ -8,6 +8,7 @@ the same requests on every machine and every run.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 
@@ -46,3 +47,18 @@ def fixed_workload(num_requests: int, prompt_len: int, output_len: int, *, seed:
 def useful_tokens(reqs: list[Request]) -> int:
     """Output tokens the requests asked for: the numerator of useful tok/s."""
     return sum(r.max_tokens for r in reqs)
+
+
+def run_ours(runner, reqs: list[Request]) -> tuple[float, list[list[int]]]:
+    """Every request submitted at once to `runner.generate`, greedy, EOS ignored: (seconds, token ids)."""
+    from runner_core import SamplingParams
+
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in reqs]
+    t0 = time.perf_counter()
+    outs = runner.generate([r.prompt_ids for r in reqs], params)
+    return time.perf_counter() - t0, [o.token_ids for o in outs]
+
+
+def matches(ids: list[list[int]], ref: list[list[int]]) -> int:
+    """How many requests returned exactly the reference's tokens."""
+    return sum(a == b for a, b in zip(ids, ref))
