@@ -48,39 +48,19 @@ from runner_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from runner_core.memory.shapes import ModelShape
 from runner_core.model_loader import read_hf_config, resolve_model_path
 
-try:
+try:  # run as a script: benchmarks/ is on sys.path
+    import engine_client
     import hf_methods
-    from engine_client import PEER_PYTHON, EngineFailed, EngineProcess, EngineSpec, peer_device
-    from machine import (
-        bandwidth_probes,
-        decode_weight_bytes,
-        describe,
-        machine_info,
-        matmul_peak,
-        pool_probes,
-        workload_flops,
-    )
-    from verdicts import Figure, UnlikeFigures, ratio, verdict
-    from workload import fixed_workload, make_workload, matches, useful_tokens
+    import machine
+    import verdicts
+    import workload
 except ImportError:  # run as `python -m benchmarks.throughput`
-    from benchmarks import hf_methods
-    from benchmarks.engine_client import PEER_PYTHON, EngineFailed, EngineProcess, EngineSpec, peer_device
-    from benchmarks.machine import (
-        bandwidth_probes,
-        decode_weight_bytes,
-        describe,
-        machine_info,
-        matmul_peak,
-        pool_probes,
-        workload_flops,
-    )
-    from benchmarks.verdicts import Figure, UnlikeFigures, ratio, verdict
-    from benchmarks.workload import fixed_workload, make_workload, matches, useful_tokens
+    from benchmarks import engine_client, hf_methods, machine, verdicts, workload
 
 HF_RATIO_TARGET, VLLM_RATIO_TARGET, OVERHEAD_TARGET = 3.0, 1.25, 0.05
 MFU_TARGET, BANDWIDTH_TARGET, COLD_START_TARGET = 0.70, 0.75, 0.2
-SPECS = (EngineSpec("ours eager", "ours", False), EngineSpec("ours compiled", "ours", True),
-         EngineSpec("vllm eager", "vllm", False), EngineSpec("vllm compiled", "vllm", True))
+SPECS = (engine_client.EngineSpec("ours eager", "ours", False), engine_client.EngineSpec("ours compiled", "ours", True),
+         engine_client.EngineSpec("vllm eager", "vllm", False), engine_client.EngineSpec("vllm compiled", "vllm", True))
 
 
 def greedy(n: int) -> SamplingParams:
@@ -96,7 +76,7 @@ def decode_overhead(args) -> dict:
     runner.engine.step_metrics.clear()
     observer = runner.engine.observer
     seconds, num_steps = observer.seconds, observer.num_steps
-    reqs = fixed_workload(32, 64, 64, seed=args.seed + 1, vocab_size=runner.engine.vocab_size)
+    reqs = workload.fixed_workload(32, 64, 64, seed=args.seed + 1, vocab_size=runner.engine.vocab_size)
     runner.generate([r.prompt_ids for r in reqs], [greedy(r.max_tokens) for r in reqs])
     steps = [m for m in runner.engine.step_metrics if m.num_prefill_tokens == 0]
     total, fwd = sum(m.total_s for m in steps), sum(m.forward_s for m in steps)
@@ -122,15 +102,15 @@ def start_engines(specs, model_dir: str, requests_file: Path, tmp: Path, args) -
         try:
             for condition in conditions:
                 print(f"starting {spec.name} in a new process ({condition}) ...", flush=True)
-                proc = EngineProcess(spec, model_dir, requests_file, cache, tmp / f"{spec.name}.log", args,
-                                     args.engine_timeout)
+                proc = engine_client.EngineProcess(spec, model_dir, requests_file, cache, tmp / f"{spec.name}.log",
+                                                   args, args.engine_timeout)
                 starts[(spec.name, spec.mode if condition == "eager" else f"compiled, {condition}")] = {
                     **proc.started, "cache_state": proc.cache_state}
                 if condition == conditions[-1]:
                     procs[spec.name] = proc
                 else:
                     proc.close()
-        except EngineFailed as e:
+        except engine_client.EngineFailed as e:
             errors[spec.name] = str(e)
             print(f"  {e}")
     return procs, starts, errors
@@ -144,7 +124,7 @@ def rounds(procs: dict, hf: dict, model, reqs, repeats: int, errors: dict, probe
     def ask(name: str, cmd: str) -> dict | None:
         try:
             return procs[name].ask(cmd) if name not in errors else None
-        except EngineFailed as e:
+        except engine_client.EngineFailed as e:
             errors[name] = str(e)
             print(f"  {e}")
             return None
@@ -180,7 +160,7 @@ def say(line_fn, *args, **kw) -> float | None:
     """Print a verdict line; an unlike comparison prints why it has no figure and yields None."""
     try:
         line, r = line_fn(*args, **kw)
-    except UnlikeFigures as e:
+    except verdicts.UnlikeFigures as e:
         print(f"{args[0]}: none ({e})")
         return None
     print(line)
@@ -212,7 +192,7 @@ def main() -> None:
     torch.set_num_threads(2)
     dtype = getattr(torch, args.dtype)
     args.device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    info = machine_info(args.device)  # builds the native kernels first: not part of any start below
+    info = machine.machine_info(args.device)  # builds the native kernels first: not part of any start below
     device = info["device"]
     kind = torch.device(device).type
     args.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[kind]
@@ -221,12 +201,12 @@ def main() -> None:
     shape = ModelShape.from_hf_config(read_hf_config(Path(model_dir)))
     n = args.num_requests or (8 if args.quick else 64)
     lens = dict(prompt_len=(16, 64), output_len=(8, 32)) if args.quick else {}
-    reqs = make_workload(n, seed=args.seed, vocab_size=shape.vocab_size, **lens)
-    useful = useful_tokens(reqs)
-    flops = workload_flops(shape, [(r.prompt_len, r.max_tokens) for r in reqs])
-    peak, probes = matmul_peak(dtype, device), bandwidth_probes(device)
+    reqs = workload.make_workload(n, seed=args.seed, vocab_size=shape.vocab_size, **lens)
+    useful = workload.useful_tokens(reqs)
+    flops = machine.workload_flops(shape, [(r.prompt_len, r.max_tokens) for r in reqs])
+    peak, probes = machine.matmul_peak(dtype, device), machine.bandwidth_probes(device)
     limit = useful / (flops / (peak * 1e9))
-    print(describe(info))
+    print(machine.describe(info))
     print(f"workload: {n} requests, prompts {min(r.prompt_len for r in reqs)}-{max(r.prompt_len for r in reqs)}, "
           f"outputs {min(r.max_tokens for r in reqs)}-{max(r.max_tokens for r in reqs)}, {useful} useful tokens, "
           f"{flops / 1e12:.3f} TFLOP; {args.dtype}; torch threads {torch.get_num_threads()}; both engines: "
@@ -237,8 +217,8 @@ def main() -> None:
 
     specs = [s for s in SPECS if not (args.skip_compiled and s.compile) and not (args.skip_vllm and s.engine == "vllm")]
     peer_errors = {}
-    if kind != "cpu" and PEER_PYTHON.exists() and any(s.engine == "vllm" for s in specs):
-        peer = peer_device()
+    if kind != "cpu" and engine_client.PEER_PYTHON.exists() and any(s.engine == "vllm" for s in specs):
+        peer = engine_client.peer_device()
         if peer != kind:
             peer_errors["vllm"] = f"the vLLM build in .venv-peers runs on {peer}, ours on {device}: no peer on " \
                                   "the same device, so no comparison"
@@ -255,13 +235,13 @@ def main() -> None:
                 raise SystemExit(f"ours did not run: {errors.get('ours eager')}")
             probe_sets = [probes]
             runs, tokens, batch1 = rounds(procs, hf_runs, model, reqs, args.repeats, errors,
-                                          lambda: probe_sets.append(bandwidth_probes(device, calls=2)))
+                                          lambda: probe_sets.append(machine.bandwidth_probes(device, calls=2)))
             if "ours eager" in errors:
                 raise SystemExit(f"ours failed: {errors['ours eager']}")
         finally:
             for proc in procs.values():
                 proc.close()
-    probes = pool_probes(probe_sets)
+    probes = machine.pool_probes(probe_sets)
     bandwidth = probes["sum"]["median"]
     print(f"bandwidth probes at {probes['sizes_mib']} MiB (last-level cache {probes['llc_mib']} MiB), before the "
           "rounds and before each round's batch-1 turns:")
@@ -273,23 +253,24 @@ def main() -> None:
     devices = {k: "cuda:0" if v == "cuda" else v for k, v in devices.items()}
     settings = {name: proc.started["settings"] for name, proc in procs.items()}
     modes = {s.name: s.mode for s in SPECS} | dict.fromkeys(hf_runs, "eager")
-    requested = {name: useful_tokens(hf_runs[name][0]) if name in hf_runs else useful for name in runs}
+    requested = {name: workload.useful_tokens(hf_runs[name][0]) if name in hf_runs else useful for name in runs}
     tok_s = {name: spread([t / s for s, t in r]) for name, r in runs.items()}
     returned = {name: r[0][1] for name, r in runs.items()}
     ref = tokens["ours eager"]
-    match = {name: (matches(ids, ref), len(ids)) for name, ids in tokens.items()}
+    match = {name: (workload.matches(ids, ref), len(ids)) for name, ids in tokens.items()}
 
     print(f"\n{'method':<15}{'device':>7}{'median tok/s':>14}{'range':>17}{'MFU':>6}{'returned/asked':>16}"
           f"  greedy vs ours eager")
-    limit_fig = Figure(limit, device, label=f"compute limit of {device}")
+    limit_fig = verdicts.Figure(limit, device, label=f"compute limit of {device}")
 
-    def fig(name: str, value: float) -> Figure:
-        return Figure(value, devices[name], modes[name], name)
+    def fig(name: str, value: float) -> verdicts.Figure:
+        return verdicts.Figure(value, devices[name], modes[name], name)
 
     for name, t in tok_s.items():
         try:
-            mfu = f"{100 * ratio(fig(name, t['median']), limit_fig):.0f}%" if requested[name] == useful else "-"
-        except UnlikeFigures:
+            used = verdicts.ratio(fig(name, t['median']), limit_fig)
+            mfu = f"{100 * used:.0f}%" if requested[name] == useful else "-"
+        except verdicts.UnlikeFigures:
             mfu = "-"
         print(f"{name:<15}{devices[name]:>7}{t['median']:>14.1f}{t['min']:>9.1f}-{t['max']:<7.1f}{mfu:>6}"
               f"{returned[name]:>9}/{requested[name]:<6}  {match[name][0]}/{match[name][1]}")
@@ -304,31 +285,32 @@ def main() -> None:
     ratios = {}
     for mode in ("eager", "compiled"):
         if f"ours {mode}" in tok_s and f"vllm {mode}" in tok_s:
-            ratios[f"vllm {mode}"] = say(verdict, f"ours {mode} / vLLM {mode} (median tok/s)",
+            ratios[f"vllm {mode}"] = say(verdicts.verdict, f"ours {mode} / vLLM {mode} (median tok/s)",
                                          fig(f"ours {mode}", tok_s[f"ours {mode}"]["median"]),
                                          fig(f"vllm {mode}", tok_s[f"vllm {mode}"]["median"]), VLLM_RATIO_TARGET)
     best = {side: max((k for k in tok_s if k.startswith(side)), key=lambda k: tok_s[k]["median"], default=None)
             for side in ("ours", "vllm", "hf")}
     if best["vllm"]:
-        ratios["best vs best"] = say(verdict, f"extra, best vs best: {best['ours']} / {best['vllm']}",
+        ratios["best vs best"] = say(verdicts.verdict, f"extra, best vs best: {best['ours']} / {best['vllm']}",
                                      fig(best["ours"], tok_s[best["ours"]]["median"]),
                                      fig(best["vllm"], tok_s[best["vllm"]]["median"]), VLLM_RATIO_TARGET, like=False)
     if best["hf"]:
-        ratios["hf"] = say(verdict, f"ours eager / best transformers ({best['hf']}, eager)",
+        ratios["hf"] = say(verdicts.verdict, f"ours eager / best transformers ({best['hf']}, eager)",
                            fig("ours eager", tok_s["ours eager"]["median"]),
                            fig(best["hf"], tok_s[best["hf"]]["median"]), HF_RATIO_TARGET)
-    mfu = {k: say(verdict, f"{k} MFU (of the {args.dtype} compute limit)", fig(k, tok_s[k]["median"]), limit_fig,
-                  MFU_TARGET, percent=True) for k in tok_s if k.startswith("ours")}
+    mfu = {k: say(verdicts.verdict, f"{k} MFU (of the {args.dtype} compute limit)", fig(k, tok_s[k]["median"]),
+                  limit_fig, MFU_TARGET, percent=True) for k in tok_s if k.startswith("ours")}
 
-    weight_bytes = decode_weight_bytes(shape, args.dtype)
+    weight_bytes = machine.decode_weight_bytes(shape, args.dtype)
     print(f"\nbatch-1 decode ({weight_bytes / 1e6:.0f} MB of weights read per token); the share is of the sum "
           f"probe's median ({bandwidth:.1f} GB/s), in brackets of the copy probe's ({probes['copy']['median']:.1f}):")
     b1 = {name: spread(v) for name, v in batch1.items()}
     share = {}
     for name, t in b1.items():
-        moved = Figure(weight_bytes * t["median"] / 1e9, devices[name], label=f"{name} weight GB/s")
-        share[name] = say(verdict, f"  {name:<14} {t['median']:6.1f} tok/s ({t['min']:.1f}-{t['max']:.1f}) share",
-                          moved, Figure(bandwidth, device, label=f"sum probe of {device}"), BANDWIDTH_TARGET,
+        moved = verdicts.Figure(weight_bytes * t["median"] / 1e9, devices[name], label=f"{name} weight GB/s")
+        share[name] = say(verdicts.verdict,
+                          f"  {name:<14} {t['median']:6.1f} tok/s ({t['min']:.1f}-{t['max']:.1f}) share",
+                          moved, verdicts.Figure(bandwidth, device, label=f"sum probe of {device}"), BANDWIDTH_TARGET,
                           percent=True)
         if share[name] is not None:
             fastest = max(probes["sum"]["max"], probes["copy"]["max"])
@@ -338,8 +320,9 @@ def main() -> None:
         print("  a share above 100% means the probes ran slower than the engines did (a busy machine): rerun quieter")
     for mode in ("eager", "compiled"):
         if f"ours {mode}" in b1 and f"vllm {mode}" in b1:
-            say(verdict, f"batch-1 ours {mode} / vLLM {mode}", fig(f"ours {mode}", b1[f"ours {mode}"]["median"]),
-                fig(f"vllm {mode}", b1[f"vllm {mode}"]["median"]), None)
+            say(verdicts.verdict, f"batch-1 ours {mode} / vLLM {mode}",
+                fig(f"ours {mode}", b1[f"ours {mode}"]["median"]), fig(f"vllm {mode}", b1[f"vllm {mode}"]["median"]),
+                None)
 
     print("\nstart-up of a new process (seconds from launch to ready to serve / to the first token):")
     for (name, condition), s in starts.items():
@@ -351,9 +334,9 @@ def main() -> None:
         pair = [starts.get((f"{side} {mode}", condition)) for side in ("ours", "vllm")]
         if all(pair):
             dev = [devices.get(f"{side} {mode}", "?") for side in ("ours", "vllm")]
-            cold[condition] = say(verdict, f"first token, ours / vLLM ({condition})",
-                                  Figure(pair[0]["first_token_s"], dev[0], condition, "ours"),
-                                  Figure(pair[1]["first_token_s"], dev[1], condition, "vLLM"),
+            cold[condition] = say(verdicts.verdict, f"first token, ours / vLLM ({condition})",
+                                  verdicts.Figure(pair[0]["first_token_s"], dev[0], condition, "ours"),
+                                  verdicts.Figure(pair[1]["first_token_s"], dev[1], condition, "vLLM"),
                                   COLD_START_TARGET, at_least=False)
 
     ov = None if args.skip_overhead else decode_overhead(args)
