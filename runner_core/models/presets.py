@@ -1,6 +1,8 @@
 """Built-in presets: small random-weight models made from a seed on first use (Llama, the MoE
-families Mixtral and Qwen3-MoE, and LLaVA with its processor), and `tiny-speaker`, a trained model
-shipped in the package (`SHIPPED_PRESETS`, built by `python -m runner_core.train_preset`).
+families Mixtral and Qwen3-MoE, and LLaVA with its processor), random weights in the exact shapes of
+published checkpoints (`REAL_SIZE_PRESETS`: Qwen2.5-0.5B, Llama-3.2-1B, stored in bfloat16), and
+`tiny-speaker`, a trained model shipped in the package (`SHIPPED_PRESETS`, built by
+`python -m runner_core.train_preset`).
 
 No download: each preset is built with transformers' own classes (the spec names its config and
 model class and any config fields beyond the common ones) and a byte-level
@@ -106,6 +108,44 @@ PRESETS: dict[str, PresetSpec] = {
 }
 
 
+# Random weights in the exact shapes of published checkpoints, for measuring at real sizes (benchmarks).
+# Every field given here is the published config.json's (Qwen/Qwen2.5-0.5B, meta-llama/Llama-3.2-1B),
+# initializer_range included, and the weights are stored in bfloat16 as theirs are; the token ids
+# 0-2 (pad, bos, eos) and the tokenizer are this module's generated ones at the published vocabulary
+# size. Parameters: 494,032,768 and 1,235,814,400, as published (tests/test_real_size_presets.py).
+REAL_SIZE_PRESETS: dict[str, PresetSpec] = {
+    "qwen2.5-0.5b": PresetSpec(
+        description="random weights in Qwen2.5-0.5B's exact shape (494M parameters, GQA 14/2, qkv bias, "
+                    "tied embeddings), stored in bfloat16",
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+        config_class="Qwen2Config", model_class="Qwen2ForCausalLM",
+        extra={"tie_word_embeddings": True, "rms_norm_eps": 1e-6, "use_sliding_window": False,
+               "hidden_act": "silu", "dtype": "bfloat16"},
+    ),
+    "llama-3.2-1b": PresetSpec(
+        description="random weights in Llama-3.2-1B's exact shape (1.24B parameters, GQA 32/8, llama3 rope "
+                    "scaling, tied embeddings), stored in bfloat16",
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+        extra={"head_dim": 64, "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "attention_bias": False,
+               "mlp_bias": False, "hidden_act": "silu", "dtype": "bfloat16",
+               "rope_parameters": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    ),
+}
+PRESETS.update(REAL_SIZE_PRESETS)
+
+
+def scaled_down(spec: PresetSpec) -> PresetSpec:
+    """`spec` at test size (vocabulary 512, hidden 128, 2 layers, 4 heads of 32 over 2 KV heads), every
+    other option kept: config class, tied embeddings, biases, rope type and scaling, norm epsilon, stored
+    dtype, position limit. The initializer range keeps its logits' spread (~1.1 std, decisive greedy)."""
+    return dataclasses.replace(
+        spec, description=f"scaled-down copy: {spec.description}", vocab_size=512, hidden_size=128,
+        intermediate_size=352, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        initializer_range=0.1, extra={k: v for k, v in spec.extra.items() if k != "head_dim"})
+
 # Trained presets shipped under preset_data/<name>/ (package data): loaded as they are, never built here.
 SHIPPED_PRESETS: dict[str, str] = {
     "tiny-speaker": "~1M-parameter Llama trained on the Python standard library's docstrings: its text is words",
@@ -142,7 +182,7 @@ def ensure_preset(name: str) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
-        _build(_spec(name), name, tmp)
+        build_preset(_spec(name), tmp, name)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -159,21 +199,35 @@ def _spec(name: str) -> PresetSpec:
     return PRESETS[name]
 
 
-def _build(spec: PresetSpec, name: str, out: Path) -> None:
+def hf_config(spec: PresetSpec):
+    """transformers' config of `spec` (a LlavaConfig around the text model when it has a vision tower);
+    `spec.extra` adds config fields or overrides the common ones (its `rope_parameters` are merged into
+    the default rope's)."""
     import transformers  # heavy: only needed when a preset is built
 
-    with tqdm(total=3, desc=f"Building preset {name} (first use)", unit="step") as bar:
-        config = getattr(transformers, spec.config_class)(
-            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-            num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-            max_position_embeddings=spec.max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-            initializer_range=spec.initializer_range, tie_word_embeddings=False,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2, **spec.extra,
-        )
-        if spec.vision:
-            config = llava_config(config, spec.vision)
+    extra = dict(spec.extra)
+    fields = dict(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, **extra.pop("rope_parameters", {})},
+        initializer_range=spec.initializer_range, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    config = getattr(transformers, spec.config_class)(**{**fields, **extra})
+    return llava_config(config, spec.vision) if spec.vision else config
+
+
+def build_preset(spec: PresetSpec, out: Path, name: str = "preset") -> None:
+    """Writes the model of `spec` (random weights from its seed, stored in its config's `dtype`, float32
+    unless `extra` names one), its generation config and its tokenizer (or LLaVA processor) to `out`.
+    Peak memory: the model once in float32, converted to the stored dtype tensor by tensor."""
+    import transformers
+
+    with tqdm(total=4, desc=f"Building preset {name} (first use)", unit="step") as bar:
+        config = hf_config(spec)
+        bar.set_postfix_str("random weights")
         # A private RNG on CPU: the caller's RNG state and default device neither matter nor change.
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(spec.seed)
@@ -182,8 +236,15 @@ def _build(spec: PresetSpec, name: str, out: Path) -> None:
             bos_token_id=1, eos_token_id=2, pad_token_id=0, do_sample=False
         )
         bar.update()
-        model.save_pretrained(out)
+        dtype = getattr(torch, spec.extra.get("dtype", "float32"))
+        bar.set_postfix_str(f"to {spec.extra.get('dtype', 'float32')}")
+        model.to(dtype)
         bar.update()
+        bar.set_postfix_str("safetensors")
+        model.save_pretrained(out)
+        del model
+        bar.update()
+        bar.set_postfix_str("tokenizer")
         if spec.vision:
             save_llava_processor(out, spec.vocab_size, spec.max_position_embeddings, spec.vision)
         else:

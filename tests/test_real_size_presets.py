@@ -1,0 +1,84 @@
+"""The real-size presets: their shapes are the published checkpoints' (parameter counts from the config
+on the meta device, no weights), and a scaled-down copy of each (same config class and options, test
+sizes) runs in our engine in float32 and bfloat16 like transformers does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from runner_core import ModelRunner, SamplingParams
+from runner_core.models import presets
+
+# The parameter counts of the published checkpoints (tied embeddings counted once).
+PUBLISHED_PARAMETERS = {"qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_400}
+PROMPTS = [[1, 17, 99, 260, 301], [1, 5], [1, 400, 401, 402, 403, 404, 405, 406, 407], [1, 3, 4, 3, 4, 3]]
+NEW_TOKENS = 12
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
+def test_a_real_size_preset_has_the_published_parameter_count(name):
+    config = presets.hf_config(presets.REAL_SIZE_PRESETS[name])
+    with torch.device("meta"):
+        model = getattr(transformers, presets.PRESETS[name].model_class)(config)
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[name]
+    assert config.tie_word_embeddings and config.dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module", params=sorted(PUBLISHED_PARAMETERS))
+def scaled_copy(request, tmp_path_factory):
+    """(name, directory) of the preset's scaled-down copy, built as the preset is (stored in bfloat16)."""
+    out = tmp_path_factory.mktemp(request.param)
+    presets.build_preset(presets.scaled_down(presets.REAL_SIZE_PRESETS[request.param]), out, request.param)
+    return request.param, out
+
+
+def test_a_scaled_copy_keeps_every_option_of_the_real_size_spec(scaled_copy):
+    name, path = scaled_copy
+    saved = transformers.AutoConfig.from_pretrained(path).to_dict()
+    real = presets.hf_config(presets.REAL_SIZE_PRESETS[name]).to_dict()
+    sizes = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "initializer_range", "layer_types", "max_window_layers"}
+    skip = sizes | {"architectures", "_name_or_path"}
+    assert {k: v for k, v in saved.items() if k not in skip} == {k: v for k, v in real.items() if k not in skip}
+    assert saved["architectures"] == [presets.PRESETS[name].model_class]
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    weights = load_file(path / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert "lm_head.weight" not in weights  # tied to the input embedding, as published
+
+
+def _transformers_greedy(path, dtype) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # EOS is a token like any other, as with ignore_eos
+    out = []
+    with torch.no_grad():
+        for ids in PROMPTS:
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_scaled_copy_runs_in_our_engine_with_transformers_greedy_tokens(scaled_copy, dtype):
+    """float32: the bfloat16 checkpoint upcast, token for token as transformers; bfloat16: the stored
+    weights kept bit for bit, and greedy equal to transformers' in bfloat16 on most prompts (rounding to
+    8 mantissa bits reorders near ties, as tests/test_dtype_accuracy.py bounds on a trained model)."""
+    _, path = scaled_copy
+    runner = ModelRunner({"model": str(path), "dtype": dtype, "max_model_len": 64}).load_model()
+    try:
+        embed = runner.model.model.embed_tokens.weight
+        stored = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
+        assert embed.dtype == getattr(torch, dtype)
+        assert torch.equal(embed.to(torch.bfloat16), stored)
+        outs = runner.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+        ours = [o.token_ids for o in outs]
+    finally:
+        runner.shutdown()
+    theirs = _transformers_greedy(path, getattr(torch, dtype))
+    equal = sum(a == b for a, b in zip(ours, theirs))
+    assert equal == len(PROMPTS) if dtype == "float32" else equal >= len(PROMPTS) - 1, (ours, theirs)
