@@ -1,94 +1,69 @@
-"""Native kernels, built on first use with torch's C++ extension tooling and cached.
+"""Native kernels, built on first use with torch's C++ extension tooling and cached (build.py).
 
 `native_paged_attention()` is attention for any mix of decode and prefill tokens, reading
 keys and values in place from the KV pool through block tables (no gathered copy);
-`panel_linear()` is x W^T + b in float32 (or bfloat16 on AVX512-BF16 CPUs, float32 accumulation)
-over weights prepacked by `pack_panels()` into panels of 16 output columns (a register-tiled GEMM:
-BLAS on these CPUs runs the decode batch sizes at a third of its speed, see docs/benchmarks.md,
-"Native kernels"); `argmax_rows()` is greedy sampling's argmax (torch's is 10x slower).
-The kernels run on torch's OpenMP threads (`torch.set_num_threads`). If the build fails, or
+`panel_linear()` is x W^T + b in float32 or bfloat16 (float32 accumulation) over weights prepacked
+by `pack_panels()` into panels of 16 output columns (a register-tiled GEMM: BLAS on these CPUs runs
+the decode batch sizes at a third of its speed, see docs/benchmarks.md); `argmax_rows()` is greedy
+sampling's argmax (torch's is 10x slower).
+
+The kernels are built once per instruction-set tier (`TIERS`: plain C++, AVX2+FMA, AVX512,
+AVX512-BF16) into one library, which runs the highest tier this CPU can execute; bfloat16 is
+multiplied natively on AVX512-BF16 and widened to float32 in registers on every other tier.
+RUNNER_CORE_CPU_TIER=<tier> forces a tier (one this CPU runs), `set_kernel_tier()` changes it at run
+time. The kernels run on torch's OpenMP threads (`torch.set_num_threads`). If the build fails, or
 RUNNER_CORE_NO_KERNELS=1 is set, callers get None and keep the pure-torch path; the reason is
 logged once. Under CI=true a failed build is an error, so a broken toolchain cannot hide behind
-the fallback. A build (~10 s, once per machine) shows a progress bar with its elapsed time (runner_core/progress.py).
+the fallback. A build (once per machine and torch version) shows a progress bar with its elapsed
+time (runner_core/progress.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import platform
 import threading
-from contextlib import nullcontext
-from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 
-from runner_core.config import cache_root
+from runner_core.errors import ConfigError
+from runner_core.kernels import build
 from runner_core.progress import progress, ticking
 
 logger = logging.getLogger("runner_core")
-_NAME = "runner_core_cpu_kernels"
-_SOURCES = tuple(Path(__file__).with_name(name)
-                 for name in ("paged_attention_cpu.cpp", "panel_linear_cpu.cpp", "argmax_cpu.cpp"))
-_HEADERS = (Path(__file__).with_name("panel_tile.h"),)  # included by the sources
-PANEL_COLUMNS = 16  # output columns per panel (NR in panel_tile.h)
+TIERS = ("plain", "avx2", "avx512", "avx512-bf16")  # every tier there is, lowest first
+PANEL_COLUMNS = 16  # output columns per panel (NR in tier.h)
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _build_dir() -> Path:
-    # -march=native: the build is only valid for this CPU, so its flags are part of the key
-    cpu = platform.machine() + "".join(line for line in _cpuinfo().splitlines() if line.startswith("flags"))[:4096]
-    code = b"".join(source.read_bytes() for source in _SOURCES + _HEADERS)
-    tag = hashlib.sha256(code + torch.__version__.encode() + cpu.encode()).hexdigest()[:12]
-    path = cache_root() / "kernels" / f"cpu_kernels-{tag}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def _load() -> None:
+    if not hasattr(torch.ops.runner_kernels, "panel_linear"):
+        built = build.is_built()
+        with progress(desc="Building the native CPU kernels, every tier (first use; cached afterwards)", total=1,
+                      unit="build", leave=True) if not built else nullcontext() as bar, ticking(bar):
+            build.build()
+            if bar is not None:
+                bar.update(1)
+    forced = os.environ.get("RUNNER_CORE_CPU_TIER")
+    if forced:
+        _set_tier(forced, f"RUNNER_CORE_CPU_TIER={forced}")
+    else:
+        _state["why"] = "the highest tier this CPU runs"
+    logger.info("native CPU kernels: tier %s (%s; this CPU runs %s)", torch.ops.runner_kernels.cpu_tier(),
+                _state["why"], ", ".join(torch.ops.runner_kernels.cpu_tiers()))
 
 
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        return platform.processor()
-
-
-def _ensure_ninja_on_path() -> None:
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-def _load() -> bool:
-    if hasattr(torch.ops.runner_kernels, "panel_linear"):
-        return True
-    from torch.utils import cpp_extension
-
-    _ensure_ninja_on_path()
-    build_dir = _build_dir()
-    # build from a copy inside the (content-keyed) build folder: the compile command then does not
-    # depend on where this package lives, so checkouts sharing a cache do not rebuild each other
-    for original in _SOURCES + _HEADERS:
-        source = build_dir / original.name
-        if not source.exists() or source.read_bytes() != original.read_bytes():
-            tmp = build_dir / f".{original.name}.{os.getpid()}"
-            tmp.write_bytes(original.read_bytes())
-            os.replace(tmp, source)
-    sources = [str(build_dir / original.name) for original in _SOURCES]
-    built = (build_dir / f"{_NAME}.so").exists()  # then the call below only loads it
-    with progress(desc="Building the native CPU kernels (first use; cached afterwards)", total=1, unit="build",
-                  leave=True) if not built else nullcontext() as bar, ticking(bar):
-        # -fopenmp: without it ATen's parallel_for compiles to a serial loop; its OpenMP calls bind to
-        # the libgomp torch loaded, so the kernels share torch's thread pool and thread count
-        cpp_extension.load(
-            name=_NAME, sources=sources, build_directory=str(build_dir),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
-        if bar is not None:
-            bar.update(1)
-    return True
+def _set_tier(name: str, why: str) -> None:
+    runnable = tuple(torch.ops.runner_kernels.cpu_tiers())
+    if name not in runnable:
+        what = "is not a kernel tier" if name not in TIERS else "is a tier this CPU cannot run"
+        raise ConfigError(f"{why}: {name!r} {what}; this CPU runs {', '.join(runnable)} (tiers: {', '.join(TIERS)})."
+                          " Pick one of those, or unset it for the highest")
+    torch.ops.runner_kernels.set_cpu_tier(name)
+    _state["why"] = why
 
 
 def _register_fakes() -> None:
@@ -100,7 +75,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("runner_kernels::pack_panels")
     def _(weight):
-        per_step = 2 if weight.dtype == torch.bfloat16 else 1  # k values per panel row (panel_linear_cpu.cpp)
+        per_step = 2 if weight.dtype == torch.bfloat16 else 1  # k values per panel step (tier.h)
         n, k = weight.shape
         return weight.new_empty(-(-n // PANEL_COLUMNS), -(-k // per_step), PANEL_COLUMNS * per_step)
 
@@ -117,8 +92,11 @@ def cpu_kernels_available() -> bool:
                 _state["ok"], _state["why"] = False, "RUNNER_CORE_NO_KERNELS=1"
             else:
                 try:
-                    _state["ok"] = _load()
+                    _load()
                     _register_fakes()
+                    _state["ok"] = True
+                except ConfigError:
+                    raise
                 except Exception as e:  # compiler missing, build error
                     if os.environ.get("CI") == "true":
                         raise
@@ -127,6 +105,43 @@ def cpu_kernels_available() -> bool:
                 logger.warning("native CPU kernels unavailable (%s); using the torch paths",
                                _state["why"])
         return bool(_state["ok"])
+
+
+def kernel_tiers() -> tuple[str, ...]:
+    """The tiers this CPU runs, lowest first; empty when the kernels are off."""
+    return tuple(torch.ops.runner_kernels.cpu_tiers()) if cpu_kernels_available() else ()
+
+
+def kernel_tier() -> str:
+    """The tier the kernels run now ("plain", "avx2", "avx512", "avx512-bf16"), or "off"."""
+    return str(torch.ops.runner_kernels.cpu_tier()) if cpu_kernels_available() else "off"
+
+
+def kernel_info() -> dict:
+    """The tier, why it was chosen, and the tiers this CPU runs (for model_info and the dashboards)."""
+    tier = kernel_tier()
+    return {"tier": tier, "why": str(_state.get("why", "")), "runnable": list(kernel_tiers()),
+            "native_bf16": tier == "avx512-bf16"}
+
+
+def set_kernel_tier(name: str) -> None:
+    """Run the kernels of tier `name` from now on (one of `kernel_tiers()`); it takes effect at the next op."""
+    if not cpu_kernels_available():
+        raise ConfigError(f"set_kernel_tier({name!r}): the native kernels are off ({_state['why']})")
+    with _lock:
+        _set_tier(name, f"set_kernel_tier({name!r})")
+
+
+@contextmanager
+def use_kernel_tier(name: str) -> Iterator[None]:
+    """The kernels of tier `name` inside the block, the previous tier after it."""
+    before, why = kernel_tier(), _state.get("why")
+    set_kernel_tier(name)
+    try:
+        yield
+    finally:
+        torch.ops.runner_kernels.set_cpu_tier(before)
+        _state["why"] = why
 
 
 def native_paged_attention(out, q, k_cache, v_cache, block_tables, row_seq, context_lens, block_size: int,
@@ -143,7 +158,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def panels_support(dtype: torch.dtype) -> bool:
-    """Whether this build multiplies panels of `dtype`: float32 always, bfloat16 with AVX512-BF16."""
+    """Whether the kernels multiply panels of `dtype`: float32 and bfloat16, on every tier."""
     return torch.ops.runner_kernels.panels_support(dtype)
 
 

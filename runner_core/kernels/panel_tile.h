@@ -1,66 +1,104 @@
-// The register tiles of the panel GEMM: y[m, cols] = x[m, k] B + bias where B is a run of panels,
-// each 16 output columns (zero padded past n) for every k. Float32 panels are [k, 16]; bfloat16
-// panels are [ceil(k / 2), 16, 2], k in pairs, what AVX512-BF16's dot product takes.
-// - AVX512: a tile is up to 12 rows x 2 panels (24 accumulators of 16 floats), one load of each
-//   panel per k (or k pair) shared by the rows; float32 by FMA, bfloat16 by vdpbf16ps into float32
-//   accumulators, rounded to bfloat16 once at the store.
-// - AVX2 (float32): 6 rows x 1 panel, 12 accumulators, 12 FMAs per 2 loads and 6 broadcasts.
-// - Otherwise the same loop order, vectorised by the compiler.
-// Rows past the last full tile take smaller tiles; one row a k-unrolled tile, on one panel at a time
-// (one memory stream: a single row is bound by reading the panels).
+// The register tiles of the panel GEMM for the tier being compiled (tier.cpp): y[m, cols] = x[m, k] B
+// + bias, B a run of panels of 16 output columns (zero padded past n) for every k. Float32 panels are
+// [k, 16]; bfloat16 panels are [ceil(k / 2), 16, 2], k in pairs, so one 32-bit lane holds a column's
+// two k values: AVX512-BF16's dot product takes the pair as it is, every other tier widens it to two
+// float32 in registers (the low half shifted up 16 bits, the high half masked). Bfloat16 is read as
+// bfloat16 and multiplied in float32, with no float32 copy in memory; outputs round once at the store.
+// - AVX512: up to 12 rows x 2 panels (24 accumulators of 16 floats), one load of each panel step
+//   shared by the rows.
+// - AVX2: 6 rows (float32) or 5 rows (bfloat16, whose widened panel step takes 4 registers) x 1 panel,
+//   two accumulators of 8 floats per row.
+// - plain: the same loop order, vectorised by the compiler.
+// One row takes a tile unrolled over k, on one panel at a time (one memory stream: a single row is
+// bound by reading the panels).
 #pragma once
 
-#include <cstdint>
-#include <algorithm>
+namespace runner_kernels::RW_TIER {
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// round to nearest even, as torch does (a NaN stays a quiet NaN)
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define RW_PANEL_AVX512 1
-#if defined(__AVX512BF16__)
-#define RW_PANEL_BF16 1
-#endif
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define RW_PANEL_AVX2 1
-#endif
-
-namespace runner_kernels {
-
-constexpr int64_t NR = 16;
-
-#ifdef RW_PANEL_AVX512
 constexpr int64_t PANELS_PER_TILE = 2;  // panels one tile covers (the threads split groups of these)
 
-// float32 panels: one step is one k, 16 floats
 struct F32 {
   using E = float;
+  using V = __m512;
   static constexpr int64_t K_PER_STEP = 1;
-  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-  static __m512 bcast(const float* x) { return _mm512_set1_ps(*x); }
-  static __m512 fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V bcast(const float* x) { return _mm512_set1_ps(*x); }
+  static __m512 fma(V a, V b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* y, __m512 c, int64_t ncols) {
     if (ncols >= NR) _mm512_storeu_ps(y, c);
     else if (ncols > 0) _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << ncols) - 1), c);
   }
 };
 
-#ifdef RW_PANEL_BF16
-// bfloat16 panels: one step is a k pair, 16 columns x 2 (raw bfloat16 bits)
-struct BF16 {
-  using E = uint16_t;
-  static constexpr int64_t K_PER_STEP = 2;
-  static __m512 load(const uint16_t* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
-  static __m512 bcast(const uint16_t* x) {
-    int32_t pair;
-    __builtin_memcpy(&pair, x, sizeof(pair));
-    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
-  }
-  static __m512 fma(__m512 a, __m512 b, __m512 c) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); }
+inline __m512i pair_bits(const uint16_t* x) {
+  int32_t pair;
+  __builtin_memcpy(&pair, x, sizeof(pair));
+  return _mm512_set1_epi32(pair);
+}
+
+// 16 floats rounded to bfloat16, round to nearest even (NaN: quiet NaN)
+inline __m256i round_bf16(__m512 c) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(c);
+#else
+  const __m512i u = _mm512_castps_si512(c);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+
+struct BF16Store {
   static void store(uint16_t* y, __m512 c, int64_t ncols) {
-    const __m256i v = (__m256i)_mm512_cvtneps_pbh(c);  // round to nearest even, as torch does
+    const __m256i v = round_bf16(c);
     if (ncols >= NR) _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), v);
     else if (ncols > 0) _mm256_mask_storeu_epi16(y, static_cast<__mmask16>((1u << ncols) - 1), v);
   }
+};
+
+#if defined(__AVX512BF16__)
+// bfloat16 in hardware: one step is a k pair of 16 columns (raw bits), vdpbf16ps into float32
+struct BF16 : BF16Store {
+  using E = uint16_t;
+  using V = __m512;
+  static constexpr int64_t K_PER_STEP = 2;
+  static V load(const uint16_t* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+  static V bcast(const uint16_t* x) { return _mm512_castsi512_ps(pair_bits(x)); }
+  static __m512 fma(V a, V b, __m512 c) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); }
+};
+#else
+// bfloat16 widened in registers: a k pair becomes two float32 vectors (k even, k odd)
+struct Pair512 {
+  __m512 even, odd;
+};
+inline Pair512 widen(__m512i bits) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))))};
+}
+struct BF16 : BF16Store {
+  using E = uint16_t;
+  using V = Pair512;
+  static constexpr int64_t K_PER_STEP = 2;
+  static V load(const uint16_t* p) { return widen(_mm512_loadu_si512(p)); }
+  static V bcast(const uint16_t* x) { return widen(pair_bits(x)); }
+  static __m512 fma(V a, V b, __m512 c) { return _mm512_fmadd_ps(a.odd, b.odd, _mm512_fmadd_ps(a.even, b.even, c)); }
 };
 #endif
 
@@ -75,14 +113,13 @@ inline void tile(const typename T::E* x, int64_t ldx, const typename T::E* p0, i
          c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00, c80 = c00,
          c81 = c00, c90 = c00, c91 = c00, cA0 = c00, cA1 = c00, cB0 = c00, cB1 = c00;
   for (int64_t s = 0; s < steps; ++s) {
-    const __m512 b0 = T::load(p0 + s * S);
-    const __m512 b1 = NP > 1 ? T::load(p1 + s * S) : b0;
-    __m512 a;
-#define RW_ROW(R, I)                                      \
-  if constexpr (MR > I) {                                 \
-    a = T::bcast(x + I * ldx + s * T::K_PER_STEP);        \
-    c##R##0 = T::fma(a, b0, c##R##0);                     \
-    if constexpr (NP > 1) c##R##1 = T::fma(a, b1, c##R##1); \
+    const typename T::V b0 = T::load(p0 + s * S);
+    const typename T::V b1 = NP > 1 ? T::load(p1 + s * S) : b0;
+#define RW_ROW(R, I)                                                   \
+  if constexpr (MR > I) {                                              \
+    const typename T::V a = T::bcast(x + I * ldx + s * T::K_PER_STEP); \
+    c##R##0 = T::fma(a, b0, c##R##0);                                  \
+    if constexpr (NP > 1) c##R##1 = T::fma(a, b1, c##R##1);            \
   }
     RW_ROW(0, 0) RW_ROW(1, 1) RW_ROW(2, 2) RW_ROW(3, 3) RW_ROW(4, 4) RW_ROW(5, 5)
     RW_ROW(6, 6) RW_ROW(7, 7) RW_ROW(8, 8) RW_ROW(9, 9) RW_ROW(A, 10) RW_ROW(B, 11)
@@ -108,8 +145,8 @@ inline void tile1(const typename T::E* x, const typename T::E* p0, int64_t pstri
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   int64_t s = 0;
   for (; s + 4 <= steps; s += 4) {
-    const __m512 x0 = T::bcast(x + s * KS), x1 = T::bcast(x + (s + 1) * KS), x2 = T::bcast(x + (s + 2) * KS),
-                 x3 = T::bcast(x + (s + 3) * KS);
+    const typename T::V x0 = T::bcast(x + s * KS), x1 = T::bcast(x + (s + 1) * KS), x2 = T::bcast(x + (s + 2) * KS),
+                        x3 = T::bcast(x + (s + 3) * KS);
     a0 = T::fma(x0, T::load(p0 + s * S), a0);
     a1 = T::fma(x1, T::load(p0 + (s + 1) * S), a1);
     a2 = T::fma(x2, T::load(p0 + (s + 2) * S), a2);
@@ -122,7 +159,7 @@ inline void tile1(const typename T::E* x, const typename T::E* p0, int64_t pstri
     }
   }
   for (; s < steps; ++s) {
-    const __m512 xs = T::bcast(x + s * KS);
+    const typename T::V xs = T::bcast(x + s * KS);
     a0 = T::fma(xs, T::load(p0 + s * S), a0);
     if constexpr (NP > 1) b0 = T::fma(xs, T::load(p1 + s * S), b0);
   }
@@ -171,92 +208,145 @@ inline void panel_gemm(const typename T::E* x, const typename T::E* panels, int6
   }
 }
 
-// float32, one panel ([k, 16]): y[m, ncols] = x[m, k] B + bias
-inline void panel_rows(const float* x, const float* panel, int64_t m, int64_t k, float* y, int64_t ldy, int64_t ncols,
-                       const float* bias) {
-  panel_gemm<F32>(x, panel, 1, m, k, y, ldy, ncols, bias);
-}
-
-#elif defined(RW_PANEL_AVX2)
+#elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t PANELS_PER_TILE = 1;
 
-inline void store(float* y, __m256 lo, __m256 hi, __m256 bias_lo, __m256 bias_hi, int64_t ncols) {
-  lo = _mm256_add_ps(lo, bias_lo);
-  hi = _mm256_add_ps(hi, bias_hi);
-  if (ncols == NR) {
-    _mm256_storeu_ps(y, lo);
-    _mm256_storeu_ps(y + 8, hi);
-    return;
+// float32: a step is one k; its 16 columns are two vectors (columns 0-7, 8-15)
+struct F32 {
+  using E = float;
+  using V = __m256;
+  using A = __m256;
+  static constexpr int64_t K_PER_STEP = 1, MR = 6;
+  static V load0(const float* p) { return _mm256_loadu_ps(p); }
+  static V load1(const float* p) { return _mm256_loadu_ps(p + 8); }
+  static A bcast(const float* x) { return _mm256_broadcast_ss(x); }
+  static __m256 fma(A a, V b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* y, __m256 lo, __m256 hi, int64_t ncols) {
+    if (ncols == NR) {
+      _mm256_storeu_ps(y, lo);
+      _mm256_storeu_ps(y + 8, hi);
+      return;
+    }
+    alignas(32) float tmp[NR];
+    _mm256_store_ps(tmp, lo);
+    _mm256_store_ps(tmp + 8, hi);
+    std::copy(tmp, tmp + ncols, y);
   }
-  alignas(32) float tmp[NR];
-  _mm256_store_ps(tmp, lo);
-  _mm256_store_ps(tmp + 8, hi);
-  std::copy(tmp, tmp + ncols, y);
-}
+};
 
-// MR (1..6) rows of x against one panel. Named accumulators, not an array: GCC keeps an array of
+// bfloat16: a step is a k pair; 8 columns' pairs widen to two float32 vectors (k even, k odd)
+struct Pair256 {
+  __m256 even, odd;
+};
+inline Pair256 widen(__m256i bits) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))))};
+}
+inline __m256i round_bf16(__m256 c) {  // 8 floats to bfloat16 in the low halves of 8 lanes
+  const __m256i u = _mm256_castps_si256(c);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(c, c, _CMP_UNORD_Q)));
+}
+struct BF16 {
+  using E = uint16_t;
+  using V = Pair256;
+  using A = Pair256;
+  static constexpr int64_t K_PER_STEP = 2, MR = 5;
+  static V load0(const uint16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V load1(const uint16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))); }
+  static A bcast(const uint16_t* x) {
+    int32_t pair;
+    __builtin_memcpy(&pair, x, sizeof(pair));
+    return widen(_mm256_set1_epi32(pair));
+  }
+  static __m256 fma(A a, V b, __m256 c) { return _mm256_fmadd_ps(a.odd, b.odd, _mm256_fmadd_ps(a.even, b.even, c)); }
+  static void store(uint16_t* y, __m256 lo, __m256 hi, int64_t ncols) {
+    // packus interleaves 128-bit lanes: put columns 0-15 back in order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round_bf16(lo), round_bf16(hi)), 0xd8);
+    if (ncols == NR) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), packed);
+      return;
+    }
+    alignas(32) uint16_t tmp[NR];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), packed);
+    std::copy(tmp, tmp + ncols, y);
+  }
+};
+
+// MR (1..T::MR) rows of x against one panel. Named accumulators, not an array: GCC keeps an array of
 // __m256 on the stack, which halves the speed.
-template <int MR>
-inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* y, int64_t ldy, int64_t ncols,
-                 __m256 bias_lo, __m256 bias_hi) {
-  const __m256 zero = _mm256_setzero_ps();
-  __m256 c00 = zero, c01 = zero, c10 = zero, c11 = zero, c20 = zero, c21 = zero, c30 = zero, c31 = zero,
-         c40 = zero, c41 = zero, c50 = zero, c51 = zero;
-  const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
-  for (int64_t i = 0; i < k; ++i) {
-    const __m256 b0 = _mm256_loadu_ps(panel + i * NR), b1 = _mm256_loadu_ps(panel + i * NR + 8);
-    __m256 a;
-#define RW_ROW(R)                                      \
-  if constexpr (MR > R) {                              \
-    a = _mm256_broadcast_ss(x##R + i);                 \
-    c##R##0 = _mm256_fmadd_ps(a, b0, c##R##0);         \
-    c##R##1 = _mm256_fmadd_ps(a, b1, c##R##1);         \
+template <class T, int MR>
+inline void tile(const typename T::E* x, int64_t ldx, const typename T::E* panel, int64_t steps, typename T::E* y,
+                 int64_t ldy, int64_t ncols, __m256 bias_lo, __m256 bias_hi) {
+  constexpr int64_t S = NR * T::K_PER_STEP, KS = T::K_PER_STEP;
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+         c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t s = 0; s < steps; ++s) {
+    const typename T::V b0 = T::load0(panel + s * S), b1 = T::load1(panel + s * S);
+#define RW_ROW(R)                                               \
+  if constexpr (MR > R) {                                       \
+    const typename T::A a = T::bcast(x + R * ldx + s * KS);     \
+    c##R##0 = T::fma(a, b0, c##R##0);                           \
+    c##R##1 = T::fma(a, b1, c##R##1);                           \
   }
     RW_ROW(0) RW_ROW(1) RW_ROW(2) RW_ROW(3) RW_ROW(4) RW_ROW(5)
 #undef RW_ROW
   }
 #define RW_OUT(R) \
-  if constexpr (MR > R) store(y + R * ldy, c##R##0, c##R##1, bias_lo, bias_hi, ncols);
+  if constexpr (MR > R) \
+    T::store(y + R * ldy, _mm256_add_ps(c##R##0, bias_lo), _mm256_add_ps(c##R##1, bias_hi), ncols);
   RW_OUT(0) RW_OUT(1) RW_OUT(2) RW_OUT(3) RW_OUT(4) RW_OUT(5)
 #undef RW_OUT
 }
 
-// one row: a 2-accumulator chain would wait on FMA latency, so k is unrolled by 4 (8 accumulators)
-inline void tile1(const float* x, const float* panel, int64_t k, float* y, int64_t ncols, __m256 bias_lo,
-                  __m256 bias_hi) {
-  __m256 s[8];
-  for (auto& v : s) v = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 4 <= k; i += 4)
-    for (int u = 0; u < 4; ++u) {
-      const __m256 a = _mm256_broadcast_ss(x + i + u);
-      s[2 * u] = _mm256_fmadd_ps(a, _mm256_loadu_ps(panel + (i + u) * NR), s[2 * u]);
-      s[2 * u + 1] = _mm256_fmadd_ps(a, _mm256_loadu_ps(panel + (i + u) * NR + 8), s[2 * u + 1]);
-    }
-  for (; i < k; ++i) {
-    const __m256 a = _mm256_broadcast_ss(x + i);
-    s[0] = _mm256_fmadd_ps(a, _mm256_loadu_ps(panel + i * NR), s[0]);
-    s[1] = _mm256_fmadd_ps(a, _mm256_loadu_ps(panel + i * NR + 8), s[1]);
+// one row: a 2-accumulator chain would wait on FMA latency, so steps are unrolled by 4 (8 accumulators)
+template <class T>
+inline void tile1(const typename T::E* x, const typename T::E* panel, int64_t steps, typename T::E* y, int64_t ncols,
+                  __m256 bias_lo, __m256 bias_hi) {
+  constexpr int64_t S = NR * T::K_PER_STEP, KS = T::K_PER_STEP;
+  __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0, h0 = l0, h1 = l0, h2 = l0, h3 = l0;
+  int64_t s = 0;
+  for (; s + 4 <= steps; s += 4) {
+    const typename T::A x0 = T::bcast(x + s * KS), x1 = T::bcast(x + (s + 1) * KS),
+                        x2 = T::bcast(x + (s + 2) * KS), x3 = T::bcast(x + (s + 3) * KS);
+    const typename T::E* p = panel + s * S;
+    l0 = T::fma(x0, T::load0(p), l0);
+    h0 = T::fma(x0, T::load1(p), h0);
+    l1 = T::fma(x1, T::load0(p + S), l1);
+    h1 = T::fma(x1, T::load1(p + S), h1);
+    l2 = T::fma(x2, T::load0(p + 2 * S), l2);
+    h2 = T::fma(x2, T::load1(p + 2 * S), h2);
+    l3 = T::fma(x3, T::load0(p + 3 * S), l3);
+    h3 = T::fma(x3, T::load1(p + 3 * S), h3);
   }
-  store(y, _mm256_add_ps(_mm256_add_ps(s[0], s[2]), _mm256_add_ps(s[4], s[6])),
-        _mm256_add_ps(_mm256_add_ps(s[1], s[3]), _mm256_add_ps(s[5], s[7])), bias_lo, bias_hi, ncols);
+  for (; s < steps; ++s) {
+    const typename T::A xs = T::bcast(x + s * KS);
+    l0 = T::fma(xs, T::load0(panel + s * S), l0);
+    h0 = T::fma(xs, T::load1(panel + s * S), h0);
+  }
+  const __m256 lo = _mm256_add_ps(_mm256_add_ps(l0, l1), _mm256_add_ps(l2, l3));
+  const __m256 hi = _mm256_add_ps(_mm256_add_ps(h0, h1), _mm256_add_ps(h2, h3));
+  T::store(y, _mm256_add_ps(lo, bias_lo), _mm256_add_ps(hi, bias_hi), ncols);
 }
 
-inline void panel_rows(const float* x, const float* panel, int64_t m, int64_t k, float* y, int64_t ldy, int64_t ncols,
-                const float* bias) {
+template <class T>
+inline void panel_rows(const typename T::E* x, const typename T::E* panel, int64_t m, int64_t k, typename T::E* y,
+                       int64_t ldy, int64_t ncols, const float* bias) {
+  const int64_t steps = (k + T::K_PER_STEP - 1) / T::K_PER_STEP;
   alignas(32) float b[NR] = {0};
   if (bias != nullptr) std::copy(bias, bias + ncols, b);
   const __m256 blo = _mm256_load_ps(b), bhi = _mm256_load_ps(b + 8);
   int64_t r = 0;
-  for (; r + 6 <= m; r += 6) tile<6>(x + r * k, k, panel, k, y + r * ldy, ldy, ncols, blo, bhi);
-  const float* xr = x + r * k;
-  float* yr = y + r * ldy;
+  for (; r + T::MR <= m; r += T::MR) tile<T, T::MR>(x + r * k, k, panel, steps, y + r * ldy, ldy, ncols, blo, bhi);
+  const typename T::E* xr = x + r * k;
+  typename T::E* yr = y + r * ldy;
   switch (m - r) {
-    case 5: tile<5>(xr, k, panel, k, yr, ldy, ncols, blo, bhi); break;
-    case 4: tile<4>(xr, k, panel, k, yr, ldy, ncols, blo, bhi); break;
-    case 3: tile<3>(xr, k, panel, k, yr, ldy, ncols, blo, bhi); break;
-    case 2: tile<2>(xr, k, panel, k, yr, ldy, ncols, blo, bhi); break;
-    case 1: tile1(xr, panel, k, yr, ncols, blo, bhi); break;
+    case 5: tile<T, 5>(xr, k, panel, steps, yr, ldy, ncols, blo, bhi); break;
+    case 4: tile<T, 4>(xr, k, panel, steps, yr, ldy, ncols, blo, bhi); break;
+    case 3: tile<T, 3>(xr, k, panel, steps, yr, ldy, ncols, blo, bhi); break;
+    case 2: tile<T, 2>(xr, k, panel, steps, yr, ldy, ncols, blo, bhi); break;
+    case 1: tile1<T>(xr, panel, steps, yr, ncols, blo, bhi); break;
     default: break;
   }
 }
@@ -264,34 +354,57 @@ inline void panel_rows(const float* x, const float* panel, int64_t m, int64_t k,
 #else
 constexpr int64_t PANELS_PER_TILE = 1;
 
-// without AVX2 and FMA (another ISA): the same loop order, vectorised by the compiler
-inline void panel_rows(const float* x, const float* panel, int64_t m, int64_t k, float* y, int64_t ldy, int64_t ncols,
-                const float* bias) {
+// without AVX2 and FMA (the plain tier, and other ISAs): the same loop order, vectorised by the compiler
+struct F32 {
+  using E = float;
+  static constexpr int64_t K_PER_STEP = 1;
+  static void step(const float* x, const float* p, float* acc) {
+    const float a = *x;
+#pragma omp simd
+    for (int64_t c = 0; c < NR; ++c) acc[c] += a * p[c];
+  }
+  static float out(float v) { return v; }
+};
+
+struct BF16 {
+  using E = uint16_t;
+  static constexpr int64_t K_PER_STEP = 2;
+  static void step(const uint16_t* x, const uint16_t* p, float* acc) {
+    const float a0 = bf16_to_float(x[0]), a1 = bf16_to_float(x[1]);
+#pragma omp simd
+    for (int64_t c = 0; c < NR; ++c) acc[c] += a0 * bf16_to_float(p[2 * c]) + a1 * bf16_to_float(p[2 * c + 1]);
+  }
+  static uint16_t out(float v) { return float_to_bf16(v); }
+};
+
+template <class T>
+inline void panel_rows(const typename T::E* x, const typename T::E* panel, int64_t m, int64_t k, typename T::E* y,
+                       int64_t ldy, int64_t ncols, const float* bias) {
+  const int64_t steps = (k + T::K_PER_STEP - 1) / T::K_PER_STEP;
   for (int64_t r = 0; r < m; ++r) {
     float acc[NR] = {0};
-    for (int64_t i = 0; i < k; ++i) {
-      const float a = x[r * k + i];
-#pragma omp simd
-      for (int64_t c = 0; c < NR; ++c) acc[c] += a * panel[i * NR + c];
-    }
-    for (int64_t c = 0; c < ncols; ++c) y[r * ldy + c] = acc[c] + (bias != nullptr ? bias[c] : 0.f);
+    for (int64_t s = 0; s < steps; ++s) T::step(x + r * k + s * T::K_PER_STEP, panel + s * NR * T::K_PER_STEP, acc);
+    for (int64_t c = 0; c < ncols; ++c) y[r * ldy + c] = T::out(acc[c] + (bias != nullptr ? bias[c] : 0.f));
   }
 }
 #endif
 
-#ifndef RW_PANEL_AVX512
-struct F32 {
-  using E = float;
-};
-
-// y[m, 16 * npanels (cut at ncols)] = x[m, k] (npanels [k, 16] panels) + bias (ncols floats or null)
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__))
+// y[m, 16 * npanels (cut at ncols)] = x[m, k] (npanels panels) + bias (ncols floats or null)
 template <class T>
-inline void panel_gemm(const float* x, const float* panels, int64_t npanels, int64_t m, int64_t k, float* y,
-                       int64_t ldy, int64_t ncols, const float* bias) {
+inline void panel_gemm(const typename T::E* x, const typename T::E* panels, int64_t npanels, int64_t m, int64_t k,
+                       typename T::E* y, int64_t ldy, int64_t ncols, const float* bias) {
+  const int64_t pstride = (k + T::K_PER_STEP - 1) / T::K_PER_STEP * NR * T::K_PER_STEP;
   for (int64_t p = 0; p < npanels; ++p)
-    panel_rows(x, panels + p * k * NR, m, k, y + p * NR, ldy, std::min<int64_t>(NR, ncols - p * NR),
-               bias != nullptr ? bias + p * NR : nullptr);
+    panel_rows<T>(x, panels + p * pstride, m, k, y + p * NR, ldy, std::min<int64_t>(NR, ncols - p * NR),
+                  bias != nullptr ? bias + p * NR : nullptr);
 }
 #endif
 
-}  // namespace runner_kernels
+// float32, one panel ([k, 16]): y[m, ncols] = x[m, k] B + bias (attention's products)
+inline void panel_rows_f32(const float* x, const float* panel, int64_t m, int64_t k, float* y, int64_t ldy,
+                           int64_t ncols, const float* bias) {
+  panel_gemm<F32>(x, panel, 1, m, k, y, ldy, ncols, bias);
+}
+
+}  // namespace runner_kernels::RW_TIER
