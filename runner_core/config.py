@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata
+import json
 import logging
 import os
 import re
@@ -133,10 +134,13 @@ def _normalise_device(value: Any) -> int | str:
     raise _bad("device", value, "a GPU index >= 0, 'cpu', 'cuda' or 'cuda:N'")
 
 
-def auto_dtype(device_type: str) -> tuple[str, str]:
-    """What dtype="auto" becomes on a device type, and why: float16 on CUDA; on the CPU bfloat16 where
-    its matmuls are native (AVX512-BF16 or AMX), else float32 (bfloat16 would be emulated, and slower).
-    RUNNER_CORE_CPU_BF16=1 or 0 overrides the CPU check (the tests pin it, so they run alike anywhere)."""
+def auto_dtype(device_type: str, checkpoint_dtype: str | None = None) -> tuple[str, str]:
+    """What dtype="auto" becomes on a device type, and why: float16 on CUDA. On the CPU bfloat16 where
+    its matmuls are native (AVX512-BF16 or AMX); else a bfloat16 checkpoint (`checkpoint_dtype`) stays
+    bfloat16 when the native kernels run (every tier reads bfloat16 and computes in float32
+    registers, so it takes half a float32 copy's memory); else float32 (torch alone would emulate
+    bfloat16, slowly). RUNNER_CORE_CPU_BF16=1 or 0 overrides the CPU check (the tests pin it, so
+    they run alike anywhere)."""
     if device_type == "cuda":
         return "float16", "a CUDA device"
     forced = os.environ.get("RUNNER_CORE_CPU_BF16")
@@ -147,7 +151,29 @@ def auto_dtype(device_type: str) -> tuple[str, str]:
         return ("bfloat16", "RUNNER_CORE_CPU_BF16=1") if forced == "1" else ("float32", "RUNNER_CORE_CPU_BF16=0")
     if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
         return "bfloat16", "this CPU has native bfloat16 matmuls (AVX512-BF16 or AMX)"
+    if checkpoint_dtype == "bfloat16":
+        from runner_core.kernels import cpu_kernels_available, kernel_tier
+
+        if cpu_kernels_available():
+            return "bfloat16", (f"the checkpoint is bfloat16 and the {kernel_tier()} kernels read it as bfloat16, "
+                                "computing in float32 registers (half the memory of a float32 copy)")
+        return "float32", "the native kernels are off, and torch alone would emulate bfloat16 on this CPU"
     return "float32", "this CPU has no AVX512-BF16 or AMX: bfloat16 would be emulated"
+
+
+def checkpoint_dtype(model: str | Path) -> str | None:
+    """The dtype a checkpoint's weights are stored in (config.json's torch_dtype), where it can be read
+    without loading anything: a preset, or a local model directory; None otherwise."""
+    from runner_core.models.presets import is_preset, stored_dtype
+
+    if isinstance(model, str) and is_preset(model):
+        return stored_dtype(model)
+    try:
+        raw = json.loads((Path(model).expanduser() / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    value = raw.get("torch_dtype") or raw.get("dtype") if isinstance(raw, dict) else None
+    return value if isinstance(value, str) and value in TORCH_DTYPES else None
 
 
 def _resolve_device(device: int | str) -> torch.device:
@@ -341,7 +367,13 @@ class RunnerConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[auto_dtype(self._torch_device.type)[0] if self.dtype == "auto" else self.dtype]
+        return TORCH_DTYPES[self.auto_dtype()[0] if self.dtype == "auto" else self.dtype]
+
+    def auto_dtype(self) -> tuple[str, str]:
+        """What dtype="auto" means for this model on this device, and why (`auto_dtype`)."""
+        if "_checkpoint_dtype" not in self.__dict__:
+            self._checkpoint_dtype = checkpoint_dtype(self.model) if self._torch_device.type == "cpu" else None
+        return auto_dtype(self._torch_device.type, self._checkpoint_dtype)
 
     @property
     def effective_encoder_cache_tokens(self) -> int:

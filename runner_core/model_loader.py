@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from runner_core.config import RunnerConfig, auto_dtype
+from runner_core.config import RunnerConfig
 from runner_core.errors import ModelLoadError
 from runner_core.layers.linear import pack_panel_weights, panels_apply
 from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
@@ -73,7 +73,7 @@ class ModelLoader:
         logger.info("%s: %s adapter %s (%s)", adapter.architecture, adapter.impl, adapter.model_class.__name__,
                     adapter.reason)
         if cfg.dtype == "auto":
-            logger.info("dtype auto -> %s: %s", *auto_dtype(cfg.torch_device.type))
+            logger.info("dtype auto -> %s: %s", *cfg.auto_dtype())
         # the tokenizer and processor first: they fail fast, before any weight is read
         tokenizer_path = resolve_model_path(cfg.tokenizer) if cfg.tokenizer else path
         if cfg.tokenizer and not has_tokenizer_files(tokenizer_path):

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from runner_core.config import RunnerConfig, auto_dtype
+from runner_core.config import RunnerConfig
 from runner_core.engine.forward_pass import StepBatch
 from runner_core.engine.input_processor import InputProcessor
 from runner_core.engine.multimodal import MultiModalItem, MultiModalProcessor
@@ -22,6 +22,7 @@ from runner_core.engine.sequence import RequestOutput, Sequence
 from runner_core.engine.step_metrics import StepObserver, StepTimes
 from runner_core.engine.worker import Executor, LocalExecutor, Worker
 from runner_core.errors import EngineBusyError, InvalidRequestError, WorkerError
+from runner_core.kernels import kernel_info
 from runner_core.layers.sampler import Sampler, SamplingMetadata, nonfinite_rows
 from runner_core.model_loader import LoadedModel
 from runner_core.sampling_params import SamplingParams
@@ -64,7 +65,9 @@ class LLMEngine:
             "num_parameters": sum(p.numel() for p in worker.model.parameters()), "weights_bytes": loaded.weight_bytes,
             "dtype": str(worker.dtype).removeprefix("torch."), "dtype_reason": _dtype_reason(config),
             "device": str(worker.device),
-            "max_model_len": self.max_model_len, "vocab_size": self.vocab_size}
+            "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
+            # the native CPU kernels' instruction-set tier, why it was chosen, and the tiers this CPU runs
+            "cpu_kernels": kernel_info() if worker.device.type == "cpu" else None}
         torch.manual_seed(config.seed)
 
     @property
@@ -254,4 +257,4 @@ class LLMEngine:
 
 
 def _dtype_reason(config: RunnerConfig) -> str:
-    return f"auto: {auto_dtype(config.torch_device.type)[1]}" if config.dtype == "auto" else "set in the config"
+    return f"auto: {config.auto_dtype()[1]}" if config.dtype == "auto" else "set in the config"

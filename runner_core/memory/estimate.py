@@ -19,6 +19,7 @@ from runner_core.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     TORCH_DTYPES,
     auto_dtype,
+    checkpoint_dtype,
     dtype_bytes,
     normalise_dtype,
     resolve_max_model_len,
@@ -167,9 +168,10 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def _dtype_name(dtype: str | torch.dtype, device: str) -> str:
+def _dtype_name(dtype: str | torch.dtype, device: str, model: str | Path) -> str:
     name = normalise_dtype(dtype)
-    return auto_dtype(device.split(":")[0])[0] if name == "auto" else name
+    kind = device.split(":")[0]
+    return auto_dtype(kind, checkpoint_dtype(model) if kind == "cpu" else None)[0] if name == "auto" else name
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
     if tensors is None:
         tensors = shape.checkpoint_tensors() + (vision_tensors(hf_config) if multimodal else [])
     device = str(torch.device(device)) if isinstance(device, torch.device) else device
-    args = dict(dtype=_dtype_name(dtype, device), tensor_parallel_size=tensor_parallel_size,
+    args = dict(dtype=_dtype_name(dtype, device, model), tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size, pipeline_stage_layers=pipeline_stage_layers,
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -333,3 +333,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     extra = iter(range(256, 512))
     return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+
+
+def stored_dtype(name: str) -> str:
+    """The dtype preset `name` stores its weights in (its config's dtype; float32 unless the spec says)."""
+    if name in SHIPPED_PRESETS:
+        raw = json.loads((SHIPPED_DIR / name / "config.json").read_bytes())
+        return raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    return _spec(name).extra.get("dtype", "float32")
