@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from runner_core import ConfigError, ModelRunner, RunnerConfig
+from runner_core.kernels import cpu_kernels_available
 from runner_core.memory import ModelShape, kv_bytes_per_token
 from runner_core.memory.estimate import estimate_memory
 from runner_core.memory.fit import check_config_fits, check_fits, required_bytes
@@ -52,15 +53,15 @@ def test_prediction_matches_measurement(loaded):
 
 
 def test_bfloat16_panels_predicted_to_the_byte(tiny_llama_path):
-    """bfloat16 runners get panel copies where the CPU multiplies bfloat16 natively (AVX512-BF16), none
-    elsewhere; the estimate says which, to the byte."""
+    """bfloat16 runners get panel copies wherever the native kernels run (every tier multiplies
+    bfloat16 panels), none with them off; the estimate says which, to the byte."""
     runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "bfloat16", "max_model_len": 64,
                           "max_num_seqs": 2}).load_model()
     try:
         est = estimate_memory(tiny_llama_path, dtype="bfloat16", max_model_len=64, max_num_seqs=2)
         panels = runner.engine.worker.memory_bytes()["panel_weights_bytes"]
         assert est.panel_weights_bytes == panels
-        assert (panels > 0.5 * est.weights_bytes) == torch.cpu._is_avx512_bf16_supported()
+        assert (panels > 0.5 * est.weights_bytes) == cpu_kernels_available()
     finally:
         runner.shutdown()
 

@@ -10,10 +10,11 @@ static decode program is exported) the layers call the opaque `runner_core::pack
 it. The packed buffer cannot move (MKL keeps address-dependent metadata in it), so it is a
 program *input* made in this process, never a constant stored in a package.
 
-Panels (CPU, float32 or native bfloat16): `pack_panel_weights` gives each linear layer and the LM head a `panel_weight`
-buffer, its weight as panels of 16 output columns, which `dense` multiplies with the native kernel
-(kernels/panel_linear_cpu.cpp) at every batch size, eager and in compiled graphs (an opaque op to
-them). It is a copy made once after loading: `weight` stays the parameter every other path reads.
+Panels (CPU, float32 or bfloat16): `pack_panel_weights` gives each linear layer and the LM head a
+`panel_weight` buffer, its weight as panels of 16 output columns, which `dense` multiplies with the
+native kernel (runner_core/kernels, on this CPU's instruction-set tier) at every batch size, eager and
+in compiled graphs (an opaque op to them). It is a copy made once after loading: `weight` stays the
+parameter every other path reads.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import nn
 from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear, panels_support
 from runner_core.parallel.state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
-PANEL_ROWS = 16  # output columns per panel (kernels/panel_linear_cpu.cpp)
+PANEL_ROWS = 16  # output columns per panel (NR in kernels/tier.h)
 
 
 def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -104,7 +105,7 @@ def unpack_linear_weights(model: nn.Module) -> None:
 
 def panels_apply(device: torch.device | str, dtype: torch.dtype, world_size: int) -> bool:
     """Whether a runner with these settings gets panel copies of its weights: the CPU, one process,
-    the native kernels built, float32 (or bfloat16 where the CPU multiplies it natively: AVX512-BF16)."""
+    the native kernels built, float32 or bfloat16 (every kernel tier multiplies both)."""
     return torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) and world_size == 1 \
         and cpu_kernels_available() and panels_support(dtype)
 
