@@ -23,10 +23,11 @@ CHECK = textwrap.dedent("""
     import json, sys
     import runner_core
     from runner_core import kernels
+    from runner_core.kernels import build
     ok = kernels.cpu_kernels_available()
-    files = [str(p) for p in kernels._SOURCES + kernels._HEADERS]
+    files = [str(p) for p in (build.DISPATCH, build.TIER_SOURCE, *build.HEADERS)]
     print(json.dumps({"package": runner_core.__file__, "kernels": ok, "files": files,
-                      "why": kernels._state.get("why")}))
+                      "why": kernels._state.get("why"), "tiers": list(kernels.kernel_tiers())}))
 """)
 
 
@@ -52,4 +53,5 @@ def test_installed_package_builds_its_kernels(tmp_path):
     assert found["package"].startswith(str(target)), found  # the installed copy, not the checkout
     assert found["kernels"], f"the installed package fell back to the torch paths: {found['why']}"
     assert all(f.startswith(str(target)) for f in found["files"]), found["files"]
+    assert found["tiers"][0] == "plain", found["tiers"]  # every build has the plain tier
     assert any((cache / "kernels").glob("*/runner_core_cpu_kernels.so")), "the kernels were not built into the cache"
