@@ -135,12 +135,13 @@ def _normalise_device(value: Any) -> int | str:
 
 
 def auto_dtype(device_type: str, checkpoint_dtype: str | None = None) -> tuple[str, str]:
-    """What dtype="auto" becomes on a device type, and why: float16 on CUDA. On the CPU bfloat16 where
-    its matmuls are native (AVX512-BF16 or AMX); else a bfloat16 checkpoint (`checkpoint_dtype`) stays
-    bfloat16 when the native kernels run (every tier reads bfloat16 and computes in float32
-    registers, so it takes half a float32 copy's memory); else float32 (torch alone would emulate
-    bfloat16, slowly). RUNNER_CORE_CPU_BF16=1 or 0 overrides the CPU check (the tests pin it, so
-    they run alike anywhere)."""
+    """What dtype="auto" becomes on a device type, and why: float16 on CUDA. On the CPU with the native
+    kernels: bfloat16 where their tier multiplies it natively (AVX512-BF16); else a bfloat16
+    checkpoint (`checkpoint_dtype`) stays bfloat16 (every tier reads bfloat16 and computes in float32
+    registers: half a float32 copy's memory) and anything else is float32. Without the kernels,
+    bfloat16 where torch's matmuls are native (AVX512-BF16 or AMX), else float32 (torch would emulate
+    it, slowly). RUNNER_CORE_CPU_BF16=1 or 0 overrides the CPU check (the tests pin it, so they run
+    alike anywhere)."""
     if device_type == "cuda":
         return "float16", "a CUDA device"
     forced = os.environ.get("RUNNER_CORE_CPU_BF16")
@@ -149,16 +150,20 @@ def auto_dtype(device_type: str, checkpoint_dtype: str | None = None) -> tuple[s
                           "bfloat16 on the CPU), '0' (float32), or unset (decided by the CPU's instructions)")
     if forced:
         return ("bfloat16", "RUNNER_CORE_CPU_BF16=1") if forced == "1" else ("float32", "RUNNER_CORE_CPU_BF16=0")
+    from runner_core.kernels import cpu_kernels_available, kernel_info
+
+    if cpu_kernels_available():
+        kernels = kernel_info()
+        if kernels["native_bf16"]:
+            return "bfloat16", f"the {kernels['tier']} kernels multiply bfloat16 natively"
+        if checkpoint_dtype == "bfloat16":
+            return "bfloat16", (f"the checkpoint is bfloat16 and the {kernels['tier']} kernels read it as bfloat16, "
+                                "computing in float32 registers (half the memory of a float32 copy)")
+        return "float32", (f"the {kernels['tier']} kernels have no native bfloat16 products and the checkpoint is "
+                           f"{checkpoint_dtype or 'not known to be bfloat16'}")
     if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
         return "bfloat16", "this CPU has native bfloat16 matmuls (AVX512-BF16 or AMX)"
-    if checkpoint_dtype == "bfloat16":
-        from runner_core.kernels import cpu_kernels_available, kernel_tier
-
-        if cpu_kernels_available():
-            return "bfloat16", (f"the checkpoint is bfloat16 and the {kernel_tier()} kernels read it as bfloat16, "
-                                "computing in float32 registers (half the memory of a float32 copy)")
-        return "float32", "the native kernels are off, and torch alone would emulate bfloat16 on this CPU"
-    return "float32", "this CPU has no AVX512-BF16 or AMX: bfloat16 would be emulated"
+    return "float32", "no native kernels, and this CPU has no AVX512-BF16 or AMX: bfloat16 would be emulated"
 
 
 def checkpoint_dtype(model: str | Path) -> str | None:
