@@ -1,5 +1,6 @@
 """RunnerConfig: defaults, construction forms, validation messages, device/dtype resolution."""
 
+import json
 import logging
 import math
 import pathlib
@@ -9,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runner_core import ModelRunner
+from runner_core import ModelRunner, kernels
 from runner_core.config import RunnerConfig, auto_dtype
 from runner_core.errors import ConfigError
 
@@ -41,6 +42,7 @@ DEFAULTS = {
     "enable_prefix_caching": False,
     "encoder_cache_tokens": None,
     "enforce_eager": False,
+    "cpu_threads": None,
     "seed": 0,
 }
 
@@ -207,14 +209,39 @@ def test_explicit_dtype_gives_torch_dtype():
 
 @pytest.mark.parametrize("avx512_bf16, amx, expected", [
     (False, False, torch.float32), (True, False, torch.bfloat16), (False, True, torch.bfloat16)])
-def test_auto_dtype_on_cpu_is_bfloat16_only_where_it_is_native(no_cuda, monkeypatch, avx512_bf16, amx, expected):
+def test_auto_dtype_without_kernels_is_bfloat16_only_where_torch_has_it_native(no_cuda, monkeypatch, avx512_bf16,
+                                                                              amx, expected):
     monkeypatch.delenv("RUNNER_CORE_CPU_BF16", raising=False)
+    monkeypatch.setattr(kernels, "cpu_kernels_available", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     config = RunnerConfig(model="m")
     assert config.torch_device == torch.device("cpu")
     assert config.torch_dtype is expected
-    assert auto_dtype("cpu")[1].startswith("this CPU has " + ("no " if expected is torch.float32 else "native"))
+    assert auto_dtype("cpu", "bfloat16")[1].startswith("no native kernels" if expected is torch.float32
+                                                       else "this CPU has native")
+
+
+@pytest.mark.parametrize("tier, native, stored, expected, why", [
+    ("avx512-bf16", True, "float32", "bfloat16", "the avx512-bf16 kernels multiply bfloat16 natively"),
+    ("avx2", False, "bfloat16", "bfloat16", "the checkpoint is bfloat16 and the avx2 kernels read it as bfloat16"),
+    ("plain", False, "bfloat16", "bfloat16", "the checkpoint is bfloat16 and the plain kernels read it"),
+    ("avx2", False, "float32", "float32", "the avx2 kernels have no native bfloat16 products and the checkpoint "
+                                          "is float32"),
+    ("avx512", False, None, "float32", "the avx512 kernels have no native bfloat16 products")])
+def test_auto_dtype_with_kernels_follows_their_tier_and_the_checkpoint(no_cuda, monkeypatch, tmp_path, tier, native,
+                                                                       stored, expected, why):
+    """A bfloat16 checkpoint stays bfloat16 on every tier (read as bf16, computed in float32 registers);
+    float32 stays float32 unless the tier multiplies bfloat16 natively. torch's own check is not asked."""
+    monkeypatch.delenv("RUNNER_CORE_CPU_BF16", raising=False)
+    monkeypatch.setattr(kernels, "cpu_kernels_available", lambda: True)
+    monkeypatch.setattr(kernels, "kernel_info", lambda: {"tier": tier, "native_bf16": native})
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: not native)  # must not decide
+    if stored is not None:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": stored}))
+    config = RunnerConfig(model=str(tmp_path))
+    assert config.torch_dtype is getattr(torch, expected)
+    assert config.auto_dtype()[1].startswith(why), config.auto_dtype()
 
 
 def test_a_bad_bf16_override_is_refused_with_the_allowed_values(no_cuda, monkeypatch):
