@@ -88,8 +88,12 @@ binder-check:
 lesson-screenshots:
 	mkdir -p notebooks/screenshots && cp test-output/screenshots/*.png notebooks/screenshots/
 
+# one throughput run per model and dtype (24 requests on the real-size presets; see throughput.py --help)
+BENCH_MODELS ?= small-llama qwen2.5-0.5b llama-3.2-1b
+BENCH_DTYPES ?= float32 bfloat16
 bench: setup
-	$(PY) benchmarks/throughput.py
+	set -e; for model in $(BENCH_MODELS); do for dtype in $(BENCH_DTYPES); do \
+		$(PY) benchmarks/throughput.py --model $$model --dtype $$dtype; done; done
 
 # vLLM for CPUs in its own venv (it pins an older transformers); benchmarks/throughput.py runs it as a peer
 bench-peers: $(PEERS)/.installed

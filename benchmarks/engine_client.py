@@ -2,8 +2,9 @@
 folders, read its start-up figures, send it commands, and stop it with its children.
 
 `EngineProcess(spec, ...)` launches; `.started` is its start-up reply (ready_s, first_token_s,
-device, settings); `.ask(cmd)` sends one command and waits for the reply; `.close()` ends it. Its
-stdout and stderr go to a log file, whose tail is in the error when it fails.
+load_s, rss_mib, device, settings); `.ask(cmd)` sends one command and waits for the reply; `.close()`
+ends it. Its stdout and stderr go to a log file, whose tail is in the error when it fails.
+`start_engines(specs, ...)` starts each spec cold (compiled ones again on warm caches) for a run.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class EngineProcess:
                "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--reply-fd", str(write_fd),
                "--launched-at", repr(time.time())]
         cmd += (["--compile"] if spec.compile else []) + (["--prefix-caching"] if args.prefix_caching else [])
+        if getattr(args, "kv_cache_gib", None):  # both engines' KV cache (else each sizes its own)
+            cmd += ["--kv-cache-gib", str(args.kv_cache_gib)]
         env = {**os.environ, **env_caches}
         if spec.engine == "ours":
             env["PYTHONPATH"] = str(ROOT)
@@ -125,3 +128,30 @@ class EngineProcess:
                 pass
             self.proc.wait()
         self._replies.close()
+
+
+def start_engines(specs, model_dir: str, requests_file: Path, tmp: Path, args) -> tuple[dict, dict, dict]:
+    """Each engine started cold (and compiled ones once more on warm caches): {name: process kept for
+    the throughput rounds}, {(name, condition): start-up figures}, {name: error}."""
+    procs, starts, errors = {}, {}, {}
+    for spec in specs:
+        if any(e.startswith(spec.engine) for e in errors):
+            errors[spec.name] = f"skipped: {spec.engine}'s other mode failed"
+            continue
+        cache = tmp / spec.name.replace(" ", "-")
+        conditions = ["caches cold", "caches warm"] if spec.compile else ["eager"]
+        try:
+            for condition in conditions:
+                print(f"starting {spec.name} in a new process ({condition}) ...", flush=True)
+                proc = EngineProcess(spec, model_dir, requests_file, cache, tmp / f"{spec.name}.log", args,
+                                     args.engine_timeout)
+                starts[(spec.name, spec.mode if condition == "eager" else f"compiled, {condition}")] = {
+                    **proc.started, "cache_state": proc.cache_state}
+                if condition == conditions[-1]:
+                    procs[spec.name] = proc
+                else:
+                    proc.close()
+        except EngineFailed as e:
+            errors[spec.name] = str(e)
+            print(f"  {e}")
+    return procs, starts, errors

@@ -9,6 +9,11 @@ Both engines get the same batch limits and prefix-caching setting, read back fro
 At start it writes one JSON line to the reply descriptor (`--reply-fd`):
   ready_s          wall seconds from the driver launching the process (`--launched-at`, a time.time()
                    stamp) until the engine is built and ready to serve (weights loaded, compiled)
+  load_s           of those, the seconds the engine's constructor took (its imports done before):
+                   weights read and placed, KV cache allocated, compiled where the mode compiles
+  rss_mib          resident memory right after that, summed over this process and its children
+                   (vLLM's engine core is one); ours also reports its weights, their panel
+                   copies and its KV pool (memory_mib)
   first_token_s    from the launch to the first generated token of a 16-token prompt
   device, settings the device the engine runs on; max_num_seqs, max_num_batched_tokens and
                    prefix caching as the engine holds them; our compile route
@@ -28,6 +33,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 class OursEngine:
@@ -38,11 +44,14 @@ class OursEngine:
 
         torch.set_num_threads(args.threads)
         self._params = SamplingParams
+        start = time.perf_counter()
         self.runner = ModelRunner({
             "model": args.model, "dtype": args.dtype, "device": args.device, "compile": args.compile,
             "compile_fallback": False, "compile_cache_dir": args.compile_cache_dir,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "enable_prefix_caching": args.prefix_caching, "max_model_len": args.max_model_len}).load_model()
+            "enable_prefix_caching": args.prefix_caching, "max_model_len": args.max_model_len,
+            "kv_cache_memory": args.kv_cache_gib and args.kv_cache_gib << 30}).load_model()
+        self.load_s = time.perf_counter() - start
 
     def generate(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
         params = [self._params(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
@@ -56,21 +65,26 @@ class OursEngine:
                 "settings": {"max_num_seqs": config.max_num_seqs,
                              "max_num_batched_tokens": config.effective_max_num_batched_tokens,
                              "prefix_caching": config.enable_prefix_caching},
-                "compile_route": stats.get("warm_start")}
+                "compile_route": stats.get("warm_start"),
+                "memory_mib": {k.removesuffix("_bytes"): round(v / 2**20, 1)
+                               for k, v in self.runner.memory_stats().items()
+                               if k in ("weights_bytes", "panel_weights_bytes", "kv_pool_bytes")}}
 
 
 class VllmEngine:
     def __init__(self, args):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; the workload needs far less
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib or 2)  # GiB
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
         self._params, self._prompt = SamplingParams, TokensPrompt
+        start = time.perf_counter()
         self.llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                        skip_tokenizer_init=True, seed=0, enforce_eager=not args.compile,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=args.prefix_caching)
+        self.load_s = time.perf_counter() - start
 
     def generate(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
         prompts = [self._prompt(prompt_token_ids=ids) for ids, _ in requests]
@@ -93,6 +107,28 @@ class VllmEngine:
 
 
 ENGINES = {"ours": OursEngine, "vllm": VllmEngine}
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory (VmRSS) of process `pid` and all its descendants, in MiB (pages shared between
+    them are counted in each)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += parents.get(p, [])
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        total += int(status.split("VmRSS:", 1)[1].split()[0]) if "VmRSS:" in status else 0
+    return total / 1024
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -133,6 +169,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--prefix-caching", action="store_true")
+    ap.add_argument("--kv-cache-gib", type=int, default=None,
+                    help="the KV cache in GiB (default: ours sizes its own pool; vLLM 2 GiB)")
     ap.add_argument("--batch1-prompt", type=int, default=32)
     ap.add_argument("--reply-fd", type=int, required=True, help="the descriptor the JSON replies go to")
     args = ap.parse_args()
@@ -146,9 +184,11 @@ def main() -> None:
 
     engine = ENGINES[args.engine](args)
     ready_s = time.time() - launched
+    rss_mib = tree_rss_mib(os.getpid())
     engine.generate([([5] * 16, 1)])
     first_token_s = time.time() - launched
-    reply({"ready_s": ready_s, "first_token_s": first_token_s, **engine.describe()})
+    reply({"ready_s": ready_s, "first_token_s": first_token_s, "load_s": engine.load_s, "rss_mib": rss_mib,
+           **engine.describe()})
     serve(engine, requests, args, reply)
 
 

@@ -4,9 +4,11 @@ workload's work in FLOPs.
 Every probe takes a device ("cpu", "cuda:0"): the figures an engine's share is computed against come
 from the device that engine ran on, never from another one.
 
-  machine_info(device)    what the figures ran on: the CPU model, torch's CPU kernel tier
+  machine_info(device)    what the figures ran on: the CPU model, runner_core's kernel tier
+                          (runner_core.kernels.kernel_tier()), torch's CPU kernel tier
                           (torch.backends.cpu.get_cpu_capability()), whether runner_core's AVX512-BF16
-                          panel path is active; on CUDA the GPU's name
+                          panel path is active; on CUDA the GPU's name. `run_tag(info)`: the CPU model
+                          and kernel tier in a few words, for every summary line
   matmul_peak(dtype, dev) GFLOP/s of the fastest matmul code there at the benchmark's thread count:
                           torch.mm, and on the CPU runner_core's panel GEMM where it is faster (on AMD
                           CPUs MKL takes its AVX2 path: a limit set by torch.mm alone would be beaten),
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+import runner_core.kernels
 from runner_core.config import dtype_bytes
 from runner_core.memory.shapes import ModelShape
 
@@ -64,7 +67,8 @@ def machine_info(device: str) -> dict:
     from runner_core.kernels import cpu_kernels_available, panels_support
 
     kernels = cpu_kernels_available()
-    info = {"device": device_name(device), "cpu_model": _cpu_model(),
+    tier = getattr(runner_core.kernels, "kernel_tier", None)
+    info = {"device": device_name(device), "cpu_model": _cpu_model(), "kernel_tier": tier() if tier else "unknown",
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_kernels": kernels,
             "avx512_bf16_panels": bool(kernels and panels_support(torch.bfloat16))}
     if torch.device(device).type == "cuda":
@@ -76,9 +80,15 @@ def describe(info: dict) -> str:
     """One line: the device, CPU model and kernel tier."""
     gpu = f"GPU {info['gpu']}; " if "gpu" in info else ""
     bf16 = "active" if info["avx512_bf16_panels"] else "inactive"
-    return (f"device {info['device']}: {gpu}CPU {info['cpu_model']}, torch CPU capability "
-            f"{info['cpu_capability']}, native kernels {'built' if info['native_kernels'] else 'unavailable'}, "
-            f"AVX512-BF16 panel path {bf16}")
+    return (f"device {info['device']}: {gpu}CPU {info['cpu_model']}, kernel tier {info['kernel_tier']}, torch CPU "
+            f"capability {info['cpu_capability']}, native kernels "
+            f"{'built' if info['native_kernels'] else 'unavailable'}, AVX512-BF16 panel path {bf16}")
+
+
+def run_tag(info: dict) -> str:
+    """The CPU model and runner_core's kernel tier (and the GPU where one ran), for a report line."""
+    gpu = f"GPU {info['gpu']}, " if "gpu" in info else ""
+    return f"{gpu}CPU {info['cpu_model']}, tier {info['kernel_tier']}"
 
 
 def _timer(device: torch.device):

@@ -1,9 +1,11 @@
 """Offline throughput and start-up: our engine against vLLM and transformers, like with like.
 
-Workload (benchmarks/workload.py, fixed seed): 64 requests, prompts of 16-256 random token ids,
-outputs of 16-128 tokens, greedy, EOS ignored; one `--dtype` per run, torch with 2 threads
-everywhere. Engines, each in a process of its own (benchmarks/engine_proc.py), with the same batch
-limits (`--max-num-seqs`, `--max-num-batched-tokens`) and prefix-caching setting, read back from each:
+Workload (benchmarks/workload.py, fixed seed): 64 requests (24 on the real-size presets
+qwen2.5-0.5b and llama-3.2-1b, which also skip transformers and the step overhead unless asked), prompts
+of 16-256 random token ids, outputs of 16-128 tokens, greedy, EOS ignored; one `--model` (a preset or
+a directory; default small-llama) and one `--dtype` per run, torch with 2 threads everywhere.
+Engines, each in a process of its own (benchmarks/engine_proc.py), with the same batch limits
+(`--max-num-seqs`, `--max-num-batched-tokens`) and prefix-caching setting, read back from each:
   ours eager, ours compiled     ModelRunner.generate on all requests at once, compile off / on
   vllm eager, vllm compiled     vLLM for CPUs (`make bench-peers` makes .venv-peers) on the same
                                 model directory and requests, enforce_eager on / off; compared only
@@ -12,7 +14,8 @@ limits (`--max-num-seqs`, `--max-num-batched-tokens`) and prefix-caching setting
 Start-up (each a new process, caches in fresh temporary folders: our compile cache,
 TORCHINDUCTOR_CACHE_DIR, VLLM_CACHE_ROOT): eager; compiled with every cache cold; compiled again on
 the caches the cold start filled (warm). Reported: seconds from launch until the engine is ready to
-serve, and until its first token; ours / vLLM only within one of those three conditions.
+serve, and until its first token; ours / vLLM only within one of those three conditions; the load time
+(the engine's constructor) and resident memory after load (benchmarks/engine_proc.py).
 Throughput: every method runs the whole workload once untimed (the same warm-up for all), then the
 methods take turns (A B C ... A B C ...) for `--repeats` rounds; useful tok/s = tokens the method
 returned / seconds; the median and range over the rounds. Batch-1 decode (32-token prompt, 128
@@ -27,9 +30,11 @@ the step overhead: 32 requests (prompt 64, 64 outputs); over the pure-decode ste
 step time spent outside the model forward.
 Targets (reported, never enforced): ours / vLLM >= 1.25 (eager and compiled each); fp32 MFU >= 70%;
 batch-1 >= 75% of the bandwidth; first token <= 1/5 of vLLM's; step overhead <= 5%; ours >= 3x
-transformers. The last stdout line is one JSON object with the figures.
+transformers. A summary (benchmarks/summary.py) closes the run, every line naming the model, dtype, CPU
+model and kernel tier; the last stdout line is one JSON object with the figures.
 
-Run:  make bench    or    .venv/bin/python benchmarks/throughput.py [--dtype bfloat16] [--quick] [--skip-hf]
+Run:  make bench    or    .venv/bin/python benchmarks/throughput.py [--model qwen2.5-0.5b] [--dtype bfloat16]
+                                                                     [--quick] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -47,17 +52,20 @@ from runner_core import ModelRunner, SamplingParams
 from runner_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from runner_core.memory.shapes import ModelShape
 from runner_core.model_loader import read_hf_config, resolve_model_path
+from runner_core.models.presets import REAL_SIZE_PRESETS
 
 try:  # run as a script: benchmarks/ is on sys.path
     import engine_client
     import hf_methods
     import machine
+    import summary
     import verdicts
     import workload
 except ImportError:  # run as `python -m benchmarks.throughput`
-    from benchmarks import engine_client, hf_methods, machine, verdicts, workload
+    from benchmarks import engine_client, hf_methods, machine, summary, verdicts, workload
 
 HF_RATIO_TARGET, VLLM_RATIO_TARGET, OVERHEAD_TARGET = 3.0, 1.25, 0.05
+REAL_SIZE_REQUESTS = 24  # a real-size run (four engine starts, two of them compiling cold) in ~10 minutes
 MFU_TARGET, BANDWIDTH_TARGET, COLD_START_TARGET = 0.70, 0.75, 0.2
 SPECS = (engine_client.EngineSpec("ours eager", "ours", False), engine_client.EngineSpec("ours compiled", "ours", True),
          engine_client.EngineSpec("vllm eager", "vllm", False), engine_client.EngineSpec("vllm compiled", "vllm", True))
@@ -87,33 +95,6 @@ def decode_overhead(args) -> dict:
 
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def start_engines(specs, model_dir: str, requests_file: Path, tmp: Path, args) -> tuple[dict, dict, dict]:
-    """Each engine started cold (and compiled ones once more on warm caches): {name: process kept for
-    the throughput rounds}, {(name, condition): start-up figures}, {name: error}."""
-    procs, starts, errors = {}, {}, {}
-    for spec in specs:
-        if any(e.startswith(spec.engine) for e in errors):
-            errors[spec.name] = f"skipped: {spec.engine}'s other mode failed"
-            continue
-        cache = tmp / spec.name.replace(" ", "-")
-        conditions = ["caches cold", "caches warm"] if spec.compile else ["eager"]
-        try:
-            for condition in conditions:
-                print(f"starting {spec.name} in a new process ({condition}) ...", flush=True)
-                proc = engine_client.EngineProcess(spec, model_dir, requests_file, cache, tmp / f"{spec.name}.log",
-                                                   args, args.engine_timeout)
-                starts[(spec.name, spec.mode if condition == "eager" else f"compiled, {condition}")] = {
-                    **proc.started, "cache_state": proc.cache_state}
-                if condition == conditions[-1]:
-                    procs[spec.name] = proc
-                else:
-                    proc.close()
-        except engine_client.EngineFailed as e:
-            errors[spec.name] = str(e)
-            print(f"  {e}")
-    return procs, starts, errors
 
 
 def rounds(procs: dict, hf: dict, model, reqs, repeats: int, errors: dict, probe) -> tuple[dict, dict, dict]:
@@ -148,8 +129,11 @@ def rounds(procs: dict, hf: dict, model, reqs, repeats: int, errors: dict, probe
             tokens.setdefault(name, ids)
         probe()
         for name in procs:
-            if res := ask(name, "batch1"):
-                batch1[name].append(128 / max(res["many_s"] - res["one_s"], 1e-9))
+            if (res := ask(name, "batch1")) and res["many_s"] > res["one_s"]:
+                batch1[name].append(128 / (res["many_s"] - res["one_s"]))
+            elif res:  # 128 more tokens cannot take no time: the 1-token call was held up
+                print(f"  {name}: batch-1 turn discarded (1 token {res['one_s']:.2f} s, 129 tokens "
+                      f"{res['many_s']:.2f} s): a busy machine")
     for name in errors:
         for figures in (runs, tokens, batch1):
             figures.pop(name, None)
@@ -167,16 +151,21 @@ def say(line_fn, *args, **kw) -> float | None:
     return r
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with the defaults of `--model`'s size resolved: a real-size preset runs 24 requests
+    and skips transformers and the step overhead unless they are asked for."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 short requests: a smoke run")
-    ap.add_argument("--num-requests", type=int, default=None, help="default 64 (8 with --quick)")
+    ap.add_argument("--num-requests", type=int, default=None,
+                    help=f"default 64, {REAL_SIZE_REQUESTS} on the real-size presets (8 with --quick)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default="small-llama")
+    ap.add_argument("--model", default="small-llama",
+                    help=f"a preset or model directory; the real-size presets: {', '.join(REAL_SIZE_PRESETS)}")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default=None, help="ours' device (default: cuda:0 where CUDA is visible, else cpu)")
     ap.add_argument("--hf-single-requests", type=int, default=8, help="requests run one at a time (0 = all)")
-    ap.add_argument("--skip-hf", action="store_true", help="no transformers methods")
+    ap.add_argument("--skip-hf", action=argparse.BooleanOptionalAction, default=None,
+                    help="no transformers methods (default: skipped on the real-size presets only)")
     ap.add_argument("--skip-compiled", action="store_true", help="no compiled engines (ours and vLLM)")
     ap.add_argument("--skip-vllm", action="store_true", help="no vLLM engines")
     ap.add_argument("--engine-timeout", type=float, default=900, help="seconds an engine may take to start or reply")
@@ -185,10 +174,22 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="both engines' tokens per step (default: ours' default on the device)")
     ap.add_argument("--prefix-caching", action="store_true", help="prefix caching on in both engines (default off)")
-    ap.add_argument("--skip-overhead", action="store_true", help="skip the batch-32 decode step figure")
-    args = ap.parse_args()
+    ap.add_argument("--kv-cache-gib", type=int, default=2,
+                    help="both engines' KV cache in GiB (vLLM's CPU unit), so resident memory compares like with like")
+    ap.add_argument("--skip-overhead", action=argparse.BooleanOptionalAction, default=None,
+                    help="skip the batch-32 decode step figure (default: skipped on the real-size presets only)")
+    args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats got {args.repeats}; it must be >= 1 (3 or more gives a median and a range)")
+    real = args.model in REAL_SIZE_PRESETS
+    args.num_requests = args.num_requests or (8 if args.quick else REAL_SIZE_REQUESTS if real else 64)
+    args.skip_hf = real if args.skip_hf is None else args.skip_hf
+    args.skip_overhead = real if args.skip_overhead is None else args.skip_overhead
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(2)
     dtype = getattr(torch, args.dtype)
     args.device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -199,7 +200,7 @@ def main() -> None:
 
     model_dir = str(resolve_model_path(args.model))
     shape = ModelShape.from_hf_config(read_hf_config(Path(model_dir)))
-    n = args.num_requests or (8 if args.quick else 64)
+    n = args.num_requests
     lens = dict(prompt_len=(16, 64), output_len=(8, 32)) if args.quick else {}
     reqs = workload.make_workload(n, seed=args.seed, vocab_size=shape.vocab_size, **lens)
     useful = workload.useful_tokens(reqs)
@@ -211,7 +212,8 @@ def main() -> None:
           f"outputs {min(r.max_tokens for r in reqs)}-{max(r.max_tokens for r in reqs)}, {useful} useful tokens, "
           f"{flops / 1e12:.3f} TFLOP; {args.dtype}; torch threads {torch.get_num_threads()}; both engines: "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, prefix caching "
-          f"{'on' if args.prefix_caching else 'off'}; load average {os.getloadavg()[0]:.2f}")
+          f"{'on' if args.prefix_caching else 'off'}, KV cache {args.kv_cache_gib} GiB; load average "
+          f"{os.getloadavg()[0]:.2f}")
     print(f"{device}: matmul peak {peak:.0f} GFLOP/s ({args.dtype}), the workload's compute limit {limit:.0f} "
           "useful tok/s", flush=True)
 
@@ -228,7 +230,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         requests_file = Path(tmp) / "requests.json"
         requests_file.write_text(json.dumps([[r.prompt_ids, r.max_tokens] for r in reqs]))
-        procs, starts, errors = start_engines(specs, model_dir, requests_file, Path(tmp), args)
+        procs, starts, errors = engine_client.start_engines(specs, model_dir, requests_file, Path(tmp), args)
         errors.update(peer_errors)
         try:
             if "ours eager" not in procs:
@@ -304,7 +306,7 @@ def main() -> None:
     weight_bytes = machine.decode_weight_bytes(shape, args.dtype)
     print(f"\nbatch-1 decode ({weight_bytes / 1e6:.0f} MB of weights read per token); the share is of the sum "
           f"probe's median ({bandwidth:.1f} GB/s), in brackets of the copy probe's ({probes['copy']['median']:.1f}):")
-    b1 = {name: spread(v) for name, v in batch1.items()}
+    b1 = {name: spread(v) for name, v in batch1.items() if v}
     share = {}
     for name, t in b1.items():
         moved = verdicts.Figure(weight_bytes * t["median"] / 1e9, devices[name], label=f"{name} weight GB/s")
@@ -324,10 +326,11 @@ def main() -> None:
                 fig(f"ours {mode}", b1[f"ours {mode}"]["median"]), fig(f"vllm {mode}", b1[f"vllm {mode}"]["median"]),
                 None)
 
-    print("\nstart-up of a new process (seconds from launch to ready to serve / to the first token):")
+    print("\nstart-up of a new process (seconds from launch to ready to serve / to the first token; load: the "
+          "engine's constructor; resident memory after load):")
     for (name, condition), s in starts.items():
         print(f"  {name:<14} {condition:<24} ready {s['ready_s']:6.1f}  first token {s['first_token_s']:6.1f}  "
-              f"caches: {s['cache_state']}")
+              f"load {s['load_s']:6.1f}  RSS {s['rss_mib']:6.0f} MiB  caches: {s['cache_state']}")
     cold = {}
     for condition in ("eager", "compiled, caches cold", "compiled, caches warm"):
         mode = condition.split(",")[0]
@@ -345,13 +348,16 @@ def main() -> None:
               f"{ov['forward_ms']:.2f} ms forward, outside-forward share {100 * ov['share']:.1f}%; "
               f"target <= {100 * OVERHEAD_TARGET:g}%: {'met' if ov['share'] <= OVERHEAD_TARGET else 'NOT met'}; "
               f"the step observer (record + waste figures) {ov['observer_us']:.0f} us per step")
-    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}\n\nsummary:")
+    print("\n".join(summary.summary_lines(args.model, args.dtype, machine.run_tag(info), tok_s, b1, share, starts,
+                                         devices)))
 
     def r3(x):
         return None if x is None else round(x, 3)
 
     print(json.dumps({
-        "dtype": args.dtype, "machine": info, "repeats": args.repeats, "num_requests": n, "quick": args.quick,
+        "model": args.model, "dtype": args.dtype, "machine": info, "repeats": args.repeats, "num_requests": n,
+        "quick": args.quick,
         "tok_s": {k: {q: round(v, 2) for q, v in t.items()} for k, t in tok_s.items()},
         "returned_tokens": returned, "requested_tokens": requested, "devices": devices, "engine_settings": settings,
         "ratio_to_vllm": {k: r3(v) for k, v in ratios.items() if k != "hf"}, "ratio_to_hf": r3(ratios.get("hf")),
@@ -361,8 +367,9 @@ def main() -> None:
         "workload_tflop": round(flops / 1e12, 4), "compute_limit_tok_s": round(limit, 1),
         "batch1_tok_s": {k: {q: round(v, 2) for q, v in t.items()} for k, t in b1.items()},
         "batch1_bandwidth_share": {k: r3(v) for k, v in share.items()},
-        "start": {f"{k} ({c})": {"ready_s": round(s["ready_s"], 2), "first_token_s": round(s["first_token_s"], 2),
-                                 "cache_state": s["cache_state"]} for (k, c), s in starts.items()},
+        "start": {f"{k} ({c})": {**{q: round(s[q], 2) for q in ("ready_s", "first_token_s", "load_s", "rss_mib")},
+                                 "memory_mib": s.get("memory_mib"), "cache_state": s["cache_state"]}
+                  for (k, c), s in starts.items()},
         "first_token_ratio_to_vllm": {k: r3(v) for k, v in cold.items()},
         "greedy_match": {k: f"{a}/{b}" for k, (a, b) in match.items()},
         "decode_step_overhead_share_b32": None if ov is None else round(ov["share"], 4),

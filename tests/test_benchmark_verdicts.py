@@ -1,19 +1,28 @@
 """The benchmarks' verdicts compare like with like, and a failed token check reaches the exit code:
 figures from different devices (or unlike conditions) are refused, a GPU check whose CUDA-graph
-tokens differ exits non-zero. All on the CPU; the one model run is tiny-llama's."""
+tokens differ exits non-zero. The throughput report: its options per model size, the load time and
+resident memory of an engine process (its children included), and summary lines that each name the
+model, dtype, CPU and kernel tier. All on the CPU; the one model run is tiny-llama's."""
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import gpu_check
+import runner_core.kernels
+from benchmarks import gpu_check, machine
 from benchmarks.cuda_graphs import parity_exit_code
 from benchmarks.engine_client import EngineProcess, EngineSpec, cache_state
+from benchmarks.engine_proc import tree_rss_mib
 from benchmarks.machine import bandwidth_probes, pool_probes
+from benchmarks.summary import summary_lines
+from benchmarks.throughput import parse_args
 from benchmarks.verdicts import Figure, UnlikeFigures, ratio, verdict
 
 
@@ -108,8 +117,71 @@ def test_an_engine_process_reports_its_start_settings_and_the_tokens_it_returned
         assert 0 < started["ready_s"] <= started["first_token_s"]
         assert started["device"] == "cpu" and proc.cache_state == "cold (empty folders)"
         assert started["settings"] == {"max_num_seqs": 4, "max_num_batched_tokens": 32, "prefix_caching": True}
+        assert 0 < started["load_s"] < started["ready_s"]
+        assert set(started["memory_mib"]) >= {"weights", "kv_pool"}
+        assert started["rss_mib"] > started["memory_mib"]["weights"] + started["memory_mib"]["kv_pool"]
         res = proc.ask("workload")
         assert res["returned_tokens"] == 6 and [len(t) for t in res["tokens"]] == [4, 2]
     finally:
         proc.close()
     assert proc.proc.returncode is not None
+
+
+def test_a_real_size_preset_runs_fewer_requests_and_skips_the_small_model_extras_unless_asked():
+    small = parse_args([])
+    assert (small.model, small.num_requests, small.skip_hf, small.skip_overhead) == ("small-llama", 64, False, False)
+    real = parse_args(["--model", "qwen2.5-0.5b", "--dtype", "bfloat16"])
+    assert (real.num_requests, real.skip_hf, real.skip_overhead, real.dtype) == (24, True, True, "bfloat16")
+    asked = parse_args(["--model", "llama-3.2-1b", "--no-skip-hf", "--num-requests", "10"])
+    assert (asked.num_requests, asked.skip_hf, asked.skip_overhead) == (10, False, True)
+    assert parse_args(["--model", "qwen2.5-0.5b", "--quick"]).num_requests == 8
+    assert parse_args(["--skip-hf"]).skip_hf is True
+
+
+def test_the_resident_memory_of_an_engine_counts_its_child_processes():
+    """vLLM's engine core is a child of the process the benchmark starts: its memory must be counted.
+    Here a small parent whose child holds 256 MiB."""
+    holder = "import sys; b = bytearray(256 << 20); print('ok', flush=True); sys.stdin.read()"
+    parent = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', sys.argv[1]], stdin=sys.stdin); "
+              "c.wait()")
+    proc = subprocess.Popen([sys.executable, "-c", parent, holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ok"
+        own = int(Path(f"/proc/{proc.pid}/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
+        assert own < 128 and tree_rss_mib(proc.pid) >= own + 256
+    finally:
+        proc.stdin.close()
+        proc.wait()
+
+
+def test_the_machine_line_names_the_kernel_tier_or_says_it_is_unknown(monkeypatch):
+    monkeypatch.setattr(runner_core.kernels, "cpu_kernels_available", lambda: False)
+    monkeypatch.delattr(runner_core.kernels, "kernel_tier", raising=False)
+    info = machine.machine_info("cpu")
+    assert info["kernel_tier"] == "unknown" and "kernel tier unknown" in machine.describe(info)
+    monkeypatch.setattr(runner_core.kernels, "kernel_tier", lambda: "avx2", raising=False)
+    info = machine.machine_info("cpu")
+    assert machine.run_tag(info) == f"CPU {info['cpu_model']}, tier avx2"
+    assert "kernel tier avx2" in machine.describe(info)
+
+
+def test_every_summary_line_names_model_dtype_cpu_and_tier_with_ours_beside_vllm():
+    tok_s = {"ours eager": {"median": 20.0}, "vllm eager": {"median": 16.0}, "ours compiled": {"median": 24.0}}
+    batch1 = {"ours eager": {"median": 8.0}, "vllm eager": {"median": 6.4}}
+    starts = {("ours eager", "eager"): {"load_s": 4.8, "rss_mib": 3994.4,
+                                        "memory_mib": {"weights": 942.3, "panel_weights": 942.3, "kv_pool": 1024}},
+              ("vllm eager", "eager"): {"load_s": 18.2, "rss_mib": 5120.0}}
+    devices = dict.fromkeys(["ours eager", "vllm eager", "ours compiled"], "cpu")
+    head = "[qwen2.5-0.5b, float32; CPU AMD EPYC 9B45, tier avx512-bf16]"
+    lines = summary_lines("qwen2.5-0.5b", "float32", "CPU AMD EPYC 9B45, tier avx512-bf16", tok_s, batch1,
+                          {"ours eager": 0.62, "vllm eager": None}, starts, devices)
+    assert all(line.startswith(head + " ") for line in lines)
+    assert [line[len(head) + 1:] for line in lines] == [
+        "mixed workload, eager: ours 20.0 tok/s; vLLM 16.0 tok/s; ours/vLLM 1.25x",
+        "batch-1 decode, eager: ours 8.0 tok/s (62% of the bandwidth); vLLM 6.4 tok/s; ours/vLLM 1.25x",
+        "mixed workload, compiled: ours 24.0 tok/s; vLLM not measured; no ratio",
+        "batch-1 decode, compiled: ours not measured; vLLM not measured; no ratio",
+        "start, eager: ours load 4.8 s, RSS 3994 MiB (weights 942, panel_weights 942, kv_pool 1024 MiB); "
+        "vLLM load 18.2 s, RSS 5120 MiB",
+    ]
