@@ -22,7 +22,7 @@ from benchmarks.engine_client import EngineProcess, EngineSpec, cache_state
 from benchmarks.engine_proc import tree_rss_mib
 from benchmarks.machine import bandwidth_probes, pool_probes
 from benchmarks.summary import summary_lines
-from benchmarks.throughput import parse_args
+from benchmarks.throughput import parse_args, rounds
 from benchmarks.verdicts import Figure, UnlikeFigures, ratio, verdict
 
 
@@ -185,3 +185,21 @@ def test_every_summary_line_names_model_dtype_cpu_and_tier_with_ours_beside_vllm
         "start, eager: ours load 4.8 s, RSS 3994 MiB (weights 942, panel_weights 942, kv_pool 1024 MiB); "
         "vLLM load 18.2 s, RSS 5120 MiB",
     ]
+
+
+class _FakeEngine:
+    """Replies as an engine process would: a workload of 3 tokens in 1 s, and the batch-1 timings given."""
+
+    def __init__(self, one_s: float, many_s: float):
+        self.batch1 = {"one_s": one_s, "many_s": many_s, "returned_tokens": 129}
+
+    def ask(self, cmd: str) -> dict:
+        return self.batch1 if cmd == "batch1" else {"seconds": 1.0, "returned_tokens": 3, "tokens": [[1, 2, 3]]}
+
+
+def test_a_batch1_turn_where_129_tokens_took_no_longer_than_1_is_discarded_not_a_figure(capsys):
+    procs = {"ours eager": _FakeEngine(0.1, 2.66), "vllm compiled": _FakeEngine(3.0, 2.5)}
+    runs, _, batch1 = rounds(procs, {}, None, [], 1, {}, lambda: None)
+    assert batch1 == {"ours eager": [pytest.approx(50.0)], "vllm compiled": []}
+    assert runs["vllm compiled"] == [(1.0, 3)]
+    assert "vllm compiled: batch-1 turn discarded (1 token 3.00 s, 129 tokens 2.50 s)" in capsys.readouterr().out
