@@ -1,4 +1,5 @@
-"""Session-wide test settings: a preset cache inside the repo, few CPU threads, the tiny preset."""
+"""Session-wide test settings: a preset cache inside the repo, few CPU threads, the tiny preset, and the
+`tier` fixture that runs a kernel test on every kernel tier this CPU runs."""
 
 from __future__ import annotations
 
@@ -22,3 +23,24 @@ def tiny_llama_path() -> Path:
     from runner_core.models.presets import ensure_preset
 
     return ensure_preset("tiny-llama")
+
+
+def pytest_generate_tests(metafunc):
+    """A test taking the `tier` fixture runs once per kernel tier this CPU runs, its id naming the tier."""
+    if "tier" in metafunc.fixturenames:
+        from runner_core.kernels import kernel_tiers
+
+        metafunc.parametrize("tier", kernel_tiers() or ["kernels-off"], indirect=True)
+
+
+@pytest.fixture
+def tier(request):
+    """The native kernels of one tier (`use_kernel_tier`) for the test. The kernels not loading, or no
+    plain tier among the runnable ones, fails the test: gcc and ninja are project requirements and the
+    plain tier runs on every CPU."""
+    from runner_core.kernels import cpu_kernels_available, kernel_tiers, use_kernel_tier
+
+    assert cpu_kernels_available(), "the native CPU kernels did not load; see the warning logged above"
+    assert "plain" in kernel_tiers(), f"the plain kernel tier runs on every CPU, but this one runs {kernel_tiers()}"
+    with use_kernel_tier(request.param):
+        yield request.param

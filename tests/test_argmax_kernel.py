@@ -1,5 +1,5 @@
-"""Greedy sampling's native argmax (kernels/argmax_cpu.cpp) equals torch.argmax: first index of the
-maximum on ties, first NaN of a row holding one, any vocabulary size."""
+"""Greedy sampling's native argmax (kernels/argmax_row.h) equals torch.argmax on every kernel tier this
+CPU runs: first index of the maximum on ties, first NaN of a row holding one, any vocabulary size."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ def built():
 
 
 @pytest.mark.parametrize("rows, vocab", [(0, 5), (1, 1), (3, 15), (5, 16), (7, 33), (32, 32000)])
-def test_equals_torch_argmax(rows, vocab):
+def test_equals_torch_argmax(tier, rows, vocab):
     x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows * vocab))
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
-def test_ties_nan_and_inf_rows_as_torch_has_them():
+def test_ties_nan_and_inf_rows_as_torch_has_them(tier):
     x = torch.zeros(6, 40)
     x[0, [3, 17, 35]] = 2.0  # a tie: the first index
     x[1, [5, 30]] = float("nan")  # NaN wins, the first one
@@ -34,7 +34,7 @@ def test_ties_nan_and_inf_rows_as_torch_has_them():
     assert argmax_rows(x).tolist() == [3, 5, 0, 39, 33, 0]
 
 
-def test_non_contiguous_rows_and_the_sampler_entry():
+def test_non_contiguous_rows_and_the_sampler_entry(tier):
     x = torch.randn(40, 64)[::2, 1:60]
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(greedy(x), x.argmax(dim=-1))

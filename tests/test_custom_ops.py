@@ -5,7 +5,7 @@ real output's shape and dtype, and it traces under AOT dispatch with dynamic sha
 
 The ops: runner_core::paged_attention (writes the step's K/V into the pool), fused_moe,
 packed_linear, merge_multimodal, and the native kernels' runner_kernels::paged_attention (writes
-`out`), panel_linear, pack_panels and argmax_rows."""
+`out`), panel_linear, pack_panels and argmax_rows (the kernels' ops on every kernel tier this CPU runs)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_merge_multimodal():
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["decode", "mixed"])
-def test_native_paged_attention_kernel(kernels, mixed):
+def test_native_paged_attention_kernel(kernels, tier, mixed):
     """The kernel's schema marks `out` as written (Tensor(a!)) and nothing else."""
     starts, q_lens = (MIXED_STARTS, MIXED_Q_LENS) if mixed else (STARTS, Q_LENS)
     meta, q, _, _ = _step(starts, q_lens, decode_kernel=True)
@@ -125,23 +125,15 @@ def test_native_paged_attention_kernel(kernels, mixed):
                            meta.native_context_lens, BLOCK_SIZE, HEAD_DIM ** -0.5, 0))
 
 
-def _panel_dtype(dtype: torch.dtype) -> torch.dtype:
-    from runner_core.kernels import panels_support
-
-    if not panels_support(dtype):
-        pytest.skip(f"this CPU's kernels have no {dtype} panels (bfloat16 needs AVX512-BF16)")
-    return dtype
-
-
 PANEL_DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", PANEL_DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_linear(kernels, bias, dtype):
+def test_panel_linear(kernels, tier, bias, dtype):
     from runner_core.kernels import pack_panels
 
-    dtype, g = _panel_dtype(dtype), torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(5)
     weight = torch.randn(40, 25, generator=g).to(dtype)  # 40 columns: two full panels of 16 and a padded one
     args = (torch.randn(3, 25, generator=g).to(dtype), pack_panels(weight), 40,
             torch.randn(40, generator=g).to(dtype) if bias else None)
@@ -150,10 +142,10 @@ def test_panel_linear(kernels, bias, dtype):
 
 @pytest.mark.parametrize("dtype", PANEL_DTYPES)
 def test_pack_panels(kernels, dtype):
-    weight = torch.randn(40, 25, generator=torch.Generator().manual_seed(6)).to(_panel_dtype(dtype))
+    weight = torch.randn(40, 25, generator=torch.Generator().manual_seed(6)).to(dtype)
     torch.library.opcheck(torch.ops.runner_kernels.pack_panels.default, (weight,))
 
 
-def test_argmax_rows(kernels):
+def test_argmax_rows(kernels, tier):
     torch.library.opcheck(torch.ops.runner_kernels.argmax_rows.default,
                           (torch.randn(3, 100, generator=torch.Generator().manual_seed(7)),))

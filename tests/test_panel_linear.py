@@ -1,6 +1,6 @@
-"""The panel GEMM kernel (kernels/panel_linear_cpu.cpp) against F.linear, and its use by the layers:
-every float32 (and, on a CPU with AVX512-BF16, bfloat16) CPU linear and LM head of a
-single-process runner multiplies its panel copy, eager and in compiled graphs."""
+"""The panel GEMM kernel (kernels/tier.cpp) against F.linear on every kernel tier this CPU runs, in
+float32 and bfloat16, and its use by the layers: every float32 and bfloat16 CPU linear and LM head
+of a single-process runner multiplies its panel copy, eager and in compiled graphs."""
 
 from __future__ import annotations
 
@@ -20,18 +20,16 @@ def built():
     assert cpu_kernels_available(), "gcc and ninja are project requirements; see the warning logged above"
 
 
-NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported()
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not NATIVE_BF16, reason="bfloat16 panels need AVX512-BF16; this CPU has none"))]
+DTYPES = [torch.float32, torch.bfloat16]
 
 
-# rows: every register tile (12 on AVX512, 6 on AVX2, their tails) and several tiles; n: partial and
-# whole panels, pairs of panels and an odd panel out; k odd (bfloat16 takes k in pairs)
+# rows: every tier's register tiles (12 rows on AVX512, 6 and 4 on AVX2, their tails) and several
+# tiles; n: partial and whole panels, pairs of panels and an odd panel out; k odd (bfloat16 takes k in pairs)
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 11, 12, 13, 25, 64])
 @pytest.mark.parametrize("n, k", [(1, 7), (16, 96), (37, 33), (48, 20), (160, 512)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_panel_linear_equals_linear(rows, n, k, bias, dtype):
+def test_panel_linear_equals_linear(tier, rows, n, k, bias, dtype):
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
@@ -43,7 +41,7 @@ def test_panel_linear_equals_linear(rows, n, k, bias, dtype):
     torch.testing.assert_close(got.float(), want, atol=tol * k ** 0.5, rtol=tol)
 
 
-def test_panel_linear_with_several_threads_equals_one():
+def test_panel_linear_with_several_threads_equals_one(tier):
     x, w = torch.randn(33, 256), torch.randn(1000, 256)
     panels, before = pack_panels(w), torch.get_num_threads()
     try:
@@ -70,14 +68,12 @@ def test_panel_linear_refuses_what_it_cannot_multiply():
         pack_panels(torch.zeros(2, 4, 4))
     with pytest.raises(RuntimeError, match="no panel kernel for Half"):
         pack_panels(torch.zeros(4, 4, dtype=torch.float16))
-    assert panels_support(torch.bfloat16) == NATIVE_BF16  # the build sees what the CPU has
-    if not NATIVE_BF16:
-        with pytest.raises(RuntimeError, match="bfloat16 needs AVX512-BF16"):
-            pack_panels(torch.zeros(4, 4, dtype=torch.bfloat16))
+    assert panels_support(torch.float32) and panels_support(torch.bfloat16)  # on every tier
+    assert not panels_support(torch.float16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_layers_multiply_their_panels_in_eager_and_in_compiled_graphs(monkeypatch, dtype):
+def test_layers_multiply_their_panels_in_eager_and_in_compiled_graphs(tier, monkeypatch, dtype):
     layer = linear.RowParallelLinear(24, 40, bias=True).to(dtype)
     head = ParallelLMHead(50, 24).to(dtype)
     for p in (layer.weight, layer.bias, head.weight):
@@ -104,7 +100,7 @@ def test_layers_multiply_their_panels_in_eager_and_in_compiled_graphs(monkeypatc
 
 def test_panels_only_for_a_cpu_runner_in_one_process_in_a_native_dtype():
     assert linear.panels_apply("cpu", torch.float32, 1)
-    assert linear.panels_apply("cpu", torch.bfloat16, 1) == NATIVE_BF16
+    assert linear.panels_apply("cpu", torch.bfloat16, 1)
     assert not linear.panels_apply("cpu", torch.float16, 1)
     assert not linear.panels_apply("cpu", torch.float32, 2)
     assert not linear.panels_apply("meta", torch.float32, 1)
