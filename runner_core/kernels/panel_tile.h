@@ -6,8 +6,8 @@
 // bfloat16 and multiplied in float32, with no float32 copy in memory; outputs round once at the store.
 // - AVX512: up to 12 rows x 2 panels (24 accumulators of 16 floats), one load of each panel step
 //   shared by the rows.
-// - AVX2: 6 rows (float32) or 5 rows (bfloat16, whose widened panel step takes 4 registers) x 1 panel,
-//   two accumulators of 8 floats per row.
+// - AVX2: 6 rows (float32) or 4 rows (bfloat16, a k pair taken as two float32 half-steps, x widened
+//   once per call; 5 or 6 rows ran at half the speed) x 1 panel, two accumulators of 8 floats per row.
 // - plain: the same loop order, vectorised by the compiler.
 // One row takes a tile unrolled over k, on one panel at a time (one memory stream: a single row is
 // bound by reading the panels).
@@ -35,6 +35,7 @@ constexpr int64_t PANELS_PER_TILE = 2;  // panels one tile covers (the threads s
 
 struct F32 {
   using E = float;
+  using X = float;
   using V = __m512;
   static constexpr int64_t K_PER_STEP = 1;
   static V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -77,6 +78,7 @@ struct BF16Store {
 // bfloat16 in hardware: one step is a k pair of 16 columns (raw bits), vdpbf16ps into float32
 struct BF16 : BF16Store {
   using E = uint16_t;
+  using X = uint16_t;
   using V = __m512;
   static constexpr int64_t K_PER_STEP = 2;
   static V load(const uint16_t* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
@@ -94,6 +96,7 @@ inline Pair512 widen(__m512i bits) {
 }
 struct BF16 : BF16Store {
   using E = uint16_t;
+  using X = uint16_t;
   using V = Pair512;
   static constexpr int64_t K_PER_STEP = 2;
   static V load(const uint16_t* p) { return widen(_mm512_loadu_si512(p)); }
@@ -192,7 +195,7 @@ inline void tile_rows(const typename T::E* x, const typename T::E* p0, int64_t p
 // y[m, 16 * npanels (cut at ncols)] = x[m, k] (npanels panels from `panels`) + bias (ncols floats or
 // null); x rows are k apart (k even for bfloat16), y rows ldy apart
 template <class T>
-inline void panel_gemm(const typename T::E* x, const typename T::E* panels, int64_t npanels, int64_t m, int64_t k,
+inline void panel_gemm(const typename T::X* x, const typename T::E* panels, int64_t npanels, int64_t m, int64_t k,
                        typename T::E* y, int64_t ldy, int64_t ncols, const float* bias) {
   const int64_t steps = (k + T::K_PER_STEP - 1) / T::K_PER_STEP, pstride = steps * NR * T::K_PER_STEP;
   for (int64_t p = 0; p < npanels; p += 2) {
@@ -214,19 +217,12 @@ constexpr int64_t PANELS_PER_TILE = 1;
 // float32: a step is one k; its 16 columns are two vectors (columns 0-7, 8-15)
 struct F32 {
   using E = float;
-  using V = __m256;
-  using A = __m256;
+  using X = float;  // x as the tile reads it
   static constexpr int64_t K_PER_STEP = 1, MR = 6;
-  static V load0(const float* p) { return _mm256_loadu_ps(p); }
-  static V load1(const float* p) { return _mm256_loadu_ps(p + 8); }
-  static A bcast(const float* x) { return _mm256_broadcast_ss(x); }
-  static __m256 fma(A a, V b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 load0(const float* p, int) { return _mm256_loadu_ps(p); }
+  static __m256 load1(const float* p, int) { return _mm256_loadu_ps(p + 8); }
   static void store(float* y, __m256 lo, __m256 hi, int64_t ncols) {
-    if (ncols == NR) {
-      _mm256_storeu_ps(y, lo);
-      _mm256_storeu_ps(y + 8, hi);
-      return;
-    }
+    if (ncols == NR) return _mm256_storeu_ps(y, lo), _mm256_storeu_ps(y + 8, hi);
     alignas(32) float tmp[NR];
     _mm256_store_ps(tmp, lo);
     _mm256_store_ps(tmp + 8, hi);
@@ -234,13 +230,13 @@ struct F32 {
   }
 };
 
-// bfloat16: a step is a k pair; 8 columns' pairs widen to two float32 vectors (k even, k odd)
-struct Pair256 {
-  __m256 even, odd;
-};
-inline Pair256 widen(__m256i bits) {
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)),
-          _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))))};
+// bfloat16: a step is a k pair, taken as two float32 half-steps (k even, then k odd); the panel's 8
+// columns' pairs widen to the even (low half shifted up) or odd (high half masked) floats, x comes
+// widened to float32 once per call (panel_linear), so a row's broadcast is one load
+inline __m256 widen(const uint16_t* p, int odd) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_castsi256_ps(odd ? _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u)))
+                                 : _mm256_slli_epi32(bits, 16));
 }
 inline __m256i round_bf16(__m256 c) {  // 8 floats to bfloat16 in the low halves of 8 lanes
   const __m256i u = _mm256_castps_si256(c);
@@ -250,49 +246,40 @@ inline __m256i round_bf16(__m256 c) {  // 8 floats to bfloat16 in the low halves
 }
 struct BF16 {
   using E = uint16_t;
-  using V = Pair256;
-  using A = Pair256;
-  static constexpr int64_t K_PER_STEP = 2, MR = 5;
-  static V load0(const uint16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static V load1(const uint16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))); }
-  static A bcast(const uint16_t* x) {
-    int32_t pair;
-    __builtin_memcpy(&pair, x, sizeof(pair));
-    return widen(_mm256_set1_epi32(pair));
-  }
-  static __m256 fma(A a, V b, __m256 c) { return _mm256_fmadd_ps(a.odd, b.odd, _mm256_fmadd_ps(a.even, b.even, c)); }
+  using X = float;
+  static constexpr int64_t K_PER_STEP = 2, MR = 4;
+  static __m256 load0(const uint16_t* p, int odd) { return widen(p, odd); }
+  static __m256 load1(const uint16_t* p, int odd) { return widen(p + 16, odd); }
   static void store(uint16_t* y, __m256 lo, __m256 hi, int64_t ncols) {
     // packus interleaves 128-bit lanes: put columns 0-15 back in order
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round_bf16(lo), round_bf16(hi)), 0xd8);
-    if (ncols == NR) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), packed);
-      return;
-    }
+    if (ncols == NR) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), packed);
     alignas(32) uint16_t tmp[NR];
     _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), packed);
     std::copy(tmp, tmp + ncols, y);
   }
 };
 
-// MR (1..T::MR) rows of x against one panel. Named accumulators, not an array: GCC keeps an array of
-// __m256 on the stack, which halves the speed.
+// MR (1..T::MR) rows of x against one panel, a step's half-steps (one k each) in turn. Named
+// accumulators, not an array: GCC keeps an array of __m256 on the stack, which halves the speed.
 template <class T, int MR>
-inline void tile(const typename T::E* x, int64_t ldx, const typename T::E* panel, int64_t steps, typename T::E* y,
+inline void tile(const float* x, int64_t ldx, const typename T::E* panel, int64_t steps, typename T::E* y,
                  int64_t ldy, int64_t ncols, __m256 bias_lo, __m256 bias_hi) {
   constexpr int64_t S = NR * T::K_PER_STEP, KS = T::K_PER_STEP;
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
          c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  for (int64_t s = 0; s < steps; ++s) {
-    const typename T::V b0 = T::load0(panel + s * S), b1 = T::load1(panel + s * S);
-#define RW_ROW(R)                                               \
-  if constexpr (MR > R) {                                       \
-    const typename T::A a = T::bcast(x + R * ldx + s * KS);     \
-    c##R##0 = T::fma(a, b0, c##R##0);                           \
-    c##R##1 = T::fma(a, b1, c##R##1);                           \
+  for (int64_t s = 0; s < steps; ++s)
+    for (int j = 0; j < KS; ++j) {
+      const __m256 b0 = T::load0(panel + s * S, j), b1 = T::load1(panel + s * S, j);
+#define RW_ROW(R)                                                     \
+  if constexpr (MR > R) {                                             \
+    const __m256 a = _mm256_broadcast_ss(x + R * ldx + s * KS + j);   \
+    c##R##0 = _mm256_fmadd_ps(a, b0, c##R##0);                        \
+    c##R##1 = _mm256_fmadd_ps(a, b1, c##R##1);                        \
   }
-    RW_ROW(0) RW_ROW(1) RW_ROW(2) RW_ROW(3) RW_ROW(4) RW_ROW(5)
+      RW_ROW(0) RW_ROW(1) RW_ROW(2) RW_ROW(3) RW_ROW(4) RW_ROW(5)
 #undef RW_ROW
-  }
+    }
 #define RW_OUT(R) \
   if constexpr (MR > R) \
     T::store(y + R * ldy, _mm256_add_ps(c##R##0, bias_lo), _mm256_add_ps(c##R##1, bias_hi), ncols);
@@ -302,36 +289,37 @@ inline void tile(const typename T::E* x, int64_t ldx, const typename T::E* panel
 
 // one row: a 2-accumulator chain would wait on FMA latency, so steps are unrolled by 4 (8 accumulators)
 template <class T>
-inline void tile1(const typename T::E* x, const typename T::E* panel, int64_t steps, typename T::E* y, int64_t ncols,
+inline void tile1(const float* x, const typename T::E* panel, int64_t steps, typename T::E* y, int64_t ncols,
                   __m256 bias_lo, __m256 bias_hi) {
   constexpr int64_t S = NR * T::K_PER_STEP, KS = T::K_PER_STEP;
   __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0, h0 = l0, h1 = l0, h2 = l0, h3 = l0;
   int64_t s = 0;
   for (; s + 4 <= steps; s += 4) {
-    const typename T::A x0 = T::bcast(x + s * KS), x1 = T::bcast(x + (s + 1) * KS),
-                        x2 = T::bcast(x + (s + 2) * KS), x3 = T::bcast(x + (s + 3) * KS);
     const typename T::E* p = panel + s * S;
-    l0 = T::fma(x0, T::load0(p), l0);
-    h0 = T::fma(x0, T::load1(p), h0);
-    l1 = T::fma(x1, T::load0(p + S), l1);
-    h1 = T::fma(x1, T::load1(p + S), h1);
-    l2 = T::fma(x2, T::load0(p + 2 * S), l2);
-    h2 = T::fma(x2, T::load1(p + 2 * S), h2);
-    l3 = T::fma(x3, T::load0(p + 3 * S), l3);
-    h3 = T::fma(x3, T::load1(p + 3 * S), h3);
+    const float* xs = x + s * KS;
+    for (int j = 0; j < KS; ++j) {
+      l0 = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + j), T::load0(p, j), l0);
+      h0 = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + j), T::load1(p, j), h0);
+      l1 = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + KS + j), T::load0(p + S, j), l1);
+      h1 = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + KS + j), T::load1(p + S, j), h1);
+      l2 = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + 2 * KS + j), T::load0(p + 2 * S, j), l2);
+      h2 = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + 2 * KS + j), T::load1(p + 2 * S, j), h2);
+      l3 = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + 3 * KS + j), T::load0(p + 3 * S, j), l3);
+      h3 = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + 3 * KS + j), T::load1(p + 3 * S, j), h3);
+    }
   }
-  for (; s < steps; ++s) {
-    const typename T::A xs = T::bcast(x + s * KS);
-    l0 = T::fma(xs, T::load0(panel + s * S), l0);
-    h0 = T::fma(xs, T::load1(panel + s * S), h0);
-  }
+  for (; s < steps; ++s)
+    for (int j = 0; j < KS; ++j) {
+      l0 = _mm256_fmadd_ps(_mm256_broadcast_ss(x + s * KS + j), T::load0(panel + s * S, j), l0);
+      h0 = _mm256_fmadd_ps(_mm256_broadcast_ss(x + s * KS + j), T::load1(panel + s * S, j), h0);
+    }
   const __m256 lo = _mm256_add_ps(_mm256_add_ps(l0, l1), _mm256_add_ps(l2, l3));
   const __m256 hi = _mm256_add_ps(_mm256_add_ps(h0, h1), _mm256_add_ps(h2, h3));
   T::store(y, _mm256_add_ps(lo, bias_lo), _mm256_add_ps(hi, bias_hi), ncols);
 }
 
 template <class T>
-inline void panel_rows(const typename T::E* x, const typename T::E* panel, int64_t m, int64_t k, typename T::E* y,
+inline void panel_rows(const float* x, const typename T::E* panel, int64_t m, int64_t k, typename T::E* y,
                        int64_t ldy, int64_t ncols, const float* bias) {
   const int64_t steps = (k + T::K_PER_STEP - 1) / T::K_PER_STEP;
   alignas(32) float b[NR] = {0};
@@ -339,7 +327,7 @@ inline void panel_rows(const typename T::E* x, const typename T::E* panel, int64
   const __m256 blo = _mm256_load_ps(b), bhi = _mm256_load_ps(b + 8);
   int64_t r = 0;
   for (; r + T::MR <= m; r += T::MR) tile<T, T::MR>(x + r * k, k, panel, steps, y + r * ldy, ldy, ncols, blo, bhi);
-  const typename T::E* xr = x + r * k;
+  const float* xr = x + r * k;
   typename T::E* yr = y + r * ldy;
   switch (m - r) {
     case 5: tile<T, 5>(xr, k, panel, steps, yr, ldy, ncols, blo, bhi); break;
@@ -357,6 +345,7 @@ constexpr int64_t PANELS_PER_TILE = 1;
 // without AVX2 and FMA (the plain tier, and other ISAs): the same loop order, vectorised by the compiler
 struct F32 {
   using E = float;
+  using X = float;
   static constexpr int64_t K_PER_STEP = 1;
   static void step(const float* x, const float* p, float* acc) {
     const float a = *x;
@@ -368,6 +357,7 @@ struct F32 {
 
 struct BF16 {
   using E = uint16_t;
+  using X = uint16_t;
   static constexpr int64_t K_PER_STEP = 2;
   static void step(const uint16_t* x, const uint16_t* p, float* acc) {
     const float a0 = bf16_to_float(x[0]), a1 = bf16_to_float(x[1]);
@@ -378,7 +368,7 @@ struct BF16 {
 };
 
 template <class T>
-inline void panel_rows(const typename T::E* x, const typename T::E* panel, int64_t m, int64_t k, typename T::E* y,
+inline void panel_rows(const typename T::X* x, const typename T::E* panel, int64_t m, int64_t k, typename T::E* y,
                        int64_t ldy, int64_t ncols, const float* bias) {
   const int64_t steps = (k + T::K_PER_STEP - 1) / T::K_PER_STEP;
   for (int64_t r = 0; r < m; ++r) {
@@ -392,7 +382,7 @@ inline void panel_rows(const typename T::E* x, const typename T::E* panel, int64
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__))
 // y[m, 16 * npanels (cut at ncols)] = x[m, k] (npanels panels) + bias (ncols floats or null)
 template <class T>
-inline void panel_gemm(const typename T::E* x, const typename T::E* panels, int64_t npanels, int64_t m, int64_t k,
+inline void panel_gemm(const typename T::X* x, const typename T::E* panels, int64_t npanels, int64_t m, int64_t k,
                        typename T::E* y, int64_t ldy, int64_t ncols, const float* bias) {
   const int64_t pstride = (k + T::K_PER_STEP - 1) / T::K_PER_STEP * NR * T::K_PER_STEP;
   for (int64_t p = 0; p < npanels; ++p)

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -46,14 +47,24 @@ void parallel_ranges(int64_t n, int threads, const F& f) {
 }
 
 // The threads split the panels, so every panel is read from memory once per call and reused from
-// cache by all rows; rows go in blocks of ~256 KiB of x, each against all of a thread's panels (a
-// block stays in L2 while the panels stream past it; a whole prefill's x would not fit beside a panel).
+// cache by all rows; rows go in blocks of ~1 MiB of x, each against all of a thread's panels (a block
+// is reused from L2 or L3 while the panels stream past it; 256 KiB blocks re-streamed the panels of
+// a large k too often: docs/benchmarks.md). Where the tile reads x as float32 (bfloat16 on AVX2), x
+// is widened once here.
 template <class T>
-void panel_linear(const typename T::E* x, const typename T::E* panels, int64_t m, int64_t k, int64_t n,
+void panel_linear(const typename T::E* x_in, const typename T::E* panels, int64_t m, int64_t k, int64_t n,
                   const float* bias, typename T::E* y, int threads) {
+  using X = typename T::X;
+  std::vector<X> widened;
+  const X* x = reinterpret_cast<const X*>(x_in);
+  if constexpr (!std::is_same_v<X, typename T::E>) {
+    widened.resize(m * k);
+    for (int64_t i = 0; i < m * k; ++i) widened[i] = bf16_to_float(x_in[i]);
+    x = widened.data();
+  }
   const int64_t count = (n + NR - 1) / NR, steps = (k + T::K_PER_STEP - 1) / T::K_PER_STEP;
   const int64_t stride = steps * NR * T::K_PER_STEP, groups = (count + PANELS_PER_TILE - 1) / PANELS_PER_TILE;
-  const int64_t block = std::max<int64_t>(12, (256 << 10) / (k * static_cast<int64_t>(sizeof(typename T::E))) / 12 * 12);
+  const int64_t block = std::max<int64_t>(12, (1 << 20) / (k * static_cast<int64_t>(sizeof(X))) / 12 * 12);
   parallel_ranges(groups, threads, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < m; r += block)
       for (int64_t g = begin; g < end; ++g) {
