@@ -130,10 +130,11 @@ class EngineProcess:
         self._replies.close()
 
 
-def start_engines(specs, model_dir: str, requests_file: Path, tmp: Path, args) -> tuple[dict, dict, dict]:
+def start_engines(specs, model_dir: str, requests_file: Path, tmp: Path, args, errors: dict) -> tuple[dict, dict]:
     """Each engine started cold (and compiled ones once more on warm caches): {name: process kept for
-    the throughput rounds}, {(name, condition): start-up figures}, {name: error}."""
-    procs, starts, errors = {}, {}, {}
+    the throughput rounds}, {(name, condition): start-up figures}; a failure goes into `errors` ({name:
+    why}), and an engine whose other mode failed there is not started."""
+    procs, starts = {}, {}
     for spec in specs:
         if any(e.startswith(spec.engine) for e in errors):
             errors[spec.name] = f"skipped: {spec.engine}'s other mode failed"
@@ -154,4 +155,4 @@ def start_engines(specs, model_dir: str, requests_file: Path, tmp: Path, args) -
         except EngineFailed as e:
             errors[spec.name] = str(e)
             print(f"  {e}")
-    return procs, starts, errors
+    return procs, starts

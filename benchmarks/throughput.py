@@ -1,7 +1,8 @@
 """Offline throughput and start-up: our engine against vLLM and transformers, like with like.
 
 Workload (benchmarks/workload.py, fixed seed): 64 requests (24 on the real-size presets
-qwen2.5-0.5b and llama-3.2-1b, which also skip transformers and the step overhead unless asked), prompts
+qwen2.5-0.5b and llama-3.2-1b, which also skip transformers and the step overhead unless asked and run
+the engines one at a time), prompts
 of 16-256 random token ids, outputs of 16-128 tokens, greedy, EOS ignored; one `--model` (a preset or
 a directory; default small-llama) and one `--dtype` per run, torch with 2 threads everywhere.
 Engines, each in a process of its own (benchmarks/engine_proc.py), with the same batch limits
@@ -17,7 +18,8 @@ the caches the cold start filled (warm). Reported: seconds from launch until the
 serve, and until its first token; ours / vLLM only within one of those three conditions; the load time
 (the engine's constructor) and resident memory after load (benchmarks/engine_proc.py).
 Throughput: every method runs the whole workload once untimed (the same warm-up for all), then the
-methods take turns (A B C ... A B C ...) for `--repeats` rounds; useful tok/s = tokens the method
+methods take turns (A B C ... A B C ...) for `--repeats` rounds (with `--one-at-a-time`, each engine's
+rounds run while it alone is alive); useful tok/s = tokens the method
 returned / seconds; the median and range over the rounds. Batch-1 decode (32-token prompt, 128
 tokens), the same way. Greedy check: every method's ids against ours eager's.
 The device's limits (benchmarks/machine.py) are measured on the device ours runs on: the matmul peak
@@ -48,7 +50,6 @@ from pathlib import Path
 
 import torch
 
-from runner_core import ModelRunner, SamplingParams
 from runner_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from runner_core.memory.shapes import ModelShape
 from runner_core.model_loader import read_hf_config, resolve_model_path
@@ -69,28 +70,6 @@ REAL_SIZE_REQUESTS = 24  # a real-size run (four engine starts, two of them comp
 MFU_TARGET, BANDWIDTH_TARGET, COLD_START_TARGET = 0.70, 0.75, 0.2
 SPECS = (engine_client.EngineSpec("ours eager", "ours", False), engine_client.EngineSpec("ours compiled", "ours", True),
          engine_client.EngineSpec("vllm eager", "vllm", False), engine_client.EngineSpec("vllm compiled", "vllm", True))
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def decode_overhead(args) -> dict:
-    """Mean pure-decode step time at batch 32, the share of it outside the model forward, and what
-    the step's observer (its metrics record and waste figures) costs per step."""
-    runner = ModelRunner({"model": args.model, "dtype": args.dtype, "device": args.device,
-                          "max_num_seqs": 32}).load_model()
-    runner.generate([[5] * 16], [greedy(4)])
-    runner.engine.step_metrics.clear()
-    observer = runner.engine.observer
-    seconds, num_steps = observer.seconds, observer.num_steps
-    reqs = workload.fixed_workload(32, 64, 64, seed=args.seed + 1, vocab_size=runner.engine.vocab_size)
-    runner.generate([r.prompt_ids for r in reqs], [greedy(r.max_tokens) for r in reqs])
-    steps = [m for m in runner.engine.step_metrics if m.num_prefill_tokens == 0]
-    total, fwd = sum(m.total_s for m in steps), sum(m.forward_s for m in steps)
-    return {"steps": len(steps), "total_ms": 1e3 * total / len(steps), "forward_ms": 1e3 * fwd / len(steps),
-            "share": 1 - fwd / total,
-            "observer_us": 1e6 * (observer.seconds - seconds) / (observer.num_steps - num_steps)}
 
 
 def spread(values: list[float]) -> dict:
@@ -140,6 +119,31 @@ def rounds(procs: dict, hf: dict, model, reqs, repeats: int, errors: dict, probe
     return runs, tokens, batch1
 
 
+def measure(specs, model_dir: str, requests_file: Path, tmp: Path, args, hf_runs: dict, model, reqs, errors: dict,
+            probe) -> tuple[dict, dict, dict, dict, dict]:
+    """Starts the engines and runs the rounds: (runs, tokens, batch1) as rounds() gives them, the start-up
+    figures {(name, condition): ...} and each kept engine's start reply {name: ...}. Together: every engine
+    alive, their rounds interleaved. `args.one_at_a_time`: each engine started, measured and closed before
+    the next starts (at real sizes four engines' memory would not fit together). Ours eager failing ends it."""
+    groups = [[spec] for spec in specs] if args.one_at_a_time else [specs]
+    runs, tokens, batch1, starts, started = {}, {}, {}, {}, {}
+    for group in groups:
+        procs, group_starts = engine_client.start_engines(group, model_dir, requests_file, tmp, args, errors)
+        starts.update(group_starts)
+        started.update({name: proc.started for name, proc in procs.items()})
+        try:
+            figures = () if "ours eager" in errors else rounds(
+                procs, hf_runs if group is groups[-1] else {}, model, reqs, args.repeats, errors, probe)
+            for into, new in zip((runs, tokens, batch1), figures):
+                into.update(new)
+        finally:
+            for proc in procs.values():
+                proc.close()
+        if "ours eager" in errors:
+            raise SystemExit(f"ours failed: {errors['ours eager']}")
+    return runs, tokens, batch1, starts, started
+
+
 def say(line_fn, *args, **kw) -> float | None:
     """Print a verdict line; an unlike comparison prints why it has no figure and yields None."""
     try:
@@ -176,6 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefix-caching", action="store_true", help="prefix caching on in both engines (default off)")
     ap.add_argument("--kv-cache-gib", type=int, default=2,
                     help="both engines' KV cache in GiB (vLLM's CPU unit), so resident memory compares like with like")
+    ap.add_argument("--one-at-a-time", action=argparse.BooleanOptionalAction, default=None,
+                    help="each engine started, measured and closed before the next (default on the real-size "
+                         "presets only, whose four engines would not fit in memory together); else interleaved")
     ap.add_argument("--skip-overhead", action=argparse.BooleanOptionalAction, default=None,
                     help="skip the batch-32 decode step figure (default: skipped on the real-size presets only)")
     args = ap.parse_args(argv)
@@ -185,6 +192,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.num_requests = args.num_requests or (8 if args.quick else REAL_SIZE_REQUESTS if real else 64)
     args.skip_hf = real if args.skip_hf is None else args.skip_hf
     args.skip_overhead = real if args.skip_overhead is None else args.skip_overhead
+    args.one_at_a_time = real if args.one_at_a_time is None else args.one_at_a_time
     return args
 
 
@@ -227,22 +235,16 @@ def main() -> None:
             specs = [s for s in specs if s.engine != "vllm"]
     hf_runs = {} if args.skip_hf else hf_methods.methods(reqs, args.hf_single_requests)
     model = None if args.skip_hf else hf_methods.load(model_dir, dtype, device)
+    errors, probe_sets = dict(peer_errors), [probes]
+
+    def probe() -> None:  # the bandwidth as the engines see it, before each round's batch-1 turns
+        probe_sets.append(machine.bandwidth_probes(device, calls=2))
+
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         requests_file = Path(tmp) / "requests.json"
         requests_file.write_text(json.dumps([[r.prompt_ids, r.max_tokens] for r in reqs]))
-        procs, starts, errors = engine_client.start_engines(specs, model_dir, requests_file, Path(tmp), args)
-        errors.update(peer_errors)
-        try:
-            if "ours eager" not in procs:
-                raise SystemExit(f"ours did not run: {errors.get('ours eager')}")
-            probe_sets = [probes]
-            runs, tokens, batch1 = rounds(procs, hf_runs, model, reqs, args.repeats, errors,
-                                          lambda: probe_sets.append(machine.bandwidth_probes(device, calls=2)))
-            if "ours eager" in errors:
-                raise SystemExit(f"ours failed: {errors['ours eager']}")
-        finally:
-            for proc in procs.values():
-                proc.close()
+        runs, tokens, batch1, starts, started = measure(specs, model_dir, requests_file, Path(tmp), args, hf_runs,
+                                                        model, reqs, errors, probe)
     probes = machine.pool_probes(probe_sets)
     bandwidth = probes["sum"]["median"]
     print(f"bandwidth probes at {probes['sizes_mib']} MiB (last-level cache {probes['llc_mib']} MiB), before the "
@@ -251,9 +253,9 @@ def main() -> None:
         p = probes[method]
         print(f"  {method:<5} median {p['median']:6.1f} GB/s, range {p['min']:.1f}-{p['max']:.1f} "
               f"({len(p['runs'])} calls)")
-    devices = {name: proc.started["device"] for name, proc in procs.items()} | dict.fromkeys(hf_runs, device)
+    devices = {name: s["device"] for name, s in started.items()} | dict.fromkeys(hf_runs, device)
     devices = {k: "cuda:0" if v == "cuda" else v for k, v in devices.items()}
-    settings = {name: proc.started["settings"] for name, proc in procs.items()}
+    settings = {name: s["settings"] for name, s in started.items()}
     modes = {s.name: s.mode for s in SPECS} | dict.fromkeys(hf_runs, "eager")
     requested = {name: workload.useful_tokens(hf_runs[name][0]) if name in hf_runs else useful for name in runs}
     tok_s = {name: spread([t / s for s, t in r]) for name, r in runs.items()}
@@ -281,7 +283,7 @@ def main() -> None:
     if "hf single" in runs and len(hf_runs["hf single"][0]) < n:
         print(f"(hf single ran the first {len(hf_runs['hf single'][0])} requests only; its tok/s is from that subset)")
     for name, s in settings.items():
-        print(f"  {name}: {s}; compile: {procs[name].started.get('compile_route')}")
+        print(f"  {name}: {s}; compile: {started[name].get('compile_route')}")
 
     print()
     ratios = {}
@@ -342,7 +344,7 @@ def main() -> None:
                                   verdicts.Figure(pair[1]["first_token_s"], dev[1], condition, "vLLM"),
                                   COLD_START_TARGET, at_least=False)
 
-    ov = None if args.skip_overhead else decode_overhead(args)
+    ov = None if args.skip_overhead else workload.decode_overhead(args.model, args.dtype, args.device, args.seed + 1)
     if ov:
         print(f"decode step at batch 32 ({ov['steps']} pure-decode steps): {ov['total_ms']:.2f} ms total, "
               f"{ov['forward_ms']:.2f} ms forward, outside-forward share {100 * ov['share']:.1f}%; "

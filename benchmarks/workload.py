@@ -1,4 +1,5 @@
-"""Fixed-seed synthetic workloads shared by the benchmarks, and running one on a ModelRunner.
+"""Fixed-seed synthetic workloads shared by the benchmarks, running one on a ModelRunner, and the
+step overhead of a pure-decode batch (`decode_overhead`).
 
 A request is a list of prompt token ids (random ids, no text) and the exact number of tokens it
 must produce (EOS is ignored), so every method does the same useful work and the same seed gives
@@ -62,3 +63,26 @@ def run_ours(runner, reqs: list[Request]) -> tuple[float, list[list[int]]]:
 def matches(ids: list[list[int]], ref: list[list[int]]) -> int:
     """How many requests returned exactly the reference's tokens."""
     return sum(a == b for a, b in zip(ids, ref))
+
+
+def decode_overhead(model: str, dtype: str, device: str, seed: int) -> dict:
+    """Mean pure-decode step time at batch 32 (32 requests, prompt 64, 64 outputs), the share of it
+    outside the model forward, and what the step's observer (its metrics record and waste figures)
+    costs per step."""
+    from runner_core import ModelRunner, SamplingParams
+
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    runner = ModelRunner({"model": model, "dtype": dtype, "device": device, "max_num_seqs": 32}).load_model()
+    runner.generate([[5] * 16], [greedy(4)])
+    runner.engine.step_metrics.clear()
+    observer = runner.engine.observer
+    seconds, num_steps = observer.seconds, observer.num_steps
+    reqs = fixed_workload(32, 64, 64, seed=seed, vocab_size=runner.engine.vocab_size)
+    runner.generate([r.prompt_ids for r in reqs], [greedy(r.max_tokens) for r in reqs])
+    steps = [m for m in runner.engine.step_metrics if m.num_prefill_tokens == 0]
+    total, fwd = sum(m.total_s for m in steps), sum(m.forward_s for m in steps)
+    return {"steps": len(steps), "total_ms": 1e3 * total / len(steps), "forward_ms": 1e3 * fwd / len(steps),
+            "share": 1 - fwd / total,
+            "observer_us": 1e6 * (observer.seconds - seconds) / (observer.num_steps - num_steps)}

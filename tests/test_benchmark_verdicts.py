@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 import runner_core.kernels
-from benchmarks import gpu_check, machine
+from benchmarks import gpu_check, machine, throughput
 from benchmarks.cuda_graphs import parity_exit_code
 from benchmarks.engine_client import EngineProcess, EngineSpec, cache_state
 from benchmarks.engine_proc import tree_rss_mib
@@ -127,13 +127,15 @@ def test_an_engine_process_reports_its_start_settings_and_the_tokens_it_returned
     assert proc.proc.returncode is not None
 
 
-def test_a_real_size_preset_runs_fewer_requests_and_skips_the_small_model_extras_unless_asked():
+def test_a_real_size_preset_runs_fewer_requests_one_engine_at_a_time_without_the_small_model_extras():
     small = parse_args([])
-    assert (small.model, small.num_requests, small.skip_hf, small.skip_overhead) == ("small-llama", 64, False, False)
+    assert (small.model, small.num_requests, small.skip_hf, small.skip_overhead, small.one_at_a_time) == \
+        ("small-llama", 64, False, False, False)
     real = parse_args(["--model", "qwen2.5-0.5b", "--dtype", "bfloat16"])
-    assert (real.num_requests, real.skip_hf, real.skip_overhead, real.dtype) == (24, True, True, "bfloat16")
-    asked = parse_args(["--model", "llama-3.2-1b", "--no-skip-hf", "--num-requests", "10"])
-    assert (asked.num_requests, asked.skip_hf, asked.skip_overhead) == (10, False, True)
+    assert (real.num_requests, real.skip_hf, real.skip_overhead, real.one_at_a_time, real.dtype) == \
+        (24, True, True, True, "bfloat16")
+    asked = parse_args(["--model", "llama-3.2-1b", "--no-skip-hf", "--num-requests", "10", "--no-one-at-a-time"])
+    assert (asked.num_requests, asked.skip_hf, asked.skip_overhead, asked.one_at_a_time) == (10, False, True, False)
     assert parse_args(["--model", "qwen2.5-0.5b", "--quick"]).num_requests == 8
     assert parse_args(["--skip-hf"]).skip_hf is True
 
@@ -203,3 +205,31 @@ def test_a_batch1_turn_where_129_tokens_took_no_longer_than_1_is_discarded_not_a
     assert batch1 == {"ours eager": [pytest.approx(50.0)], "vllm compiled": []}
     assert runs["vllm compiled"] == [(1.0, 3)]
     assert "vllm compiled: batch-1 turn discarded (1 token 3.00 s, 129 tokens 2.50 s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("one_at_a_time, most_alive", [(True, 1), (False, 3)])
+def test_one_engine_at_a_time_never_holds_two_engines_and_measures_each(monkeypatch, one_at_a_time, most_alive):
+    """At real sizes four engines' memory does not fit together: with one_at_a_time each engine is
+    started, measured and closed before the next; together, all stay alive for interleaved rounds."""
+    alive, seen = set(), []
+
+    class Tracked(_FakeEngine):
+        def __init__(self, name):
+            super().__init__(0.1, 2.66)
+            self.name, self.started = name, {"device": "cpu"}
+            alive.add(name)
+            seen.append(len(alive))
+
+        def close(self):
+            alive.discard(self.name)
+
+    def start_engines(specs, model_dir, requests_file, tmp, args, errors):
+        return {s.name: Tracked(s.name) for s in specs}, {(s.name, s.mode): {"load_s": 1.0} for s in specs}
+
+    monkeypatch.setattr(throughput.engine_client, "start_engines", start_engines)
+    specs = [s for s in throughput.SPECS if s.name != "vllm compiled"]
+    args = SimpleNamespace(one_at_a_time=one_at_a_time, repeats=2)
+    runs, tokens, batch1, starts, started = throughput.measure(specs, "m", None, None, args, {}, None, [], {},
+                                                               lambda: None)
+    assert max(seen) == most_alive and not alive
+    assert set(runs) == set(batch1) == set(started) == {s.name for s in specs} and len(runs["ours eager"]) == 2
