@@ -280,6 +280,8 @@ class RunnerConfig:
     # image-feature rows the encoder cache keeps (multimodal models); None: max_num_batched_tokens; 0: none
     encoder_cache_tokens: int | None = None
     enforce_eager: bool = False
+    # CPU threads of the steps; None: RUNNER_CORE_THREADS, else adapted to load (engine/threads.py)
+    cpu_threads: int | None = None
     seed: int = 0
 
     def __init__(self, config: RunnerConfig | Mapping[str, Any] | None = None, /, **kwargs: Any):
@@ -336,6 +338,7 @@ class RunnerConfig:
         self.enable_prefix_caching = _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         self.encoder_cache_tokens = _check_int("encoder_cache_tokens", self.encoder_cache_tokens, 0, optional=True)
         self.enforce_eager = _check_bool("enforce_eager", self.enforce_eager)
+        self.cpu_threads = _check_int("cpu_threads", self.cpu_threads, 1, optional=True)
         self.seed = _check_int("seed", self.seed, 0)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(

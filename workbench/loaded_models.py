@@ -62,6 +62,14 @@ class ModelEntry:
         self.memory = self.runner.memory_stats()
         return self.memory
 
+    def threads_line(self) -> str:
+        """The CPU thread choice of the model's engine in words ("" before its engine exists)."""
+        engine = self.runner.engine if self.runner is not None else None
+        info = engine.model_info.get("threads") if engine is not None else None
+        if not info:
+            return ""
+        return f"CPU threads: {info['count']} of {info['usable_cores']} usable cores, {info['policy']} ({info['why']})"
+
     def summary(self) -> dict:
         return {"name": self.name, "model": self.config.model, "status": self.status,
                 "dtype": self.config.dtype, "device": str(self.config.torch_device),

@@ -121,7 +121,9 @@ class SessionWidgets(ViewController, W.VBox):
     def refresh(self) -> None:
         """Copy the session's state into the widgets and charts."""
         s = self.session
-        self.status.value = f"<b>{html.escape(s.status)}</b>"
+        entry = s.models.get(s.active) if s.active else None
+        threads = entry.threads_line() if entry is not None else ""
+        self.status.value = f"<b>{html.escape(s.status)}</b>" + (f" · {html.escape(threads)}" if threads else "")
         self.finished_jobs()
         self.sync_active(self.active)
         if self.handle is not None:

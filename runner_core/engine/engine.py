@@ -20,6 +20,7 @@ from runner_core.engine.output_processor import OutputProcessor
 from runner_core.engine.scheduler import Scheduler
 from runner_core.engine.sequence import RequestOutput, Sequence
 from runner_core.engine.step_metrics import StepObserver, StepTimes
+from runner_core.engine.threads import ThreadTuner
 from runner_core.engine.worker import Executor, LocalExecutor, Worker
 from runner_core.errors import EngineBusyError, InvalidRequestError, WorkerError
 from runner_core.kernels import kernel_info
@@ -68,6 +69,9 @@ class LLMEngine:
             "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
             # the native CPU kernels' instruction-set tier, why it was chosen, and the tiers this CPU runs
             "cpu_kernels": kernel_info() if worker.device.type == "cpu" else None}
+        # the CPU threads of the steps: how many, why (explicit, or adapted to load: engine/threads.py)
+        self.threads = ThreadTuner.for_engine(config.cpu_threads, worker.device, config.world_size)
+        self.model_info["threads"] = self.threads.info()
         torch.manual_seed(config.seed)
 
     @property
@@ -139,6 +143,7 @@ class LLMEngine:
                    for s in sched.rejected]
         if sched.is_empty:
             return outputs
+        self.threads.before_step()
         batch, ordered = StepBatch.build(sched.scheduled)
         seqs = [ordered[i] for i in batch.sample_rows]
         scheduled = time.perf_counter()
@@ -166,8 +171,11 @@ class LLMEngine:
         if sampled is not None:
             outputs += self._append_tokens(seqs, sampled)
         num_finished = sum(o.finished for o in outputs)  # a request's final output comes once
+        end = time.perf_counter()
+        if self.threads.after_step(len(batch.token_ids), batch.num_prefill_tokens > 0, end - start):
+            self.model_info["threads"] = self.threads.info()
         self.observer.on_step(sched, batch, len(seqs), num_finished,
-                              StepTimes(start=start, scheduled=scheduled, executed=executed, end=time.perf_counter(),
+                              StepTimes(start=start, scheduled=scheduled, executed=executed, end=end,
                                         prepare_s=prepare_s), expert_counts)
         return outputs
 
@@ -254,6 +262,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.threads.close()
 
 
 def _dtype_reason(config: RunnerConfig) -> str:
