@@ -12,7 +12,7 @@ PORT ?= 5006
 BINDER_VENV ?= build/binder-venv
 BINDER_CACHE ?= build/binder-cache
 
-.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-poll bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-peers soak fuzz lesson-screenshots clean
+.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-poll bench-contention bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-peers soak fuzz lesson-screenshots clean
 
 setup: $(STAMP)
 
@@ -111,6 +111,10 @@ bench-memory: setup
 
 bench-poll: setup
 	$(PY) benchmarks/session_poll.py
+
+# throughput idle and beside one busy process, torch's default threads vs the adaptive count
+bench-contention: setup
+	$(PY) benchmarks/contention.py
 
 bench-compile: setup
 	$(PY) benchmarks/compile.py
