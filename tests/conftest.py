@@ -26,8 +26,11 @@ def tiny_llama_path() -> Path:
 
 
 def pytest_generate_tests(metafunc):
-    """A test taking the `tier` fixture runs once per kernel tier this CPU runs, its id naming the tier."""
-    if "tier" in metafunc.fixturenames:
+    """A test taking the `tier` fixture runs once per kernel tier this CPU runs, its id naming the tier
+    (a test parametrizing its own `tier` argument keeps its values)."""
+    own = {name.strip() for mark in metafunc.definition.iter_markers("parametrize")
+           for name in (mark.args[0].split(",") if isinstance(mark.args[0], str) else mark.args[0])}
+    if "tier" in metafunc.fixturenames and "tier" not in own:
         from runner_core.kernels import kernel_tiers
 
         metafunc.parametrize("tier", kernel_tiers() or ["kernels-off"], indirect=True)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from runner_core import ModelRunner, kernels
 from runner_core.config import RunnerConfig, auto_dtype
 from runner_core.errors import ConfigError
+from tests.helpers import native_kernels_off
 
 DEFAULTS = {
     "model": "tiny-llama",
@@ -242,6 +243,24 @@ def test_auto_dtype_with_kernels_follows_their_tier_and_the_checkpoint(no_cuda, 
     config = RunnerConfig(model=str(tmp_path))
     assert config.torch_dtype is getattr(torch, expected)
     assert config.auto_dtype()[1].startswith(why), config.auto_dtype()
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "float32"])
+def test_auto_dtype_on_each_kernel_tier_this_cpu_runs(no_cuda, monkeypatch, tmp_path, tier, stored):
+    """The kernels themselves (not a stand-in) on each tier, on a CPU whose torch has no native bfloat16
+    matmuls: a bfloat16 checkpoint stays bfloat16 on every tier and the reason names the tier; a float32
+    one stays float32 unless the tier multiplies bfloat16 natively; with the kernels off both are float32."""
+    monkeypatch.delenv("RUNNER_CORE_CPU_BF16", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": stored}))
+    dtype, why = RunnerConfig(model=str(tmp_path)).auto_dtype()
+    assert dtype == ("bfloat16" if stored == "bfloat16" or tier == "avx512-bf16" else "float32")
+    assert why.startswith(f"the checkpoint is bfloat16 and the {tier} kernels read it as bfloat16"
+                          if stored == "bfloat16" and tier != "avx512-bf16" else f"the {tier} kernels"), why
+    with native_kernels_off():
+        dtype, why = RunnerConfig(model=str(tmp_path)).auto_dtype()
+    assert (dtype, why.split(",")[0]) == ("float32", "no native kernels")
 
 
 def test_a_bad_bf16_override_is_refused_with_the_allowed_values(no_cuda, monkeypatch):
