@@ -6,6 +6,7 @@ import plotly.graph_objects as go
 import pytest
 
 import workbench
+from runner_core.kernels import kernel_tier, use_kernel_tier
 from workbench import Session
 from workbench.widgets import SessionWidgets
 
@@ -35,6 +36,7 @@ def test_widgets_drive_the_session(ui):
     assert list(s.models) == ["tiny-llama"] and s.active == "tiny-llama"
     assert ui.active.options == ("tiny-llama",) and ui.active.value == "tiny-llama"
     assert "idle" in ui.status.value
+    assert f"CPU kernels: {kernel_tier()} (" in ui.status.value
 
     ui.max_tokens.value = 0
     ui.generate_button.click()
@@ -68,6 +70,26 @@ def test_widgets_drive_the_session(ui):
     ui.unload_button.click()
     ui.wait(30)
     assert s.models == {} and ui.active.options == () and "no model loaded" in ui.status.value
+
+
+def test_both_dashboards_show_the_kernel_tier_the_model_runs_on(tiny_llama_path):
+    """A model loaded on a lower tier than this CPU's highest: both dashboards name that tier and why."""
+    from workbench.panel_app import SessionDashboard
+
+    session = Session()
+    try:
+        with use_kernel_tier("plain"):
+            session.load_model(str(tiny_llama_path), name="tiny", dtype="float32", kv_cache_memory=4 << 20)
+        line = "CPU kernels: plain (set_kernel_tier(&#x27;plain&#x27;))"  # HTML-escaped
+        widgets = SessionWidgets(session, auto_refresh=False)
+        widgets.refresh()
+        assert line in widgets.status.value
+        dashboard = SessionDashboard(session)
+        dashboard.refresh()
+        assert line in dashboard.models_md.object
+        widgets.close()
+    finally:
+        session.close()
 
 
 def test_an_uploaded_image_goes_with_the_prompt(tmp_path):

@@ -62,13 +62,26 @@ class ModelEntry:
         self.memory = self.runner.memory_stats()
         return self.memory
 
+    def _engine_info(self, key: str):
+        """model_info[key] of the model's engine (None before its engine exists)."""
+        engine = self.runner.engine if self.runner is not None else None
+        return engine.model_info.get(key) if engine is not None else None
+
     def threads_line(self) -> str:
         """The CPU thread choice of the model's engine in words ("" before its engine exists)."""
-        engine = self.runner.engine if self.runner is not None else None
-        info = engine.model_info.get("threads") if engine is not None else None
+        info = self._engine_info("threads")
         if not info:
             return ""
         return f"CPU threads: {info['count']} of {info['usable_cores']} usable cores, {info['policy']} ({info['why']})"
+
+    def kernels_line(self) -> str:
+        """The native CPU kernels' tier the engine loaded with, and why ("" before it exists, or off the CPU)."""
+        info = self._engine_info("cpu_kernels")
+        return f"CPU kernels: {info['tier']} ({info['why']})" if info else ""
+
+    def engine_lines(self) -> list[str]:
+        """What the dashboards show under the model: its CPU threads and kernel tier (those that apply)."""
+        return [line for line in (self.threads_line(), self.kernels_line()) if line]
 
     def summary(self) -> dict:
         return {"name": self.name, "model": self.config.model, "status": self.status,

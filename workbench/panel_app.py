@@ -223,7 +223,7 @@ class SessionDashboard(ViewController):
         lines = [f"- **{html.escape(e.name)}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB, "
                  f"KV {e.kv_pool_bytes / 2**20:.1f} MiB, "
                  f"{'compiled ' + str(e.compile.get('backend')) if e.compile.get('enabled') else 'eager'}"
-                 + (f"<br>{html.escape(e.threads_line())}" if e.threads_line() else "")
+                 + "".join(f"<br>{html.escape(line)}" for line in e.engine_lines())
                  for e in models.values()]
         text = "\n".join(lines) or "_no model loaded_"
         if self.models_md.object != text:

@@ -122,8 +122,8 @@ class SessionWidgets(ViewController, W.VBox):
         """Copy the session's state into the widgets and charts."""
         s = self.session
         entry = s.models.get(s.active) if s.active else None
-        threads = entry.threads_line() if entry is not None else ""
-        self.status.value = f"<b>{html.escape(s.status)}</b>" + (f" · {html.escape(threads)}" if threads else "")
+        lines = entry.engine_lines() if entry is not None else []
+        self.status.value = f"<b>{html.escape(s.status)}</b>" + "".join(f" · {html.escape(line)}" for line in lines)
         self.finished_jobs()
         self.sync_active(self.active)
         if self.handle is not None:
