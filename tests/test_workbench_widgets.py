@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+
 import plotly.graph_objects as go
 import pytest
 
@@ -72,24 +74,20 @@ def test_widgets_drive_the_session(ui):
     assert s.models == {} and ui.active.options == () and "no model loaded" in ui.status.value
 
 
-def test_both_dashboards_show_the_kernel_tier_the_model_runs_on(tiny_llama_path):
+def test_both_dashboards_show_the_kernel_tier_the_model_runs_on(ui, tiny_llama_path):
     """A model loaded on a lower tier than this CPU's highest: both dashboards name that tier and why."""
     from workbench.panel_app import SessionDashboard
 
-    session = Session()
+    with use_kernel_tier("plain"):
+        ui.session.load_model(str(tiny_llama_path), name="on-plain", kv_cache_memory=4 << 20)
     try:
-        with use_kernel_tier("plain"):
-            session.load_model(str(tiny_llama_path), name="tiny", dtype="float32", kv_cache_memory=4 << 20)
-        line = "CPU kernels: plain (set_kernel_tier(&#x27;plain&#x27;))"  # HTML-escaped
-        widgets = SessionWidgets(session, auto_refresh=False)
-        widgets.refresh()
-        assert line in widgets.status.value
-        dashboard = SessionDashboard(session)
-        dashboard.refresh()
-        assert line in dashboard.models_md.object
-        widgets.close()
+        ui.refresh()
+        panel = SessionDashboard(ui.session)
+        panel.refresh()
+        line = html.escape("CPU kernels: plain (set_kernel_tier('plain'))")
+        assert line in ui.status.value and line in panel.models_md.object
     finally:
-        session.close()
+        ui.session.unload("on-plain")
 
 
 def test_an_uploaded_image_goes_with_the_prompt(tmp_path):
