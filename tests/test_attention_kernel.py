@@ -27,7 +27,7 @@ CASES = {"decode": [(0, 1), (4, 1), (16, 1), (32, 1), (3, 1)],
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("window", [None, 7])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_native_kernel_matches_gather_path(tier, case, window, dtype):
     torch.manual_seed(0)
     heads, kv_heads, head_dim, block_size, num_blocks = 8, 2, 32, 4, 64
@@ -55,7 +55,9 @@ def test_native_kernel_matches_gather_path(tier, case, window, dtype):
         attn.kv_cache = cache.clone()
         with set_forward_context(meta, True):
             results.append(attn(q, k_new, v_new))
-    tol = dict(atol=2e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    # bfloat16 and float16 outputs (up to ~2.6) differ by one unit in the last place (measured); bounds ~2 units
+    tol = {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float16: dict(atol=2e-3, rtol=1e-3)}.get(
+        dtype, dict(atol=1e-5, rtol=1e-5))
     torch.testing.assert_close(results[1].float(), results[0].float(), **tol)
 
 
