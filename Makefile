@@ -12,7 +12,7 @@ PORT ?= 5006
 BINDER_VENV ?= build/binder-venv
 BINDER_CACHE ?= build/binder-cache
 
-.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-poll bench-contention bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-peers soak fuzz lesson-screenshots clean
+.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-poll bench-contention bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-kernels bench-peers soak fuzz lesson-screenshots clean
 
 setup: $(STAMP)
 
@@ -133,6 +133,11 @@ bench-parallel: setup
 # model families side by side: MoE (the fused experts, tiny-mixtral, small-qwen3-moe vs transformers), the transformers fallback vs the native adapter
 bench-models: setup
 	$(PY) benchmarks/models.py
+
+# the native kernels against torch's (MKL / oneDNN held to the same instruction set) per kernel tier this CPU runs:
+# GEMM at the real presets' layer shapes and decode attention, with the memory bandwidth
+bench-kernels: setup
+	$(PY) benchmarks/kernels.py
 
 clean:
 	rm -rf $(VENV) $(PEERS) build *.egg-info
