@@ -35,6 +35,11 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a script, this folder is sys.path[0], and its modules (kernels.py, models.py, ...) would shadow
+# packages of those names that an engine imports (transformers imports `kernels` when it is found).
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]
+
 
 class OursEngine:
     def __init__(self, args):

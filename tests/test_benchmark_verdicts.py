@@ -233,3 +233,15 @@ def test_one_engine_at_a_time_never_holds_two_engines_and_measures_each(monkeypa
                                                                lambda: None)
     assert max(seen) == most_alive and not alive
     assert set(runs) == set(batch1) == set(started) == {s.name for s in specs} and len(runs["ours eager"]) == 2
+
+
+def test_an_engine_process_does_not_see_the_benchmark_modules_as_packages():
+    """engine_proc.py runs as a script, with benchmarks/ first on sys.path: a sibling module there
+    (kernels.py, machine.py, ...) would shadow an installed package of that name (vLLM failed to start
+    when transformers imported benchmarks/kernels.py as the `kernels` package)."""
+    here = Path(throughput.__file__).parent
+    probe = (f"import importlib.util, runpy, sys; sys.path.insert(0, {str(here)!r}); "
+             f"runpy.run_path({str(here / 'engine_proc.py')!r}, run_name='engine_proc'); "
+             "print(importlib.util.find_spec('machine'))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"
