@@ -6,6 +6,7 @@ façade), `model_loader` (ModelLoader), `engine/` (ForwardPass and the step loop
 (ModelAdapterRegistry); `layers/` and `kernels/` are their building blocks. ARCHITECTURE.md maps them.
 """
 
+from runner_core import openmp_env  # noqa: F401  (first: OpenMP's wait policy is read when torch loads)
 from runner_core.config import RunnerConfig, project_version
 from runner_core.engine import RequestOutput
 from runner_core.errors import (

@@ -4,6 +4,11 @@ and greedy tokens unchanged while it adapts."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -146,6 +151,22 @@ def test_bad_environment_value_is_refused(monkeypatch, raw):
     monkeypatch.setenv(threads.ENV_THREADS, raw)
     with pytest.raises(ConfigError, match=rf"RUNNER_CORE_THREADS='{raw}'.*an int >= 1.*fix or unset it"):
         explicit_threads(None)
+
+
+@pytest.mark.parametrize("user_env, first, spincount, policy", [
+    ({}, "", "0", "passive"),  # runner_core first: waiting threads sleep
+    ({"OMP_WAIT_POLICY": "active"}, "", "30000000000", "active"),  # the user's choice stands
+    ({}, "import torch; ", "300000", "torch was loaded before runner_core: set OMP_WAIT_POLICY=passive"),
+])
+def test_openmp_threads_wait_passively_unless_the_user_chose(user_env, first, spincount, policy):
+    """What libgomp itself read when torch loaded (its verbose environment display), and what
+    model_info's threads report says."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(user_env, OMP_DISPLAY_ENV="verbose")
+    code = first + "import runner_core.engine.threads as t; print(t.wait_policy())"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert re.search(r"GOMP_SPINCOUNT = '(\d+)'", run.stderr).group(1) == spincount
+    assert policy in run.stdout
 
 
 def test_bad_config_value_is_refused():

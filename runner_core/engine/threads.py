@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from runner_core.errors import ConfigError
+from runner_core.openmp_env import TORCH_LOADED_FIRST
 
 ENV_THREADS = "RUNNER_CORE_THREADS"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -91,9 +92,14 @@ def explicit_threads(config_value: int | None) -> tuple[int | None, str]:
 
 
 def wait_policy() -> str:
-    """OpenMP's wait policy as this process's environment states it (libgomp reads it once, when torch loads)."""
-    policy = os.environ.get("OMP_WAIT_POLICY")
-    return policy.lower() if policy else "default (threads spin a while at each barrier, then sleep)"
+    """OpenMP's wait policy in effect: libgomp read it when torch loaded (runner_core/openmp_env.py
+    sets passive first unless the user chose, or torch was loaded before runner_core)."""
+    policy, spins = os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
+    if policy or spins:
+        return " ".join(x for x in ((policy or "").lower(), f"(GOMP_SPINCOUNT={spins})" if spins else "") if x)
+    fix = "; torch was loaded before runner_core: set OMP_WAIT_POLICY=passive before Python starts"
+    return "spinning (libgomp's default: waiting threads spin up to 300,000 iterations)" + (
+        fix if TORCH_LOADED_FIRST else "")
 
 
 def candidate_counts(usable: int) -> list[int]:
