@@ -357,10 +357,10 @@ struct F32 {
 
 struct BF16 {
   using E = uint16_t;
-  using X = uint16_t;
+  using X = float;
   static constexpr int64_t K_PER_STEP = 2;
-  static void step(const uint16_t* x, const uint16_t* p, float* acc) {
-    const float a0 = bf16_to_float(x[0]), a1 = bf16_to_float(x[1]);
+  static void step(const float* x, const uint16_t* p, float* acc) {
+    const float a0 = x[0], a1 = x[1];
 #pragma omp simd
     for (int64_t c = 0; c < NR; ++c) acc[c] += a0 * bf16_to_float(p[2 * c]) + a1 * bf16_to_float(p[2 * c + 1]);
   }
