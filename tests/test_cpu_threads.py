@@ -87,7 +87,7 @@ def test_adaptive_picks_the_faster_count_and_follows_a_change_of_load():
     fake = FakeTorch(2)
     tuner = fake.tuner(2)
     assert tuner.info()["policy"] == "adaptive" and tuner.candidates == [2, 1]
-    assert any(fake.steps(tuner, {2: 1e-3, 1: 2e-3}, 4))  # idle: two threads twice as fast
+    assert any(fake.steps(tuner, {2: 1e-3, 1: 2e-3}, 8))  # idle: two threads twice as fast
     assert tuner.count == 2 and not tuner.exploring and "2 threads ran 2.00x as fast" in tuner.why
     assert set(fake.sets) == {1, 2}  # both counts ran real steps
     fake.steps(tuner, {2: 1e-3, 1: 2e-3}, 20)
@@ -103,13 +103,13 @@ def test_recheck_after_its_interval_which_grows_while_the_choice_holds():
     fake = FakeTorch(2)
     tuner = fake.tuner(2, recheck_s=5.0, max_recheck_s=20.0)
     timings = {2: 1e-3, 1: 3e-3}
-    fake.steps(tuner, timings, 4)
+    fake.steps(tuner, timings, 8)
     assert tuner.decisions == 1 and tuner.recheck_s == 5.0
     for expected in (10.0, 20.0, 20.0):
         fake.now += tuner.recheck_s + 1
         fake.steps(tuner, timings, 1)
         assert tuner.exploring  # the interval passed: every count is timed again
-        fake.steps(tuner, timings, 4)
+        fake.steps(tuner, timings, 8)
         assert not tuner.exploring and tuner.count == 2 and tuner.recheck_s == expected
 
 
@@ -118,8 +118,8 @@ def test_steps_are_compared_like_with_like():
     fake = FakeTorch(2)
     tuner = fake.tuner(2)
     fake.steps(tuner, {2: 1.0, 1: 1.0}, 1, tokens=200, prompt=True)  # slow per token, at 2 threads only
-    fake.steps(tuner, {2: 1e-3, 1: 4e-3}, 3)
-    assert tuner.count == 2 and "over the last 3 timed steps" in tuner.why
+    fake.steps(tuner, {2: 1e-3, 1: 4e-3}, 7)
+    assert tuner.count == 2 and "over the last 5 timed steps" in tuner.why
 
 
 def test_candidates_halve_down_to_one():

@@ -130,7 +130,7 @@ class ThreadTuner:
         self.min_recheck_s, self.max_recheck_s, self.recheck_s = recheck_s, max_recheck_s, recheck_s
         self.rounds, self.log_drift = rounds, math.log(drift)
         self.decisions = 0
-        self._plan: list[int] = []
+        self._plan: list[tuple[int, bool]] = []  # (count, timed) of the coming steps while exploring
         self._samples: dict[tuple, dict[int, list[float]]] = {}
         self._baseline: dict[tuple, float] = {}
         self._drift = 0.0
@@ -173,7 +173,7 @@ class ThreadTuner:
     # ---- the step loop's two calls --------------------------------------------------------------
     def before_step(self) -> None:
         """Set torch's thread count for the coming step (on the calling thread: OpenMP's count is per thread)."""
-        want = self._plan[0] if self._plan else self.count
+        want = self._plan[0][0] if self._plan else self.count
         if want is not None and self._get() != want:
             if self.restore_to is None:
                 self.restore_to = self._get()
@@ -187,7 +187,9 @@ class ThreadTuner:
         key = (has_prompt_tokens, num_tokens.bit_length())
         per_token = seconds / num_tokens
         if self._plan:
-            self._samples.setdefault(key, {}).setdefault(self._plan.pop(0), []).append(per_token)
+            count, timed = self._plan.pop(0)
+            if timed:
+                self._samples.setdefault(key, {}).setdefault(count, []).append(per_token)
             return not self._plan and self._decide()
         base = self._baseline.get(key)
         if base:
@@ -198,19 +200,21 @@ class ThreadTuner:
 
     # ---- choosing ---------------------------------------------------------------------------------
     def _explore(self) -> None:
-        """Plan the next steps: every candidate count `rounds` times, the order reversed each round
-        (ABBA), so that a slow drift of the machine's speed affects every count alike."""
-        plan = []
+        """Plan the next steps: every candidate count for two steps, `rounds` times, the order reversed
+        each round (AABBBBAA), so that a slow drift of the machine's speed affects every count alike;
+        the first step after a change of count is not timed (it pays for the change)."""
+        counts = []
         for r in range(self.rounds):
-            plan += self.candidates if r % 2 == 0 else self.candidates[::-1]
-        self._plan, self._samples, self._drift = plan, {}, 0.0
+            counts += [c for c in (self.candidates if r % 2 == 0 else self.candidates[::-1]) for _ in range(2)]
+        before = [self.count, *counts[:-1]]
+        self._plan, self._samples, self._drift = [(c, c == b) for c, b in zip(counts, before)], {}, 0.0
 
     def _decide(self) -> bool:
-        """The count with the lowest time per token over the step kinds every count ran; True if it changed."""
+        """Keep the count with the lowest time per token over the step kinds every count ran; True once decided."""
         complete = {k: v for k, v in self._samples.items() if len(v) == len(self.candidates)}
         if not complete:
             if sum(len(x) for v in self._samples.values() for x in v.values()) < 4 * self.rounds * len(self.candidates):
-                self._plan = self.candidates[:]  # the steps changed kind; time each count again
+                self._plan = [(c, True) for c in self.candidates]  # the steps changed kind; time each again
                 return False
             self._decided_at = self._clock()
             return False
