@@ -1,18 +1,23 @@
 """Contention benchmark: throughput on the idle machine and beside one competing busy process.
 
-Two runners of one model in this process: "fixed" runs every step on torch's default thread count
-(cpu_threads set to it), "adaptive" leaves cpu_threads unset (runner_core/engine/threads.py: the
-count timed on the engine's own steps and re-checked). Each round runs the workload (greedy, EOS
-ignored; benchmarks/workload.py make_workload) on each runner idle and then beside a busy process (a
-Python loop this script starts and kills after the run), the runners' order alternating between
-rounds. Reported per runner and load: useful tokens/s, median and range over the rounds; the ratio
-busy / idle of each runner and adaptive / fixed beside the busy process; the thread count the adaptive
-runner ended on. Target (reported, never enforced): beside one busy process, throughput >= 50% of the
-idle machine's. "Idle" means no process of ours competes: other users of a shared machine still do
-(the load average is printed). OpenMP's wait policy is read when torch loads: set OMP_WAIT_POLICY
-before running to compare policies. The last stdout line is one JSON object with every figure.
+Three settings, each in a fresh process per round (OpenMP's wait policy is read when torch loads):
+  spinning   torch's default thread count, fixed, and libgomp's default wait (waiting threads spin
+             300,000 iterations: GOMP_SPINCOUNT=300000): what ran before runner_core chose either
+  passive    torch's default thread count, fixed, OpenMP threads waiting passively (runner_core's
+             default wait policy, runner_core/openmp_env.py)
+  adaptive   runner_core's defaults: passive wait and the thread count adapted to load from the
+             engine's own steps (runner_core/engine/threads.py)
+Each process loads the model, runs the workload once to warm up, then once idle and once beside a busy
+process (a Python loop it starts and kills after the run); the settings' order and idle/busy order
+alternate between rounds. The workload: benchmarks/workload.py make_workload (greedy, EOS ignored).
+Reported per model, setting and load: useful tokens/s, median and range over the rounds; each
+setting's busy / idle (the medians); every setting against spinning; the adaptive runner's thread
+count after each run. Target (reported, never enforced): beside one busy process, throughput >= 50%
+of the idle machine's. "Idle" means no process of ours competes: other users of a shared machine still
+do (the load average is printed). The last stdout line is one JSON object with every figure.
 
-Run:  make bench-contention    or    .venv/bin/python benchmarks/contention.py [--model small-llama] [--rounds 3]
+Run:  make bench-contention    or
+      .venv/bin/python benchmarks/contention.py [--models small-llama --requests 4] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -25,10 +30,7 @@ import subprocess
 import sys
 import time
 
-import torch
-
-from runner_core import ModelRunner
-from runner_core.engine.threads import wait_policy
+import runner_core  # noqa: F401  (before torch: runner_core sets OpenMP's wait policy as torch loads)
 
 try:  # run as a script: benchmarks/ is on sys.path
     import machine
@@ -37,90 +39,112 @@ except ImportError:  # run as `python -m benchmarks.contention`
     from benchmarks import machine, workload
 
 BUSY_TARGET = 0.5  # busy throughput / idle throughput
+SETTINGS = {"spinning": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "adaptive": {}}
+LOADS = ("idle", "busy")
 
 
-def busy_process() -> subprocess.Popen:
-    """A competing process that keeps one core busy until killed."""
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    time.sleep(0.2)  # running before the workload starts
-    return proc
+# ---- the child: one setting, one round ------------------------------------------------------------
+def child(spec: dict) -> dict:
+    import torch
+
+    from runner_core import ModelRunner
+
+    fixed = {} if spec["setting"] == "adaptive" else {"cpu_threads": torch.get_num_threads()}
+    runner = ModelRunner({"model": spec["model"], "device": "cpu", "dtype": spec["dtype"]}, **fixed).load_model()
+    info = runner.model_info()
+    max_len = min(info["max_model_len"], 512)
+    reqs = workload.make_workload(spec["requests"], vocab_size=info["vocab_size"],
+                                  prompt_len=(8, max_len // 4), output_len=(16, max_len // 4))
+    workload.run_ours(runner, reqs)  # warm-up; the adaptive runner's first choice
+    out = {"dtype": info["dtype"], "useful_tokens": workload.useful_tokens(reqs), "threads": info["threads"]}
+    for load in spec["loads"]:
+        competitor = None
+        if load == "busy":
+            competitor = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            time.sleep(0.2)  # running before the workload starts
+        try:
+            seconds, _ = workload.run_ours(runner, reqs)
+        finally:
+            if competitor is not None:
+                competitor.kill()
+                competitor.wait()
+        out[load] = workload.useful_tokens(reqs) / seconds
+        out[f"{load}_threads"] = runner.model_info()["threads"]["count"]
+    out["threads_why"] = runner.model_info()["threads"]["why"]
+    runner.shutdown()
+    return out
 
 
-def run_once(runner: ModelRunner, reqs: list, busy: bool) -> float:
-    """Useful tokens/s of one run of the workload, beside a busy process or not."""
-    competitor = busy_process() if busy else None
-    try:
-        seconds, _ = workload.run_ours(runner, reqs)
-    finally:
-        if competitor is not None:
-            competitor.kill()
-            competitor.wait()
-    return workload.useful_tokens(reqs) / seconds
+def run_child(spec: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(SETTINGS[spec["setting"]])
+    res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
+                         text=True)
+    lines = [x for x in res.stdout.splitlines() if x.startswith("CHILD ")]
+    if res.returncode or not lines:
+        raise RuntimeError(f"the {spec['setting']} run failed:\n{res.stderr[-3000:]}")
+    return json.loads(lines[-1][len("CHILD "):])
 
 
-def summarise(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+# ---- the parent --------------------------------------------------------------------------------------
+def bench_model(model: str, args) -> dict:
+    runs = {s: [] for s in SETTINGS}
+    for r in range(args.rounds):
+        for setting in (list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]):
+            spec = {"model": model, "dtype": args.dtype, "requests": args.requests, "setting": setting,
+                    "loads": list(LOADS) if r % 2 == 0 else list(LOADS)[::-1]}
+            res = run_child(spec)
+            runs[setting].append(res)
+            print(f"  round {r + 1} {setting:9s} idle {res['idle']:7.1f} tok/s ({res['idle_threads']} threads), "
+                  f"busy {res['busy']:7.1f} tok/s ({res['busy_threads']} threads)", flush=True)
+    first = runs["adaptive"][0]
+    fig = {"model": model, "dtype": first["dtype"], "useful_tokens": first["useful_tokens"],
+           "usable_cores": first["threads"]["usable_cores"], "usable_why": first["threads"]["usable_why"],
+           "wait_policy": {s: results[0]["threads"]["omp_wait_policy"] for s, results in runs.items()}}
+    print(f"{model} ({first['dtype']}), {args.requests} requests, {first['useful_tokens']} useful tokens; usable "
+          f"cores {fig['usable_cores']} ({fig['usable_why']}); OpenMP wait: {fig['wait_policy']}; useful tok/s, "
+          f"median [min-max] of {args.rounds}:")
+    for setting, results in runs.items():
+        for load in LOADS:
+            values = [x[load] for x in results]
+            fig[f"{setting}_{load}"] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        ratio = fig[f"{setting}_busy_over_idle"] = fig[f"{setting}_busy"]["median"] / fig[f"{setting}_idle"]["median"]
+        verdict = "meets" if ratio >= BUSY_TARGET else "misses"
+        print(f"  {setting:9s} " + ", ".join(f"{load} {fig[f'{setting}_{load}']['median']:7.1f} "
+                                            f"[{fig[f'{setting}_{load}']['min']:.1f}-{fig[f'{setting}_{load}']['max']:.1f}]"
+                                            for load in LOADS)
+              + f"; busy / idle {ratio:.2f} ({verdict} the target >= {BUSY_TARGET:.2f})")
+    for setting in ("passive", "adaptive"):
+        for load in LOADS:
+            fig[f"{setting}_over_spinning_{load}"] = (fig[f"{setting}_{load}"]["median"]
+                                                      / fig[f"spinning_{load}"]["median"])
+        print(f"  {setting} / spinning: idle {fig[f'{setting}_over_spinning_idle']:.2f}x, "
+              f"busy {fig[f'{setting}_over_spinning_busy']:.2f}x")
+    fig["adaptive_threads"] = [f"{load}:{x[f'{load}_threads']}" for x in runs["adaptive"] for load in LOADS]
+    fig["adaptive_busy_over_spinning_idle"] = fig["adaptive_busy"]["median"] / fig["spinning_idle"]["median"]
+    print(f"  adaptive's thread count after each run: {' '.join(fig['adaptive_threads'])}; its last reason: "
+          f"{runs['adaptive'][-1]['threads_why']}")
+    return fig
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny-speaker", help="a preset or model directory (default tiny-speaker)")
+    ap.add_argument("--models", default="tiny-speaker", help="comma-separated presets or model directories")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
-
+    if args.child:
+        print("CHILD " + json.dumps(child(json.loads(args.child))), flush=True)
+        return
     info = machine.machine_info("cpu")
-    default_threads = torch.get_num_threads()
-    base = {"model": args.model, "device": "cpu", "dtype": args.dtype}
-    runners = {"fixed": ModelRunner(base, cpu_threads=default_threads).load_model(),
-               "adaptive": ModelRunner(base).load_model()}
-    model = runners["adaptive"].model_info()
-    max_len = min(model["max_model_len"], 512)
-    reqs = workload.make_workload(args.requests, vocab_size=model["vocab_size"],
-                                  prompt_len=(8, max_len // 4), output_len=(8, max_len // 8))
-    threads = model["threads"]
     print(machine.describe(info))
-    print(f"model {args.model} ({model['dtype']}), {len(reqs)} requests, {workload.useful_tokens(reqs)} useful "
-          f"tokens; torch's default threads {default_threads}; usable cores {threads['usable_cores']} "
-          f"({threads['usable_why']}); OpenMP wait policy {wait_policy()}; load average before "
-          f"{os.getloadavg()[0]:.2f}")
-    for runner in runners.values():
-        workload.run_ours(runner, reqs)  # warm-up: first-call costs out of the figures
-
-    rates = {(name, load): [] for name in runners for load in ("idle", "busy")}
-    ended_on = []
-    for r in range(args.rounds):
-        for name in (list(runners) if r % 2 == 0 else list(runners)[::-1]):
-            for load in ("idle", "busy"):
-                rate = run_once(runners[name], reqs, load == "busy")
-                rates[name, load].append(rate)
-                count = runners[name].model_info()["threads"]["count"]
-                if name == "adaptive":
-                    ended_on.append(f"{load}:{count}")
-                print(f"  round {r + 1}: {name:8s} {load}: {rate:8.1f} tok/s ({count} threads)", flush=True)
-
-    figures = {"machine": info, "model": args.model, "dtype": model["dtype"], "requests": len(reqs),
-               "default_threads": default_threads, "usable_cores": threads["usable_cores"],
-               "omp_wait_policy": wait_policy(), "adaptive_threads": ended_on,
+    print(f"load average before: {os.getloadavg()[0]:.2f} (other processes on this machine)")
+    figures = {"machine": info, "rounds": args.rounds, "load_average_before": os.getloadavg()[0],
+               "models": [bench_model(m, args) for m in args.models.split(",")],
                "load_average_after": os.getloadavg()[0]}
-    print(f"useful tok/s, median [min-max] of {args.rounds} rounds ({machine.run_tag(info)}):")
-    for (name, load), values in rates.items():
-        s = figures[f"{name}_{load}"] = summarise(values)
-        print(f"  {name:8s} {load}: {s['median']:8.1f} [{s['min']:.1f}-{s['max']:.1f}]")
-    for name in runners:
-        ratio = figures[f"{name}_busy_over_idle"] = (figures[f"{name}_busy"]["median"]
-                                                     / figures[f"{name}_idle"]["median"])
-        verdict = "meets" if ratio >= BUSY_TARGET else "misses"
-        print(f"  {name}: busy / idle {ratio:.2f} ({verdict} the target >= {BUSY_TARGET:.2f})")
-    for load in ("idle", "busy"):
-        ratio = figures[f"adaptive_over_fixed_{load}"] = (figures[f"adaptive_{load}"]["median"]
-                                                          / figures[f"fixed_{load}"]["median"])
-        print(f"  adaptive / fixed {load}: {ratio:.2f}")
-    print(f"  adaptive's thread count after each run: {' '.join(ended_on)}; now: "
-          f"{runners['adaptive'].model_info()['threads']['why']}")
-    for runner in runners.values():
-        runner.shutdown()
+    print(f"load average after: {figures['load_average_after']:.2f}; {machine.run_tag(info)}")
     print(json.dumps(figures))
 
 
