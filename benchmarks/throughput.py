@@ -188,6 +188,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats got {args.repeats}; it must be >= 1 (3 or more gives a median and a range)")
+    if args.kv_cache_gib < 1:
+        ap.error(f"--kv-cache-gib got {args.kv_cache_gib}; it must be >= 1 (vLLM sizes its CPU KV cache in whole GiB)")
     real = args.model in REAL_SIZE_PRESETS
     args.num_requests = args.num_requests or (8 if args.quick else REAL_SIZE_REQUESTS if real else 64)
     args.skip_hf = real if args.skip_hf is None else args.skip_hf

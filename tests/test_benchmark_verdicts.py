@@ -127,7 +127,7 @@ def test_an_engine_process_reports_its_start_settings_and_the_tokens_it_returned
     assert proc.proc.returncode is not None
 
 
-def test_a_real_size_preset_runs_fewer_requests_one_engine_at_a_time_without_the_small_model_extras():
+def test_a_real_size_preset_runs_fewer_requests_one_engine_at_a_time_without_the_small_model_extras(capsys):
     small = parse_args([])
     assert (small.model, small.num_requests, small.skip_hf, small.skip_overhead, small.one_at_a_time) == \
         ("small-llama", 64, False, False, False)
@@ -138,6 +138,9 @@ def test_a_real_size_preset_runs_fewer_requests_one_engine_at_a_time_without_the
     assert (asked.num_requests, asked.skip_hf, asked.skip_overhead, asked.one_at_a_time) == (10, False, True, False)
     assert parse_args(["--model", "qwen2.5-0.5b", "--quick"]).num_requests == 8
     assert parse_args(["--skip-hf"]).skip_hf is True
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-cache-gib", "0"])
+    assert "--kv-cache-gib got 0; it must be >= 1" in capsys.readouterr().err
 
 
 def test_the_resident_memory_of_an_engine_counts_its_child_processes():
