@@ -241,12 +241,12 @@ def test_preset_build_that_loses_the_race_uses_the_winner(tmp_path, monkeypatch)
     monkeypatch.setenv("RUNNER_WORKBENCH_CACHE", str(tmp_path))
     final = presets.preset_dir("tiny-llama")
 
-    def build_while_another_process_finishes(spec, name, out):
+    def build_while_another_process_finishes(spec, out, name):
         final.mkdir(parents=True)
         (final / "winner").write_text("")
         (out / "loser").write_text("")
 
-    monkeypatch.setattr(presets, "_build", build_while_another_process_finishes)
+    monkeypatch.setattr(presets, "build_preset", build_while_another_process_finishes)
     assert presets.ensure_preset("tiny-llama") == final
     assert [p.name for p in final.iterdir()] == ["winner"]
     assert [p.name for p in final.parent.iterdir()] == [final.name]
