@@ -54,10 +54,12 @@ TIER_ENV = {
 LAYERS = {
     "qwen2.5-0.5b": {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896),
                      "lm_head": (896, 151936)},
-    "llama-3.2-1b": {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048)},
+    "llama-3.2-1b": {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048),
+                     "lm_head": (2048, 128256)},
     "small-llama": {"qkv": (512, 1024), "o": (512, 512), "gate_up": (512, 2752), "down": (1376, 512),
                     "lm_head": (512, 8192)},
 }
+LAYER_COUNT = {"qwen2.5-0.5b": 24, "llama-3.2-1b": 16, "small-llama": 8}  # decoder layers (one LM head)
 # model -> (query heads, KV heads, head dim)
 ATTENTION = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64), "small-llama": (8, 4, 64)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -188,6 +190,26 @@ def _fmt(s: dict, unit: str = "") -> str:
     return f"{s['median']:.1f}{unit} [{s['min']:.1f}-{s['max']:.1f}]"
 
 
+def decode_steps(tier: dict) -> list[dict]:
+    """The m = 1 rows of each model and dtype as one decode step's linear layers (each layer's row times
+    the decoder layers, the LM head once): seconds, GB/s of the weights and the share of the bandwidth."""
+    out = []
+    for dtype, rows in tier["gemm"].items():
+        for model in dict.fromkeys(r["model"] for r in rows):
+            ones = [r for r in rows if r["model"] == model and r["m"] == 1]
+            if {r["layer"] for r in ones} != set(LAYERS[model]):
+                continue
+            count = [1 if r["layer"] == "lm_head" else LAYER_COUNT[model] for r in ones]
+            nbytes = sum(c * r["k"] * r["n"] * DTYPES[dtype].itemsize for c, r in zip(count, ones))
+            step = {"model": model, "dtype": dtype, "weight_bytes": nbytes}
+            for name in ("ours", "torch"):
+                secs = sum(c * 2 * r["k"] * r["n"] / (r[name]["gflops"]["median"] * 1e9) for c, r in zip(count, ones))
+                step[name] = {"ms": secs * 1e3, "gbps": nbytes / secs / 1e9,
+                              "share": nbytes / secs / 1e9 / tier["bandwidth_gbps"]["sum"]["median"]}
+            out.append(step)
+    return out
+
+
 def print_tables(cpu: str, tiers: list[dict]) -> None:
     for t in tiers:
         bw = t["bandwidth_gbps"]
@@ -208,6 +230,19 @@ def print_tables(cpu: str, tiers: list[dict]) -> None:
                 print(f"| {cpu} | {t['tier']} ({t['torch_capability']}) | {dtype} | {r['model']} | {r['layer']} "
                       f"[{r['k']} -> {r['n']}] | {r['m']} | {_fmt(ours['gflops'])} | {_fmt(theirs['gflops'])} "
                       f"| {ratio:.2f}x | {share[0]} | {share[1]} |")
+    print("\nBatch-1 decode, the linear layers of one step (the m = 1 rows x the decoder layers, the LM head once):")
+    print("\n| CPU | tier (torch's) | model | dtype | weights MB | ours ms | ours GB/s (of bandwidth) | torch ms "
+          "| torch GB/s (of bandwidth) | ours / ours float32 |")
+    print("|" + " --- |" * 4 + " ---: |" * 6)
+    for t in tiers:
+        steps = decode_steps(t)
+        for s in steps:
+            f32 = [x for x in steps if x["model"] == s["model"] and x["dtype"] == "float32"]
+            speed = f"{f32[0]['ours']['ms'] / s['ours']['ms']:.2f}x" if f32 else ""
+            print(f"| {cpu} | {t['tier']} ({t['torch_capability']}) | {s['model']} | {s['dtype']} | "
+                  f"{s['weight_bytes'] / 1e6:.0f} | {s['ours']['ms']:.1f} | {s['ours']['gbps']:.1f} "
+                  f"({s['ours']['share']:.0%}) | {s['torch']['ms']:.1f} | {s['torch']['gbps']:.1f} "
+                  f"({s['torch']['share']:.0%}) | {speed} |")
     print(f"\n| CPU | tier (torch's) | dtype | model (heads/KV heads/dim) | {SEQS} sequences x context | ours ms "
           "| torch ms | torch / ours | ours GB/s of K/V |")
     print("|" + " --- |" * 5 + " ---: |" * 4)
