@@ -93,10 +93,23 @@ def test_adaptive_picks_the_faster_count_and_follows_a_change_of_load():
     fake.steps(tuner, {2: 1e-3, 1: 2e-3}, 20)
     assert tuner.count == 2 and not tuner.exploring  # steady: no re-check before its time
     # a busy neighbour: two threads now wait at every barrier; the drift starts a re-check
-    fake.steps(tuner, {2: 20e-3, 1: 2.5e-3}, 10)
+    fake.steps(tuner, {2: 20e-3, 1: 2.5e-3}, 16 + 8)
     assert tuner.count == 1 and tuner.info()["count"] == 1 and "1 thread ran 8.00x" in tuner.why
     fake.steps(tuner, {2: 20e-3, 1: 2.5e-3}, 5)
     assert fake.count == 1
+
+
+def test_occasional_slow_steps_do_not_start_a_recheck():
+    """A step that lost a time slice is noise; step time that stays away from the measured one is not."""
+    fake = FakeTorch(2)
+    tuner = fake.tuner(2, recheck_s=1e9)
+    fake.steps(tuner, {2: 1e-3, 1: 2e-3}, 8)
+    for _ in range(10):  # every fourth step five times slower
+        fake.steps(tuner, {2: 1e-3, 1: 2e-3}, 3)
+        fake.steps(tuner, {2: 5e-3, 1: 10e-3}, 1)
+    assert not tuner.exploring and tuner.decisions == 1
+    fake.steps(tuner, {2: 3e-3, 1: 2e-3}, 16 + 8)  # two threads now a third of their speed: a re-check
+    assert tuner.decisions == 2 and tuner.count == 1
 
 
 def test_recheck_after_its_interval_which_grows_while_the_choice_holds():

@@ -16,6 +16,7 @@ import math
 import os
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,7 +119,7 @@ class ThreadTuner:
 
     def __init__(self, usable: int, usable_why: str, fixed: int | None = None, fixed_why: str = "", *,
                  adaptive: bool = True, recheck_s: float = 5.0, max_recheck_s: float = 60.0, rounds: int = 2,
-                 drift: float = 1.5, clock: Callable[[], float] = time.perf_counter,
+                 drift: float = 1.6, drift_steps: int = 16, clock: Callable[[], float] = time.perf_counter,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
                  get_threads: Callable[[], int] = torch.get_num_threads):
         self.usable, self.usable_why = usable, usable_why
@@ -133,7 +134,7 @@ class ThreadTuner:
         self._plan: list[tuple[int, bool]] = []  # (count, timed) of the coming steps while exploring
         self._samples: dict[tuple, dict[int, list[float]]] = {}
         self._baseline: dict[tuple, float] = {}
-        self._drift = 0.0
+        self._recent: deque[float] = deque(maxlen=drift_steps)  # log(time / baseline) of recent like steps
         self._decided_at = clock()
         if self.adaptive:
             self.why = f"adaptive: timing the first steps at {' and '.join(map(str, self.candidates))} threads"
@@ -184,7 +185,7 @@ class ThreadTuner:
         count or its reason changed (the caller refreshes what it shows)."""
         if not self.adaptive or num_tokens <= 0:
             return False
-        key = (has_prompt_tokens, num_tokens.bit_length())
+        key = (has_prompt_tokens, round(2 * math.log2(num_tokens)))  # steps of one kind, sizes within ~1.4x
         per_token = seconds / num_tokens
         if self._plan:
             count, timed = self._plan.pop(0)
@@ -193,8 +194,9 @@ class ThreadTuner:
             return not self._plan and self._decide()
         base = self._baseline.get(key)
         if base:
-            self._drift = 0.8 * self._drift + 0.2 * math.log(per_token / base)
-        if abs(self._drift) > self.log_drift or self._clock() - self._decided_at > self.recheck_s:
+            self._recent.append(math.log(per_token / base))
+        drifted = len(self._recent) == self._recent.maxlen and abs(statistics.median(self._recent)) > self.log_drift
+        if drifted or self._clock() - self._decided_at > self.recheck_s:
             self._explore()
         return False
 
@@ -207,7 +209,8 @@ class ThreadTuner:
         for r in range(self.rounds):
             counts += [c for c in (self.candidates if r % 2 == 0 else self.candidates[::-1]) for _ in range(2)]
         before = [self.count, *counts[:-1]]
-        self._plan, self._samples, self._drift = [(c, c == b) for c, b in zip(counts, before)], {}, 0.0
+        self._plan, self._samples = [(c, c == b) for c, b in zip(counts, before)], {}
+        self._recent.clear()
 
     def _decide(self) -> bool:
         """Keep the count with the lowest time per token over the step kinds every count ran; True once decided."""
