@@ -55,12 +55,6 @@ def project_version() -> str:
         return "0+unknown"
 
 
-def cache_root() -> Path:
-    """Where presets and native kernels are built and cached: $RUNNER_WORKBENCH_CACHE, default
-    ~/.cache/runner-workbench."""
-    return Path(os.environ.get("RUNNER_WORKBENCH_CACHE") or "~/.cache/runner-workbench").expanduser()
-
-
 def dtype_bytes(dtype: str | torch.dtype) -> int:
     """Bytes per element of a dtype given by name ('auto' is not a dtype: resolve it first) or torch.dtype."""
     if not isinstance(dtype, torch.dtype):

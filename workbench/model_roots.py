@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from runner_core.config import cache_root
+from runner_core.cache_dir import cache_root
 from runner_core.models import is_preset
 from runner_core.models.presets import SHIPPED_DIR
 from workbench.handles import SessionError

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from runner_core.config import cache_root
+from runner_core.cache_dir import cache_root
 
 NAME = "runner_core_cpu_kernels"
 _HERE = Path(__file__).parent

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from runner_core.config import cache_root
+from runner_core.cache_dir import cache_root
 from runner_core.errors import ModelLoadError
 
 # Bump when the build recipe changes, so cached presets are rebuilt.
