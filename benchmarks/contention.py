@@ -1,12 +1,13 @@
 """Contention benchmark: throughput on the idle machine and beside one competing busy process.
 
-Three settings, each in a fresh process per round (OpenMP's wait policy is read when torch loads):
-  spinning   torch's default thread count, fixed, and libgomp's default wait (waiting threads spin
-             300,000 iterations: GOMP_SPINCOUNT=300000): what ran before runner_core chose either
-  passive    torch's default thread count, fixed, OpenMP threads waiting passively (runner_core's
-             default wait policy, runner_core/openmp_env.py)
-  adaptive   runner_core's defaults: passive wait and the thread count adapted to load from the
-             engine's own steps (runner_core/engine/threads.py)
+Four settings, each in a fresh process per round (OpenMP's wait policy is read when torch loads):
+  spinning           torch's default thread count, fixed, and libgomp's default wait (waiting threads
+                     spin 300,000 iterations: GOMP_SPINCOUNT=300000): what ran before runner_core chose
+  passive            torch's default thread count, fixed, OpenMP threads waiting passively
+                     (OMP_WAIT_POLICY=PASSIVE)
+  adaptive           runner_core's defaults: its wait policy (runner_core/openmp_env.py) and the thread
+                     count adapted to load from the engine's own steps (runner_core/engine/threads.py)
+  adaptive-spinning  the adaptive count with libgomp's default wait
 Each process loads the model, runs the workload once to warm up, then once idle and once beside a busy
 process (a Python loop it starts and kills after the run); the settings' order and idle/busy order
 alternate between rounds. The workload: benchmarks/workload.py make_workload (greedy, EOS ignored).
@@ -39,7 +40,10 @@ except ImportError:  # run as `python -m benchmarks.contention`
     from benchmarks import machine, workload
 
 BUSY_TARGET = 0.5  # busy throughput / idle throughput
-SETTINGS = {"spinning": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "adaptive": {}}
+SPIN = {"GOMP_SPINCOUNT": "300000"}  # libgomp's default spin, stated so that runner_core leaves it
+# setting -> (environment, adaptive thread count)
+SETTINGS = {"spinning": (SPIN, False), "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, False), "adaptive": ({}, True),
+            "adaptive-spinning": (SPIN, True)}
 LOADS = ("idle", "busy")
 
 
@@ -49,7 +53,7 @@ def child(spec: dict) -> dict:
 
     from runner_core import ModelRunner
 
-    fixed = {} if spec["setting"] == "adaptive" else {"cpu_threads": torch.get_num_threads()}
+    fixed = {} if SETTINGS[spec["setting"]][1] else {"cpu_threads": torch.get_num_threads()}
     runner = ModelRunner({"model": spec["model"], "device": "cpu", "dtype": spec["dtype"]}, **fixed).load_model()
     info = runner.model_info()
     max_len = min(info["max_model_len"], 512)
@@ -77,7 +81,7 @@ def child(spec: dict) -> dict:
 
 def run_child(spec: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env.update(SETTINGS[spec["setting"]])
+    env.update(SETTINGS[spec["setting"]][0])
     res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
                          text=True)
     lines = [x for x in res.stdout.splitlines() if x.startswith("CHILD ")]
@@ -95,7 +99,7 @@ def bench_model(model: str, args) -> dict:
                     "loads": list(LOADS) if r % 2 == 0 else list(LOADS)[::-1]}
             res = run_child(spec)
             runs[setting].append(res)
-            print(f"  round {r + 1} {setting:9s} idle {res['idle']:7.1f} tok/s ({res['idle_threads']} threads), "
+            print(f"  round {r + 1} {setting:17s} idle {res['idle']:7.1f} tok/s ({res['idle_threads']} threads), "
                   f"busy {res['busy']:7.1f} tok/s ({res['busy_threads']} threads)", flush=True)
     first = runs["adaptive"][0]
     fig = {"model": model, "dtype": first["dtype"], "useful_tokens": first["useful_tokens"],
@@ -110,11 +114,11 @@ def bench_model(model: str, args) -> dict:
             fig[f"{setting}_{load}"] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
         ratio = fig[f"{setting}_busy_over_idle"] = fig[f"{setting}_busy"]["median"] / fig[f"{setting}_idle"]["median"]
         verdict = "meets" if ratio >= BUSY_TARGET else "misses"
-        print(f"  {setting:9s} " + ", ".join(f"{load} {fig[f'{setting}_{load}']['median']:7.1f} "
+        print(f"  {setting:17s} " + ", ".join(f"{load} {fig[f'{setting}_{load}']['median']:7.1f} "
                                             f"[{fig[f'{setting}_{load}']['min']:.1f}-{fig[f'{setting}_{load}']['max']:.1f}]"
                                             for load in LOADS)
               + f"; busy / idle {ratio:.2f} ({verdict} the target >= {BUSY_TARGET:.2f})")
-    for setting in ("passive", "adaptive"):
+    for setting in list(SETTINGS)[1:]:
         for load in LOADS:
             fig[f"{setting}_over_spinning_{load}"] = (fig[f"{setting}_{load}"]["median"]
                                                       / fig[f"spinning_{load}"]["median"])
