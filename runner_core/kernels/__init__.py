@@ -3,9 +3,10 @@
 `native_paged_attention()` is attention for any mix of decode and prefill tokens, reading
 keys and values in place from the KV pool through block tables (no gathered copy);
 `panel_linear()` is x W^T + b in float32 or bfloat16 (float32 accumulation) over weights prepacked
-by `pack_panels()` into panels of 16 output columns (a register-tiled GEMM: BLAS on these CPUs runs
-the decode batch sizes at a third of its speed, see docs/benchmarks.md); `argmax_rows()` is greedy
-sampling's argmax (torch's is 10x slower).
+by `pack_panels()` into panels of 16 output columns (a register-tiled GEMM on AVX2 and AVX512, 1.1-5x
+BLAS at decode batch sizes; on the plain tier float32 panels go to BLAS's batched GEMM, which beats
+compiler-vectorised C++ there; docs/benchmarks.md); `argmax_rows()` is greedy sampling's argmax
+(torch's is 10x slower).
 
 The kernels are built once per instruction-set tier (`TIERS`: plain C++, AVX2+FMA, AVX512,
 AVX512-BF16) into one library, which runs the highest tier this CPU can execute; bfloat16 is

@@ -122,11 +122,17 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR * kps && panels.size(1) == (x.size(1) + kps - 1) / kps &&
                   panels.is_contiguous() && (n + NR - 1) / NR == panels.size(0),
               "panel_linear: panels must be pack_panels of an [n, k] weight with k = x.size(1)");
-  at::Tensor b;
-  if (bias.has_value()) {
+  if (bias.has_value())
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == dtype, "panel_linear: bias must be [n] in x's dtype");
-    b = bias->to(at::kFloat).contiguous();
+  if (dtype == at::kFloat && kernels().blas_f32) {
+    // every panel at once through BLAS: [panels, m, k] x [panels, k, 16] -> [m, panels * 16], cut at n
+    const auto xc = x.contiguous();
+    auto y = at::bmm(xc.unsqueeze(0).expand({panels.size(0), xc.size(0), xc.size(1)}), panels)
+                 .permute({1, 0, 2}).reshape({xc.size(0), panels.size(0) * NR}).narrow(1, 0, n);
+    return bias.has_value() ? y.add(*bias) : y.contiguous();
   }
+  at::Tensor b;
+  if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
   auto xc = x.contiguous();
   if (xc.size(1) % kps != 0) xc = at::constant_pad_nd(xc, {0, kps - xc.size(1) % kps});  // whole k pairs
   auto out = at::empty({xc.size(0), n}, xc.options());

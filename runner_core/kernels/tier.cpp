@@ -123,7 +123,12 @@ const runner_kernels::KernelTable& runner_kernels::RW_TABLE() {
 #else
   constexpr bool native_bf16 = false;
 #endif
-  static const KernelTable table{RW_TIER_NAME, native_bf16, &t::panel_linear_f32, &t::panel_linear_bf16,
+#if defined(__AVX2__) && defined(__FMA__)
+  constexpr bool blas_f32 = false;
+#else
+  constexpr bool blas_f32 = true;
+#endif
+  static const KernelTable table{RW_TIER_NAME, native_bf16, blas_f32, &t::panel_linear_f32, &t::panel_linear_bf16,
                                  &t::paged_attention, &t::argmax_rows};
   return table;
 }

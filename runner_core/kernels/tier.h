@@ -34,6 +34,9 @@ struct AttentionArgs {
 struct KernelTable {
   const char* name;
   bool native_bf16;  // bfloat16 products in hardware; otherwise widened to float32 in registers
+  // float32 panels go to ATen's batched GEMM (BLAS) instead of panel_linear_f32: the plain tier, whose
+  // compiler-vectorised loop BLAS beats 1.3-4x at every row count (docs/benchmarks.md, "Native kernels")
+  bool blas_f32;
   // y[m, n] = x[m, k] W^T + bias over pack_panels(W): [ceil(n / 16), k, 16] float32 or
   // [ceil(n / 16), ceil(k / 2), 32] bfloat16 (k even for bfloat16); bias: n floats or null
   void (*panel_linear_f32)(const float* x, const float* panels, int64_t m, int64_t k, int64_t n, const float* bias,
