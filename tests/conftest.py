@@ -7,7 +7,11 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# OpenMP threads sleep at barriers, as runner_core sets it when it loads first (runner_core/openmp_env.py);
+# here torch loads first, so the suite sets it itself: a spinning wait makes 2 threads on a busy machine slow
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Set before any test builds a preset; subprocesses (workers, notebooks) inherit it.
