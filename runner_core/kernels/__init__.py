@@ -40,14 +40,19 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+def _build() -> None:
+    """Build (with a progress bar when not cached) and load the library into torch.ops.runner_kernels."""
+    built = build.is_built()
+    with progress(desc="Building the native CPU kernels, every tier (first use; cached afterwards)", total=1,
+                  unit="build", leave=True) if not built else nullcontext() as bar, ticking(bar):
+        build.build()
+        if bar is not None:
+            bar.update(1)
+
+
 def _load() -> None:
     if not hasattr(torch.ops.runner_kernels, "panel_linear"):
-        built = build.is_built()
-        with progress(desc="Building the native CPU kernels, every tier (first use; cached afterwards)", total=1,
-                      unit="build", leave=True) if not built else nullcontext() as bar, ticking(bar):
-            build.build()
-            if bar is not None:
-                bar.update(1)
+        _build()
     forced = os.environ.get("RUNNER_CORE_CPU_TIER")
     if forced:
         _set_tier(forced, f"RUNNER_CORE_CPU_TIER={forced}")
