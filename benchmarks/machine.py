@@ -53,13 +53,15 @@ def device_name(device: str | torch.device) -> str:
 
 
 def _cpu_model() -> str:
+    """The CPU's model name with its family and model numbers (a VM may name every EPYC alike)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                      if ":" in line)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    return f"{name} (family {fields['cpu family']} model {fields['model']})" if "cpu family" in fields else name
 
 
 def machine_info(device: str) -> dict:
@@ -70,7 +72,7 @@ def machine_info(device: str) -> dict:
     tier = getattr(runner_core.kernels, "kernel_tier", None)
     info = {"device": device_name(device), "cpu_model": _cpu_model(), "kernel_tier": tier() if tier else "unknown",
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_kernels": kernels,
-            "avx512_bf16_panels": bool(kernels and panels_support(torch.bfloat16))}
+            "bf16_panels": bool(kernels and panels_support(torch.bfloat16))}
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
@@ -79,10 +81,10 @@ def machine_info(device: str) -> dict:
 def describe(info: dict) -> str:
     """One line: the device, CPU model and kernel tier."""
     gpu = f"GPU {info['gpu']}; " if "gpu" in info else ""
-    bf16 = "active" if info["avx512_bf16_panels"] else "inactive"
+    bf16 = "active" if info["bf16_panels"] else "inactive"
     return (f"device {info['device']}: {gpu}CPU {info['cpu_model']}, kernel tier {info['kernel_tier']}, torch CPU "
             f"capability {info['cpu_capability']}, native kernels "
-            f"{'built' if info['native_kernels'] else 'unavailable'}, AVX512-BF16 panel path {bf16}")
+            f"{'built' if info['native_kernels'] else 'unavailable'}, bfloat16 panels {bf16}")
 
 
 def run_tag(info: dict) -> str:
