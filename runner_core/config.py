@@ -34,6 +34,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 COMPILE_SCOPES = ("model", "layer", "mlp", "self_attn")  # whole model, each decoder layer, module kinds
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor captures its own CUDA graphs in these
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+QUANTIZATIONS = (None, "int8", "int4")  # weight storage formats (layers/quantization.py); None: the compute dtype
+QUANT_GROUP_SIZES = (32, 64, 128)  # int4: weights along k sharing one scale and minimum
 # how attention reads the KV pool; auto: flex on CUDA, the native kernel on the CPU when built, else gather
 ATTENTION_BACKENDS = ("auto", "flex", "native", "gather")
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -91,7 +93,7 @@ def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> i
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> Any:
-    if type(value) is not type(choices[0]) or value not in choices:
+    if not any(type(value) is type(c) and value == c for c in choices):
         raise _bad(name, value, "one of " + ", ".join(map(repr, choices)))
     return value
 
@@ -276,6 +278,12 @@ class RunnerConfig:
     enforce_eager: bool = False
     # CPU threads of the steps; None: RUNNER_CORE_THREADS, else adapted to load (engine/threads.py)
     cpu_threads: int | None = None
+    # how linear weights are stored (layers/quantization.py): None (the compute dtype), "int8" (one scale
+    # per output channel) or "int4" (groups of quantization_group_size along k, with a scale and a minimum);
+    # a checkpoint quantized by this project sets it from its config.json
+    quantization: str | None = None
+    quantization_group_size: int = 64
+    quantize_lm_head: bool = False  # the LM head too (and a tied embedding reads its rows from it)
     seed: int = 0
 
     def __init__(self, config: RunnerConfig | Mapping[str, Any] | None = None, /, **kwargs: Any):
@@ -333,6 +341,10 @@ class RunnerConfig:
         self.encoder_cache_tokens = _check_int("encoder_cache_tokens", self.encoder_cache_tokens, 0, optional=True)
         self.enforce_eager = _check_bool("enforce_eager", self.enforce_eager)
         self.cpu_threads = _check_int("cpu_threads", self.cpu_threads, 1, optional=True)
+        self.quantization = _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        self.quantization_group_size = _check_choice("quantization_group_size", self.quantization_group_size,
+                                                     QUANT_GROUP_SIZES)
+        self.quantize_lm_head = _check_bool("quantize_lm_head", self.quantize_lm_head)
         self.seed = _check_int("seed", self.seed, 0)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
