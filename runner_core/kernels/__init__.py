@@ -6,7 +6,8 @@ keys and values in place from the KV pool through block tables (no gathered copy
 by `pack_panels()` into panels of 16 output columns (a register-tiled GEMM on AVX2 and AVX512, 1.1-5x
 BLAS at decode batch sizes; on the plain tier float32 panels go to BLAS's batched GEMM, which beats
 compiler-vectorised C++ there; docs/benchmarks.md); `argmax_rows()` is greedy sampling's argmax
-(torch's is 10x slower).
+(torch's is 10x slower). `runner_kernels::pack_quantized` and `quant_linear` multiply int8 and int4
+weights, dequantized in registers (runner_core/layers/quantization.py is their Python side).
 
 The kernels are built once per instruction-set tier (`TIERS`: plain C++, AVX2+FMA, AVX512,
 AVX512-BF16) into one library, which runs the highest tier this CPU can execute; bfloat16 is
@@ -84,6 +85,18 @@ def _register_fakes() -> None:
         per_step = 2 if weight.dtype == torch.bfloat16 else 1  # k values per panel step (tier.h)
         n, k = weight.shape
         return weight.new_empty(-(-n // PANEL_COLUMNS), -(-k // per_step), PANEL_COLUMNS * per_step)
+
+    @torch.library.register_fake("runner_kernels::pack_quantized")
+    def _(qweight, scales, mins, group):
+        panels, width = -(-qweight.shape[0] // PANEL_COLUMNS), qweight.shape[1]
+        parts = [qweight.new_empty(panels, width, PANEL_COLUMNS)]
+        for t in (scales,) if mins is None else (scales, mins):
+            parts.append(t.new_empty(panels, t.shape[1], PANEL_COLUMNS))
+        return parts
+
+    @torch.library.register_fake("runner_kernels::quant_linear")
+    def _(x, qpanels, scales, mins, n, group, bias):
+        return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("runner_kernels::argmax_rows")
     def _(logits):

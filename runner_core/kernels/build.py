@@ -26,7 +26,7 @@ NAME = "runner_core_cpu_kernels"
 _HERE = Path(__file__).parent
 DISPATCH = _HERE / "dispatch.cpp"
 TIER_SOURCE = _HERE / "tier.cpp"
-HEADERS = tuple(_HERE / name for name in ("tier.h", "panel_tile.h", "attention_item.h", "argmax_row.h"))
+HEADERS = tuple(_HERE / name for name in ("tier.h", "panel_tile.h", "quant_tile.h", "attention_item.h", "argmax_row.h"))
 # tier name -> (namespace and table suffix, compiler flags); lowest first
 _X86_TIERS = {
     "plain": ("plain", []),

@@ -2,7 +2,7 @@
 // allocation, weight packing, and the choice of one instruction-set tier's kernels (tier.h) from the
 // CPU's features when the library loads (the highest tier it can run), changeable with set_cpu_tier.
 // Registered as runner_kernels::{paged_attention, pack_panels, panel_linear, panels_support,
-// argmax_rows, cpu_tiers, cpu_tier, set_cpu_tier}.
+// pack_quantized, quant_linear, argmax_rows, cpu_tiers, cpu_tier, set_cpu_tier}.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -90,6 +90,18 @@ void pack(const E* src, E* dst, int64_t n, int64_t k, int64_t kps, int64_t panel
   });
 }
 
+// A zero-filled tensor on pages of its own (mmap): freed with the model they go straight back to the
+// system. From malloc they would raise glibc's mmap threshold and the next model's tensors would stay in
+// the heap after an unload (tests/test_unload_memory.py)
+at::Tensor mapped(at::IntArrayRef shape, const at::TensorOptions& options, const char* op) {
+  size_t bytes = c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  for (const int64_t d : shape) bytes *= static_cast<size_t>(d);
+  bytes = std::max<size_t>(1, bytes);
+  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(mem != MAP_FAILED, op, ": cannot map ", bytes, " bytes");
+  return at::from_blob(mem, shape, [bytes](void* p) { munmap(p, bytes); }, options);
+}
+
 // weight [n, k] -> [ceil(n / 16), k, 16] (float32) or [ceil(n / 16), ceil(k / 2), 32] (bfloat16)
 at::Tensor pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_panels: a [n, k] weight");
@@ -98,13 +110,7 @@ at::Tensor pack_panels(const at::Tensor& weight) {
   const auto w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1), panels = (n + NR - 1) / NR, kps = k_per_step(w.scalar_type());
   const int64_t steps = (k + kps - 1) / kps;
-  // its own pages (mmap, zero-filled): freed with the model they go straight back to the system. From
-  // malloc they would raise glibc's mmap threshold and the next model's tensors would stay in the heap
-  // after an unload (tests/test_unload_memory.py)
-  const size_t bytes = std::max<size_t>(1, panels * steps * NR * kps * w.element_size());
-  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(mem != MAP_FAILED, "pack_panels: cannot map ", bytes, " bytes for the panels");
-  auto out = at::from_blob(mem, {panels, steps, NR * kps}, [bytes](void* p) { munmap(p, bytes); }, w.options());
+  auto out = mapped({panels, steps, NR * kps}, w.options(), "pack_panels");
   if (kps == 1)
     pack(w.data_ptr<float>(), out.data_ptr<float>(), n, k, kps, panels);
   else
@@ -146,6 +152,83 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
   else
     kernels().panel_linear_f32(xc.data_ptr<float>(), panels.data_ptr<float>(), xc.size(0), xc.size(1), n, bias_ptr,
                                out.data_ptr<float>(), threads);
+  return out;
+}
+
+// quantize()'s row-major tensors -> the quantized kernel's panels (group 0: int8, else int4 groups):
+// int8: qweight int8 [n, k], scales [n, 1] -> int8 [P, k, 16], float32 [P, 1, 16];
+// int4: qweight uint8 [n, k / 2] (low nibble: even k), scales and mins [n, k / group] -> uint8
+// [P, k / 2, 16] (a byte holds a column's k pair), float32 [P, k / group, 16] twice; P = ceil(n / 16)
+std::vector<at::Tensor> pack_quantized(const at::Tensor& qweight, const at::Tensor& scales,
+                                       const c10::optional<at::Tensor>& mins, int64_t group) {
+  const bool int4 = group > 0;
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == (int4 ? at::kByte : at::kChar),
+              "pack_quantized: qweight must be a 2-D ", int4 ? "uint8 [n, k / 2] (int4)" : "int8 [n, k] (int8)",
+              " tensor, got ", qweight.scalar_type(), " ", qweight.sizes());
+  const int64_t n = qweight.size(0), k = qweight.size(1) * (int4 ? 2 : 1), panels = (n + NR - 1) / NR;
+  TORCH_CHECK(!int4 || k % group == 0, "pack_quantized: k=", k, " is not a multiple of the int4 group size ", group);
+  const int64_t groups = int4 ? k / group : 1;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == n &&
+                  scales.size(1) == groups,
+              "pack_quantized: scales must be float32 [n, ", int4 ? "k / group" : "1", "] = [", n, ", ", groups,
+              "], got ", scales.scalar_type(), " ", scales.sizes());
+  TORCH_CHECK(int4 == mins.has_value(), "pack_quantized: int4 takes mins (int8 none)");
+  if (int4)
+    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->sizes() == scales.sizes(),
+                "pack_quantized: mins must be float32 [n, k / group] like scales, got ", mins->scalar_type(), " ",
+                mins->sizes());
+  const auto q = qweight.contiguous();
+  auto qp = mapped({panels, q.size(1), NR}, q.options(), "pack_quantized");
+  if (int4)
+    pack(q.data_ptr<uint8_t>(), qp.data_ptr<uint8_t>(), n, q.size(1), 1, panels);
+  else
+    pack(q.data_ptr<int8_t>(), qp.data_ptr<int8_t>(), n, k, 1, panels);
+  std::vector<at::Tensor> out{qp};
+  for (const auto& t : int4 ? std::vector<at::Tensor>{scales, *mins} : std::vector<at::Tensor>{scales}) {
+    const auto src = t.contiguous();
+    auto dst = mapped({panels, groups, NR}, src.options(), "pack_quantized");
+    pack(src.data_ptr<float>(), dst.data_ptr<float>(), n, groups, 1, panels);
+    out.push_back(dst);
+  }
+  return out;
+}
+
+// x: [m, k] float32 or bfloat16; qpanels, scales, mins: pack_quantized of an [n, k] weight (group 0:
+// int8); bias: [n] or none -> [m, n] in x's dtype
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qpanels, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t n, int64_t group,
+                        const c10::optional<at::Tensor>& bias) {
+  const bool int4 = group > 0;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_linear: x must be a float32 or bfloat16 [rows, k] matrix, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t k = x.size(1), panels = (n + NR - 1) / NR;
+  TORCH_CHECK(!int4 || (group % 2 == 0 && k % group == 0), "quant_linear: k=", k,
+              " is not a multiple of the int4 group size ", group);
+  const int64_t groups = int4 ? k / group : 1;
+  TORCH_CHECK(qpanels.dim() == 3 && qpanels.is_contiguous() && qpanels.scalar_type() == (int4 ? at::kByte : at::kChar) &&
+                  qpanels.size(0) == panels && qpanels.size(1) == (int4 ? k / 2 : k) && qpanels.size(2) == NR,
+              "quant_linear: the packed weight must be pack_quantized of an [n, k] = [", n, ", ", k, "] ",
+              int4 ? "int4" : "int8", " weight, got ", qpanels.scalar_type(), " ", qpanels.sizes());
+  for (const auto* t : {&scales, mins.has_value() ? &*mins : &scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == panels &&
+                    t->size(1) == groups && t->size(2) == NR,
+                "quant_linear: scales and mins must be pack_quantized's float32 [", panels, ", ", groups, ", 16], got ",
+                t->scalar_type(), " ", t->sizes());
+  TORCH_CHECK(int4 == mins.has_value(), "quant_linear: int4 takes mins (int8 none)");
+  at::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == x.scalar_type(), "quant_linear: bias must be [n] = [", n,
+                "] in x's dtype, got ", bias->scalar_type(), " ", bias->sizes());
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const auto xf = x.to(at::kFloat).contiguous();  // bfloat16 widened once per call
+  auto out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0 || n == 0) return out;
+  const runner_kernels::QuantArgs args{
+      xf.data_ptr<float>(), qpanels.data_ptr(), scales.data_ptr<float>(), int4 ? mins->data_ptr<float>() : nullptr,
+      b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), x.scalar_type() == at::kBFloat16, x.size(0), k, n,
+      group, at::get_num_threads()};
+  kernels().quant_linear(args);
   return out;
 }
 
@@ -223,6 +306,8 @@ TORCH_LIBRARY(runner_kernels, m) {
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
   m.def("panels_support(ScalarType dtype) -> bool", &panels_support);
+  m.def("pack_quantized(Tensor qweight, Tensor scales, Tensor? mins, int group) -> Tensor[]");
+  m.def("quant_linear(Tensor x, Tensor qpanels, Tensor scales, Tensor? mins, int n, int group, Tensor? bias) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("cpu_tiers() -> str[]", &cpu_tiers);
   m.def("cpu_tier() -> str", &cpu_tier);
@@ -233,5 +318,7 @@ TORCH_LIBRARY_IMPL(runner_kernels, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("pack_panels", &pack_panels);
   m.impl("panel_linear", &panel_linear);
+  m.impl("pack_quantized", &pack_quantized);
+  m.impl("quant_linear", &quant_linear);
   m.impl("argmax_rows", &argmax_rows);
 }

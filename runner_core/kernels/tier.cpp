@@ -23,6 +23,7 @@
 #endif
 
 #include "panel_tile.h"
+#include "quant_tile.h"
 #include "attention_item.h"
 #include "argmax_row.h"
 
@@ -85,6 +86,38 @@ void panel_linear_bf16(const uint16_t* x, const uint16_t* panels, int64_t m, int
   panel_linear<BF16>(x, panels, m, k, n, bias, y, threads);
 }
 
+// The quantized GEMM: the threads split the panels as panel_linear does (each panel's bytes read once
+// per call), rows in blocks of ~1 MiB of x. int4's sums of x over each group are computed once here.
+template <class O>
+void quant_linear_as(const QuantArgs& a) {
+  const int64_t groups = a.group > 0 ? a.k / a.group : 0, count = (a.n + NR - 1) / NR;
+  std::vector<float> xsum(a.m * groups);
+  for (int64_t r = 0; r < a.m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = g * a.group; i < (g + 1) * a.group; ++i) s += a.x[r * a.k + i];
+      xsum[r * groups + g] = s;
+    }
+  const int64_t block = std::max<int64_t>(24, (1 << 20) / (a.k * 4) / 24 * 24);
+  O* y = static_cast<O*>(a.y);
+  parallel_ranges(count, a.threads, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < a.m; r += block)
+      for (int64_t p = begin; p < end; ++p) {
+        alignas(64) float b[NR] = {0};
+        if (a.bias != nullptr) std::copy(a.bias + p * NR, a.bias + std::min(a.n, (p + 1) * NR), b);
+        quant_panel_rows<O>(a, a.x + r * a.k, xsum.data() + r * groups, std::min(block, a.m - r), p,
+                            y + r * a.n + p * NR, b);
+      }
+  });
+}
+
+void quant_linear(const QuantArgs& a) {
+  if (a.bf16_out)
+    quant_linear_as<uint16_t>(a);
+  else
+    quant_linear_as<float>(a);
+}
+
 // Items differ in cost (a prefill's later tokens see more keys): the threads take them one at a time
 // (dynamic), where a split into ranges would hand each thread a fixed share.
 template <typename T>
@@ -129,6 +162,6 @@ const runner_kernels::KernelTable& runner_kernels::RW_TABLE() {
   constexpr bool blas_f32 = true;
 #endif
   static const KernelTable table{RW_TIER_NAME, native_bf16, blas_f32, &t::panel_linear_f32, &t::panel_linear_bf16,
-                                 &t::paged_attention, &t::argmax_rows};
+                                 &t::paged_attention, &t::argmax_rows, &t::quant_linear};
   return table;
 }

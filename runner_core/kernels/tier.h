@@ -31,6 +31,21 @@ struct AttentionArgs {
   int threads;
 };
 
+// y[m, n] = x[m, k] W^T + bias, W stored quantized in panels of 16 columns (dispatch.cpp's
+// pack_quantized): int8 (group 0) [P, k, 16] with scales [P, 1, 16]; int4 [P, k / 2, 16] (a byte holds a
+// column's k pair, low nibble the even k) with scales and mins [P, k / group, 16]; P = ceil(n / 16)
+struct QuantArgs {
+  const float* x;       // [m, k]
+  const void* qpanels;  // int8_t (int8) or uint8_t (int4)
+  const float* scales;
+  const float* mins;    // int4 only
+  const float* bias;    // n floats or null
+  void* y;              // [m, n] float32, or bfloat16 (raw 16 bits) when bf16_out
+  bool bf16_out;
+  int64_t m, k, n, group;  // group 0: int8
+  int threads;
+};
+
 struct KernelTable {
   const char* name;
   bool native_bf16;  // bfloat16 products in hardware; otherwise widened to float32 in registers
@@ -45,6 +60,7 @@ struct KernelTable {
                             const float* bias, uint16_t* y, int threads);
   void (*paged_attention)(Elem elem, const AttentionArgs& args);
   void (*argmax_rows)(const float* x, int64_t rows, int64_t n, int64_t* out, int threads);
+  void (*quant_linear)(const QuantArgs& args);
 };
 
 // one table per tier, lowest first; x86-64 builds all four, other CPUs the plain one

@@ -8,8 +8,14 @@ becomes one (and back, for the reference path and for saving).
   format would leave levels unused on the side the group does not reach (llama.cpp's Q4_1 against Q4_0).
   Row-major storage packs two k values per byte: the low nibble holds the even k, the high the odd one.
 
-Row-major tensors (`quantize`) are what a checkpoint saved by this project holds; the kernels multiply
-their own panel layout of them (runner_core/kernels).
+Row-major tensors (`quantize`) are what a checkpoint saved by this project holds. The layers hold one
+copy, in the native kernels' panel layout (`pack`; runner_core/kernels/quant_tile.h multiplies it with no
+dequantized copy): panels of 16 output columns, the last zero padded, P = ceil(n / 16) of them:
+- int8: "qpanels" int8 [P, k, 16], "scales" float32 [P, 1, 16];
+- int4: "qpanels" uint8 [P, k / 2, 16] (a byte is one column's k pair, low nibble the even k, as in the
+  row-major form), "scales" and "mins" float32 [P, k / group, 16].
+`unpack` gives the row-major tensors back, `dequantize_rows` a few rows in a float dtype (a tied,
+quantized LM head gives the embedding its rows from the one copy).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from runner_core.kernels import PANEL_COLUMNS, cpu_kernels_available
 
 INT8_MAX = 127
 INT4_LEVELS = 15
@@ -86,3 +94,63 @@ def dequantize(tensors: dict[str, torch.Tensor], fmt: QuantFormat, dtype: torch.
     n = q.shape[0]
     values = torch.stack((q & 0xF, q >> 4), dim=2).view(n, -1, fmt.group).float()
     return (values * scales.unsqueeze(2) + tensors["mins"].unsqueeze(2)).view(n, -1).to(dtype)
+
+
+def _ops():
+    if not cpu_kernels_available():
+        raise RuntimeError("quantized weights need the native CPU kernels, which are off (see the warning logged "
+                           "above): unset RUNNER_CORE_NO_KERNELS or install gcc, or load without quantization")
+    return torch.ops.runner_kernels
+
+
+def packed_bytes(n: int, k: int, fmt: QuantFormat) -> int:
+    """Bytes of `pack`'s tensors of an [n, k] weight (the 16-column panels, the last zero padded)."""
+    cols = -(-n // PANEL_COLUMNS) * PANEL_COLUMNS
+    if fmt.name == "int8":
+        return cols * k + 4 * cols
+    return cols * k // 2 + 8 * cols * (k // fmt.group)
+
+
+def pack(tensors: dict[str, torch.Tensor], fmt: QuantFormat, n: int, k: int) -> dict[str, torch.Tensor]:
+    """`quantize`'s row-major tensors of an [n, k] weight in the kernels' panel layout (module docstring),
+    on pages of their own, so freeing them gives the memory straight back to the system."""
+    why = fmt.check(n, k)
+    if why is not None:
+        raise ValueError(why)
+    q = tensors["qweight"]
+    if tuple(q.shape) != (n, k if fmt.name == "int8" else k // 2):
+        raise ValueError(f"pack: qweight is {tuple(q.shape)}, but an [n, k] = [{n}, {k}] {fmt.name} weight stores "
+                         f"[{n}, {k if fmt.name == 'int8' else k // 2}]; pass quantize()'s tensors of that weight")
+    parts = _ops().pack_quantized(q, tensors["scales"], tensors.get("mins"), fmt.group)
+    return dict(zip(("qpanels", "scales", "mins"), parts))
+
+
+def quant_linear(x: torch.Tensor, packed: dict[str, torch.Tensor], fmt: QuantFormat, n: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] (float32 or bfloat16) @ W^T + bias -> [m, n] in x's dtype, W given as `pack`'s tensors."""
+    return _ops().quant_linear(x, packed["qpanels"], packed["scales"], packed.get("mins"), n, fmt.group, bias)
+
+
+def _columns(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[P, w, 16] panels -> the [n, w] row-major matrix they hold."""
+    return t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n]
+
+
+def unpack(packed: dict[str, torch.Tensor], fmt: QuantFormat, n: int, k: int) -> dict[str, torch.Tensor]:
+    """`pack`'s tensors of an [n, k] weight back as `quantize`'s row-major ones (the exact inverse)."""
+    out = {name: _columns(t, n).contiguous() for name, t in packed.items()}
+    out["qweight"] = out.pop("qpanels")
+    return out
+
+
+def dequantize_rows(packed: dict[str, torch.Tensor], fmt: QuantFormat, rows: torch.Tensor, k: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Rows `rows` (output channels, e.g. token ids of a tied LM head) of the weight `pack`'s tensors
+    hold, dequantized to [len(rows), k] in `dtype`; only those rows are read."""
+    panel, col = rows // PANEL_COLUMNS, rows % PANEL_COLUMNS
+    q = packed["qpanels"][panel, :, col]  # [rows, k] int8 or [rows, k / 2] uint8
+    if fmt.name == "int8":
+        return (q.float() * packed["scales"][panel, 0, col].unsqueeze(1)).to(dtype)
+    values = torch.stack((q & 0xF, q >> 4), dim=2).view(len(rows), -1, fmt.group).float()
+    scales, mins = packed["scales"][panel, :, col], packed["mins"][panel, :, col]
+    return (values * scales.unsqueeze(2) + mins.unsqueeze(2)).view(len(rows), k).to(dtype)

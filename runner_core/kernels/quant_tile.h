@@ -1,0 +1,288 @@
+// The register tiles of the quantized GEMM for the tier being compiled (tier.cpp): y[m, cols] = x[m, k]
+// W^T + bias over one panel of 16 output columns stored as int8 (per-column scale) or int4 (a scale and
+// a minimum per column and group of k), x in float32. The stored bytes are read and widened to float32
+// in registers (no dequantized copy of the weight in memory) and the products accumulate in float32:
+// - int8: acc += x[k] * q[k]; the column's scale is applied once, at the store (with the bias).
+// - int4: per group acc_g += x[k] * q[k]; acc += scale_g * acc_g + min_g * sum_g(x), the sum of x over
+//   the group computed once per row and group (tier.cpp) and shared by every column.
+// A tile of MR rows widens each panel step once and multiplies it into all its rows (what makes m > 1
+// fast); one row takes a tile unrolled over k (independent accumulator chains), prefetching ahead.
+// The arithmetic is float32 x float32: VNNI's int8 dot products would need the activations quantized to
+// int8 too (W8A8), which is another numeric result than these weight-only formats give, so none is used.
+// QV is the tier's vector: AVX512 (16 floats), AVX2 (8), plain (16, vectorised by the compiler).
+#pragma once
+
+namespace runner_kernels::RW_TIER {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+struct QV {
+  using F = __m512;
+  static constexpr int W = 16, MR8 = 12, MR4 = 8;  // tile rows: int8, int4 (two accumulators a row)
+  static F zero() { return _mm512_setzero_ps(); }
+  static F bcast(float a) { return _mm512_set1_ps(a); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  // W bytes, one column's k pair each: the even k (low nibble) and the odd k (high nibble)
+  static void u4(const uint8_t* p, F& even, F& odd) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  }
+  static void store(float* y, F c, int64_t ncols) { F32::store(y, c, ncols); }
+  static void store(uint16_t* y, F c, int64_t ncols) { BF16Store::store(y, c, ncols); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct QV {
+  using F = __m256;
+  static constexpr int W = 8, MR8 = 6, MR4 = 3;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F bcast(float a) { return _mm256_set1_ps(a); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void u4(const uint8_t* p, F& even, F& odd) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    even = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
+  static void store(float* y, F c, int64_t ncols) {
+    if (ncols >= W) return _mm256_storeu_ps(y, c);
+    alignas(32) float tmp[W];
+    _mm256_store_ps(tmp, c);
+    std::copy(tmp, tmp + std::max<int64_t>(ncols, 0), y);
+  }
+  static void store(uint16_t* y, F c, int64_t ncols) {
+    const __m128i v = _mm256_castsi256_si128(
+        _mm256_permute4x64_epi64(_mm256_packus_epi32(round_bf16(c), _mm256_setzero_si256()), 0xd8));
+    if (ncols >= W) return _mm_storeu_si128(reinterpret_cast<__m128i*>(y), v);
+    alignas(16) uint16_t tmp[W];
+    _mm_store_si128(reinterpret_cast<__m128i*>(tmp), v);
+    std::copy(tmp, tmp + std::max<int64_t>(ncols, 0), y);
+  }
+};
+#else
+struct QV {
+  struct F {
+    float v[16];
+  };
+  static constexpr int W = 16, MR8 = 4, MR4 = 4;
+  static F zero() { return F{}; }
+  static F bcast(float a) {
+    F r;
+    for (int i = 0; i < W; ++i) r.v[i] = a;
+    return r;
+  }
+  static F load(const float* p) {
+    F r;
+    for (int i = 0; i < W; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static F add(F a, F b) {
+#pragma omp simd
+    for (int i = 0; i < W; ++i) a.v[i] += b.v[i];
+    return a;
+  }
+  static F fma(F a, F b, F c) {
+#pragma omp simd
+    for (int i = 0; i < W; ++i) c.v[i] += a.v[i] * b.v[i];
+    return c;
+  }
+  static F i8(const int8_t* p) {
+    F r;
+#pragma omp simd
+    for (int i = 0; i < W; ++i) r.v[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  static void u4(const uint8_t* p, F& even, F& odd) {
+#pragma omp simd
+    for (int i = 0; i < W; ++i) {
+      even.v[i] = static_cast<float>(p[i] & 15);
+      odd.v[i] = static_cast<float>(p[i] >> 4);
+    }
+  }
+  static void store(float* y, F c, int64_t ncols) { std::copy(c.v, c.v + std::clamp<int64_t>(ncols, 0, W), y); }
+  static void store(uint16_t* y, F c, int64_t ncols) {
+    for (int64_t i = 0; i < std::min<int64_t>(ncols, W); ++i) y[i] = float_to_bf16(c.v[i]);
+  }
+};
+#endif
+
+constexpr int QNV = NR / QV::W;  // vectors per panel step
+constexpr int64_t QPREFETCH = 16 << 10;  // bytes ahead the one-row tiles prefetch
+using QF = QV::F;
+
+inline void qprefetch(const void* p) {
+#if defined(__x86_64__)
+  _mm_prefetch(static_cast<const char*>(p) + QPREFETCH, _MM_HINT_T0);
+#else
+  __builtin_prefetch(static_cast<const char*>(p) + QPREFETCH);
+#endif
+}
+
+// what every tile ends with: y[r] = acc[r] * scale + bias (scale: int8's per column; int4's 1)
+template <class O, int MR>
+inline void qstore(QF (&c)[MR][QNV], const float* scale, const float* bias, O* y, int64_t ldy, int64_t ncols) {
+  for (int v = 0; v < QNV; ++v) {
+    const QF s = scale != nullptr ? QV::load(scale + v * QV::W) : QV::bcast(1.f), b = QV::load(bias + v * QV::W);
+    for (int r = 0; r < MR; ++r) QV::store(y + r * ldy + v * QV::W, QV::fma(c[r][v], s, b), ncols - v * QV::W);
+  }
+}
+
+// int8, MR rows (ldx apart) x one panel ([k, 16] bytes)
+template <class O, int MR>
+inline void tile_i8(const float* x, int64_t ldx, const int8_t* q, int64_t k, const float* scale, const float* bias,
+                    O* y, int64_t ldy, int64_t ncols) {
+  QF c[MR][QNV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < QNV; ++v) c[r][v] = QV::zero();
+  for (int64_t s = 0; s < k; ++s) {
+    QF w[QNV];
+    for (int v = 0; v < QNV; ++v) w[v] = QV::i8(q + s * NR + v * QV::W);
+    for (int r = 0; r < MR; ++r) {
+      const QF a = QV::bcast(x[r * ldx + s]);
+      for (int v = 0; v < QNV; ++v) c[r][v] = QV::fma(a, w[v], c[r][v]);
+    }
+  }
+  qstore<O, MR>(c, scale, bias, y, ldy, ncols);
+}
+
+// int8, one row: four chains over k (a single chain would wait on the FMA latency)
+template <class O>
+inline void row_i8(const float* x, const int8_t* q, int64_t k, const float* scale, const float* bias, O* y,
+                   int64_t ncols) {
+  QF c[4][QNV];
+  for (int u = 0; u < 4; ++u)
+    for (int v = 0; v < QNV; ++v) c[u][v] = QV::zero();
+  int64_t s = 0;
+  for (; s + 4 <= k; s += 4) {
+    qprefetch(q + s * NR);
+    for (int u = 0; u < 4; ++u) {
+      const QF a = QV::bcast(x[s + u]);
+      for (int v = 0; v < QNV; ++v) c[u][v] = QV::fma(a, QV::i8(q + (s + u) * NR + v * QV::W), c[u][v]);
+    }
+  }
+  for (; s < k; ++s)
+    for (int v = 0; v < QNV; ++v) c[0][v] = QV::fma(QV::bcast(x[s]), QV::i8(q + s * NR + v * QV::W), c[0][v]);
+  QF sum[1][QNV];
+  for (int v = 0; v < QNV; ++v) sum[0][v] = QV::add(QV::add(c[0][v], c[1][v]), QV::add(c[2][v], c[3][v]));
+  qstore<O, 1>(sum, scale, bias, y, 0, ncols);
+}
+
+// int4, MR rows x one panel ([k / 2, 16] bytes; scales and mins [groups, 16]); xsum: [MR, groups], ldxs apart
+template <class O, int MR>
+inline void tile_i4(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* q,
+                    const float* scales, const float* mins, int64_t k, int64_t group, const float* bias, O* y,
+                    int64_t ldy, int64_t ncols) {
+  QF c[MR][QNV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < QNV; ++v) c[r][v] = QV::zero();
+  for (int64_t g = 0; g * group < k; ++g) {
+    QF a[MR][QNV];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < QNV; ++v) a[r][v] = QV::zero();
+    for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j)
+      for (int v = 0; v < QNV; ++v) {
+        QF even, odd;
+        QV::u4(q + j * NR + v * QV::W, even, odd);
+        for (int r = 0; r < MR; ++r)
+          a[r][v] = QV::fma(QV::bcast(x[r * ldx + 2 * j + 1]), odd, QV::fma(QV::bcast(x[r * ldx + 2 * j]), even, a[r][v]));
+      }
+    for (int v = 0; v < QNV; ++v) {
+      const QF s = QV::load(scales + g * NR + v * QV::W), mn = QV::load(mins + g * NR + v * QV::W);
+      for (int r = 0; r < MR; ++r) c[r][v] = QV::fma(mn, QV::bcast(xsum[r * ldxs + g]), QV::fma(s, a[r][v], c[r][v]));
+    }
+  }
+  qstore<O, MR>(c, nullptr, bias, y, ldy, ncols);
+}
+
+// int4, one row: per group, four chains (two k pairs, even and odd k) folded into the row's sum
+template <class O>
+inline void row_i4(const float* x, const float* xsum, const uint8_t* q, const float* scales, const float* mins,
+                   int64_t k, int64_t group, const float* bias, O* y, int64_t ncols) {
+  QF c[1][QNV];
+  for (int v = 0; v < QNV; ++v) c[0][v] = QV::zero();
+  for (int64_t g = 0; g * group < k; ++g) {
+    QF a[4][QNV];
+    for (int u = 0; u < 4; ++u)
+      for (int v = 0; v < QNV; ++v) a[u][v] = QV::zero();
+    for (int64_t j = g * group / 2; j < (g + 1) * group / 2; j += 2) {  // group is a multiple of 4 (32, 64, 128)
+      qprefetch(q + j * NR);
+      for (int u = 0; u < 2; ++u) {
+        const QF xe = QV::bcast(x[2 * (j + u)]), xo = QV::bcast(x[2 * (j + u) + 1]);
+        for (int v = 0; v < QNV; ++v) {
+          QF even, odd;
+          QV::u4(q + (j + u) * NR + v * QV::W, even, odd);
+          a[2 * u][v] = QV::fma(xe, even, a[2 * u][v]);
+          a[2 * u + 1][v] = QV::fma(xo, odd, a[2 * u + 1][v]);
+        }
+      }
+    }
+    const QF xs = QV::bcast(xsum[g]);
+    for (int v = 0; v < QNV; ++v) {
+      const QF acc = QV::add(QV::add(a[0][v], a[1][v]), QV::add(a[2][v], a[3][v]));
+      c[0][v] = QV::fma(QV::load(mins + g * NR + v * QV::W), xs,
+                        QV::fma(QV::load(scales + g * NR + v * QV::W), acc, c[0][v]));
+    }
+  }
+  qstore<O, 1>(c, nullptr, bias, y, 0, ncols);
+}
+
+// the last rows - 1 < MR of a panel's rows: the tile of exactly that many rows (one row: the row tile)
+template <class O, int R>
+inline void tail_i8(int64_t rows, const float* x, int64_t k, const int8_t* q, const float* scale, const float* bias,
+                    O* y, int64_t ldy, int64_t ncols) {
+  if constexpr (R == 1) {
+    if (rows == 1) row_i8<O>(x, q, k, scale, bias, y, ncols);
+  } else if (rows == R) {
+    tile_i8<O, R>(x, k, q, k, scale, bias, y, ldy, ncols);
+  } else {
+    tail_i8<O, R - 1>(rows, x, k, q, scale, bias, y, ldy, ncols);
+  }
+}
+
+template <class O, int R>
+inline void tail_i4(int64_t rows, const float* x, int64_t k, const float* xsum, int64_t groups, const uint8_t* q,
+                    const float* scales, const float* mins, int64_t group, const float* bias, O* y, int64_t ldy,
+                    int64_t ncols) {
+  if constexpr (R == 1) {
+    if (rows == 1) row_i4<O>(x, xsum, q, scales, mins, k, group, bias, y, ncols);
+  } else if (rows == R) {
+    tile_i4<O, R>(x, k, xsum, groups, q, scales, mins, k, group, bias, y, ldy, ncols);
+  } else {
+    tail_i4<O, R - 1>(rows, x, k, xsum, groups, q, scales, mins, group, bias, y, ldy, ncols);
+  }
+}
+
+// rows [0, m) of x (xsum: their group sums, int4) against panel p: tiles of the tier's MR rows, then
+// the rest in one smaller tile; bias: the panel's 16 floats
+template <class O>
+inline void quant_panel_rows(const QuantArgs& a, const float* x, const float* xsum, int64_t m, int64_t p, O* y,
+                             const float* bias) {
+  const int64_t k = a.k, ldy = a.n, ncols = std::min<int64_t>(NR, a.n - p * NR);
+  int64_t r = 0;
+  if (a.group == 0) {
+    const int8_t* q = static_cast<const int8_t*>(a.qpanels) + p * k * NR;
+    const float* scale = a.scales + p * NR;
+    for (; r + QV::MR8 <= m; r += QV::MR8) tile_i8<O, QV::MR8>(x + r * k, k, q, k, scale, bias, y + r * ldy, ldy, ncols);
+    tail_i8<O, QV::MR8 - 1>(m - r, x + r * k, k, q, scale, bias, y + r * ldy, ldy, ncols);
+    return;
+  }
+  const int64_t groups = k / a.group;
+  const uint8_t* q = static_cast<const uint8_t*>(a.qpanels) + p * (k / 2) * NR;
+  const float* scales = a.scales + p * groups * NR;
+  const float* mins = a.mins + p * groups * NR;
+  for (; r + QV::MR4 <= m; r += QV::MR4)
+    tile_i4<O, QV::MR4>(x + r * k, k, xsum + r * groups, groups, q, scales, mins, k, a.group, bias, y + r * ldy, ldy,
+                        ncols);
+  tail_i4<O, QV::MR4 - 1>(m - r, x + r * k, k, xsum + r * groups, groups, q, scales, mins, a.group, bias, y + r * ldy,
+                          ldy, ncols);
+}
+
+}  // namespace runner_kernels::RW_TIER
