@@ -127,8 +127,10 @@ def pack(tensors: dict[str, torch.Tensor], fmt: QuantFormat, n: int, k: int) -> 
 
 def quant_linear(x: torch.Tensor, packed: dict[str, torch.Tensor], fmt: QuantFormat, n: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
-    """x [m, k] (float32 or bfloat16) @ W^T + bias -> [m, n] in x's dtype, W given as `pack`'s tensors."""
-    return _ops().quant_linear(x, packed["qpanels"], packed["scales"], packed.get("mins"), n, fmt.group, bias)
+    """x [m, k] (float32 or bfloat16) @ W^T + bias -> [m, n] in x's dtype, W given as `pack`'s tensors
+    (which loaded the kernels; no check here, so compiled graphs trace the op alone)."""
+    return torch.ops.runner_kernels.quant_linear(x, packed["qpanels"], packed["scales"], packed.get("mins"), n,
+                                                 fmt.group, bias)
 
 
 def _columns(t: torch.Tensor, n: int) -> torch.Tensor:
