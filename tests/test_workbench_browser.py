@@ -132,3 +132,23 @@ def test_dashboard_end_to_end(page):
     expect(status).to_contain_text("active model: tiny-llama")
     page.screenshot(path=str(OUT / "dashboard.png"), full_page=True)
     assert (OUT / "dashboard.png").stat().st_size > 10_000
+
+
+def test_dashboard_loads_a_quantized_model_and_charts_what_it_saved(page):
+    """The load form's storage format reaches the load: tiny-speaker stored as int8 is listed so, and the
+    weights chart draws two bars, the int8 bytes below the float32 ones."""
+    from playwright.sync_api import expect
+
+    for field, value in ((".wb-model-path input", ""), (".wb-max-len input", "0")):  # as the first test left them
+        page.locator(field).fill(value)
+        page.locator(field).press("Enter")
+    page.locator(".wb-model select").select_option("tiny-speaker")
+    page.locator(".wb-storage select").select_option("int8")
+    page.get_by_role("button", name="Load model").click()
+    expect(page.locator(".wb-info")).to_contain_text("Load tiny-speaker: done", timeout=SLOW)
+    expect(page.locator(".wb-models")).to_contain_text("int8")
+    chart = page.locator(".wb-chart-weights")
+    expect(chart).to_contain_text("Weights stored as int8", timeout=SLOW)
+    bars = chart.locator(".js-plotly-plot").evaluate("el => el.data[0].x")
+    assert len(bars) == 2 and 0 < bars[0] < bars[1]
+    page.screenshot(path=str(OUT / "dashboard-int8.png"), full_page=True)

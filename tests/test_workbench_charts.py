@@ -40,9 +40,12 @@ def _valid(fig: go.Figure) -> dict:
 
 
 EMPTY_BLOCK_MAP = {"num_blocks": 0, "owners": {}}
+# model_info()["quantization"] of an int4 model, with its compute dtype (what ModelEntry.weights_storage gives)
+INT4 = {"format": "int4", "group_size": 64, "lm_head": False, "quantized_layers": 8, "kept_layers": [],
+        "weights_bytes": 30 << 20, "dense_bytes": 120 << 20, "dtype": "float32"}
 
 
-@pytest.mark.parametrize("name", ["memory", "blocks", "waste", "throughput", "block_map", "compile"])
+@pytest.mark.parametrize("name", ["memory", "weights", "blocks", "waste", "throughput", "block_map", "compile"])
 def test_empty_history_gives_a_valid_figure_with_a_note(name):
     fig = charts.all_figures([], [], None)[name]
     spec = _valid(fig)
@@ -158,7 +161,7 @@ def test_every_chart_has_a_title_axis_units_no_second_axis_and_a_legend_off_the_
                "seconds": 12.5, "ok": True, "stats": {"compile_seconds": {"1": 2.0}}}]
     rows = _full_rows(50)
     rows[-1]["expert_counts"], rows[-1]["moe_layers"] = [[3, 1], [0, 4]], [0, 1]
-    figs = charts.all_figures(rows, events, {"num_blocks": 64, "owners": {"a": [0, 1]}})
+    figs = charts.all_figures(rows, events, {"num_blocks": 64, "owners": {"a": [0, 1]}}, weights=INT4)
     for name, fig in figs.items():
         layout = fig.layout
         assert layout.title.text, name
@@ -191,7 +194,8 @@ def test_every_chart_takes_its_colours_from_the_shared_palette():
     events = [{"kind": "compile", "t": 1.0, "enabled": True, "seconds": 2.0, "ok": True,
                "stats": {"decode_programs": {"build_seconds": {"1": 0.5}}, "compile_seconds": {"1": 2.0}}},
               {"kind": "compile", "t": 2.0, "enabled": True, "seconds": 0.0, "ok": False, "error": "x"}]
-    figs = charts.all_figures(rows, events, {"num_blocks": 64, "owners": {"a": [0, 1]}, "cached_block_ids": [5]})
+    figs = charts.all_figures(rows, events, {"num_blocks": 64, "owners": {"a": [0, 1]}, "cached_block_ids": [5]},
+                              weights=INT4)
     allowed = {c.lower() for c in (*charts.PALETTE, charts.FREE_COLOR, charts.CACHED_COLOR, "#FFFFFF")}
     for name, fig in figs.items():
         colors = {c.lower() for c in _colors(fig)}
@@ -201,6 +205,21 @@ def test_every_chart_takes_its_colours_from_the_shared_palette():
     kv_used = {t.line.color for f in (figs["memory"], figs["blocks"]) for t in f.data
                if t.name in ("KV in use", "used")}
     assert kv_used == {charts.COLORS["kv_used"]}
+
+
+def test_weights_chart_shows_the_stored_size_beside_the_compute_dtype():
+    """The weights chart: one bar at the stored size, one at the compute dtype's, and the saving in its title;
+    a model kept in its dtype gets two equal bars and says it has no storage format."""
+    fig = charts.all_figures([], weights=INT4)["weights"]
+    _valid(fig)
+    bars = fig.data[0]
+    assert list(bars.y) == ["stored (int4 g64)", "in float32"] and list(bars.x) == [30.0, 120.0]
+    assert list(bars.marker.color) == [charts.COLORS["weights"], charts.COLORS["weights_dense"]]
+    assert fig.layout.title.text == "Weights stored as int4 g64: 75% less than float32 (MiB)"
+    int8 = {**INT4, "format": "int8", "lm_head": True, "weights_bytes": 60 << 20}
+    assert charts.weights_storage(int8).data[0].y[0] == "stored (int8 + LM head)"
+    plain = charts.weights_storage({**INT4, "format": None, "weights_bytes": 120 << 20})
+    assert list(plain.data[0].x) == [120.0, 120.0] and "no storage format" in plain.layout.title.text
 
 
 def test_rows_count_from_the_model_load_and_go_with_an_unload(tiny_llama_path):

@@ -123,3 +123,37 @@ def test_an_uploaded_image_goes_with_the_prompt(tmp_path):
     finally:
         w.close()
         s.close()
+
+
+def test_both_load_forms_pass_the_storage_format_and_chart_what_it_saved(ui):
+    """The storage controls (format, int4 group, LM head) of both views reach the session's load, and the
+    weights chart then shows the stored bytes beside the compute dtype's (model_info's "quantization")."""
+    from workbench.panel_app import SessionDashboard
+
+    s = ui.session
+    ui.model.value, ui.model_path.value = "tiny-llama", ""
+    ui.storage.value, ui.group_size.value, ui.quantize_lm_head.value = "int4", 32, True
+    ui.load_button.click()
+    ui.wait(120)
+    try:
+        config = s.models["tiny-llama"].config
+        assert (config.quantization, config.quantization_group_size, config.quantize_lm_head) == ("int4", 32, True)
+        info = s.models["tiny-llama"].runner.model_info()["quantization"]
+        bars = ui.figures["weights"].data[0]
+        assert list(bars.x) == [info["weights_bytes"] / 2**20, info["dense_bytes"] / 2**20]
+        assert info["weights_bytes"] < info["dense_bytes"] / 3
+        assert list(bars.y) == ["stored (int4 g32 + LM head)", "in float32"]
+    finally:
+        s.unload("tiny-llama")
+    panel = SessionDashboard(s)
+    panel.model_select.value, panel.storage.value = "tiny-llama", "int8"
+    panel.load_button.clicks += 1
+    ui.wait(120)
+    try:
+        config = s.models["tiny-llama"].config
+        assert (config.quantization, config.quantize_lm_head) == ("int8", False)
+        panel.refresh()
+        assert list(panel.charts["weights"].object.data[0].y) == ["stored (int8)", "in float32"]
+        assert "int8" in panel.models_md.object
+    finally:
+        s.unload("tiny-llama")

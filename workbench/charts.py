@@ -28,7 +28,7 @@ COLORS = {  # one colour per quantity, whichever chart shows it
     "weights": PALETTE[0], "activations": PALETTE[5], "kv_used": PALETTE[1], "kv_cached": CACHED_COLOR,
     "kv_free": FREE_COLOR, "prefill": PALETTE[0], "decode": PALETTE[1], "paged": PALETTE[2],
     "contiguous": PALETTE[3], "ok": PALETTE[2], "failed": PALETTE[3], "compile_size": PALETTE[0],
-    "decode_program": PALETTE[1],
+    "decode_program": PALETTE[1], "weights_dense": PALETTE[9],
 }
 # tokens routed per expert: white to the palette's first colour
 HEAT_SCALE = [[0.0, "#FFFFFF"], [1.0, PALETTE[0]]]
@@ -121,6 +121,30 @@ def memory_breakdown(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
                ("KV cached", kv("blocks_cached"), COLORS["kv_cached"]),
                ("KV free", kv("blocks_free"), COLORS["kv_free"])]
     _stacked(fig, rows, series, "mem", gap_s, "MiB")
+    return fig
+
+
+def weights_storage(info: Mapping[str, Any] | None) -> go.Figure:
+    """The weights at their stored size beside what they would take in the compute dtype (MiB), from
+    `info`: model_info()["quantization"] with the compute "dtype" ({"format", "group_size", "lm_head",
+    "weights_bytes", "dense_bytes", "dtype"}); the title says what the storage format saved."""
+    fig = go.Figure(layout=_layout("Weights: stored vs the compute dtype (MiB)", "", barmode="group"))
+    fig.update_xaxes(title_text="MiB", rangemode="tozero")
+    fig.update_yaxes(title_text="weights", autorange="reversed")
+    if not info or info.get("dense_bytes") is None:
+        return _empty(fig, "no data yet: load a model")
+    fmt, dtype = info.get("format"), info.get("dtype", "compute dtype")
+    stored = fmt + (f" g{info['group_size']}" if fmt == "int4" else "") + (
+        " + LM head" if info.get("lm_head") else "") if fmt else dtype
+    names = [f"stored ({stored})", f"in {dtype}"]
+    values = [info["weights_bytes"] / MIB, info["dense_bytes"] / MIB]
+    fig.add_trace(go.Bar(
+        y=names, x=values, orientation="h", showlegend=False, text=[f"{v:.1f} MiB" for v in values],
+        textposition="auto", marker_color=[COLORS["weights"], COLORS["weights_dense"]],
+        hovertemplate="%{y}: %{x:.1f} MiB<extra></extra>"))
+    saved = 1 - info["weights_bytes"] / info["dense_bytes"] if info["dense_bytes"] else 0.0
+    fig.update_layout(title_text=f"Weights stored as {stored}: {saved:.0%} less than {dtype} (MiB)" if fmt else
+                      f"Weights in {dtype}, no storage format (MiB)")
     return fig
 
 
@@ -286,10 +310,11 @@ def expert_load(rows: Rows, window: float = 5.0) -> go.Figure:
 
 
 def all_figures(rows: Rows, events: Sequence[Mapping[str, Any]] = (), block_map: Mapping | None = None,
-                compile_stats: Mapping | None = None) -> dict[str, go.Figure]:
-    """Every chart of the dashboards, by name."""
+                compile_stats: Mapping | None = None, weights: Mapping | None = None) -> dict[str, go.Figure]:
+    """Every chart of the dashboards, by name (`weights`: see `weights_storage`)."""
     return {
-        "memory": memory_breakdown(rows), "blocks": kv_blocks(rows), "waste": waste(rows),
+        "memory": memory_breakdown(rows), "weights": weights_storage(weights), "blocks": kv_blocks(rows),
+        "waste": waste(rows),
         "throughput": throughput(rows), "block_map": kv_block_map(block_map),
         "compile": compile_timings(events, compile_stats), "expert_load": expert_load(rows),
     }

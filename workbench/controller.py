@@ -11,6 +11,7 @@ import io
 from concurrent.futures import Future
 from pathlib import Path
 
+from runner_core.config import QUANTIZATIONS
 from workbench import charts
 from workbench.handles import RequestHandle
 from workbench.model_roots import ModelRoots
@@ -21,6 +22,8 @@ from workbench.session import Session
 DEFAULT_MODEL = "tiny-speaker"  # the trained preset: its text is words (the random presets are for benchmarks)
 DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 0}  # 0: the model's own limit
 CHART_HISTORY = 600  # rows (at 0.1 s each while work runs)
+STORAGE_NONE = "none"  # the load form's storage choice for weights kept in the compute dtype
+STORAGE_CHOICES = (STORAGE_NONE, *(q for q in QUANTIZATIONS if q))  # none, int8, int4
 IMAGE_PLACEHOLDER = "<image>"  # where a multimodal prompt's image goes (LLaVA's placeholder)
 PREVIEW_PX = 160
 
@@ -47,9 +50,14 @@ def image_prompt(text: str, image) -> str | dict:
     return {"prompt": text, "multi_modal_data": {"image": image}}
 
 
-def load_config(dtype: str, device: str, kv_cache_memory_mib: int | None, max_model_len: int | None) -> dict:
-    """RunnerConfig fields from the load controls (0 or None means automatic)."""
+def load_config(dtype: str, device: str, kv_cache_memory_mib: int | None, max_model_len: int | None,
+                storage: str = STORAGE_NONE, group_size: int = 64, quantize_lm_head: bool = False) -> dict:
+    """RunnerConfig fields from the load controls (0 or None means automatic; `storage` is one of
+    STORAGE_CHOICES: "none" keeps the weights in the compute dtype)."""
     config = {"dtype": dtype, "device": device}
+    if storage != STORAGE_NONE:
+        config.update(quantization=storage, quantization_group_size=int(group_size),
+                      quantize_lm_head=bool(quantize_lm_head))
     if kv_cache_memory_mib:
         config["kv_cache_memory"] = int(kv_cache_memory_mib) << 20
     if max_model_len:
@@ -230,7 +238,9 @@ class ViewController:
         """Every chart of the active model's recent rows, the events and its block map."""
         s = self.session
         rows = s.metrics.rows(model=s.active, last=CHART_HISTORY) if s.active else []
-        return charts.all_figures(rows, s.metrics.events(), s.block_map())
+        entry = s.active_model
+        return charts.all_figures(rows, s.metrics.events(), s.block_map(),
+                                  weights=entry.weights_storage() if entry is not None else None)
 
     def workload_summary(self) -> str:
         if not self.workload:

@@ -67,6 +67,12 @@ class ModelEntry:
         engine = self.runner.engine if self.runner is not None else None
         return engine.model_info.get(key) if engine is not None else None
 
+    def weights_storage(self) -> dict | None:
+        """How the weights are stored (model_info's "quantization", with the compute "dtype"); None before
+        the engine exists."""
+        info = self._engine_info("quantization")
+        return None if info is None else {**info, "dtype": self._engine_info("dtype")}
+
     def threads_line(self) -> str:
         """The CPU thread choice of the model's engine in words ("" before its engine exists)."""
         info = self._engine_info("threads")

@@ -15,10 +15,19 @@ from time import monotonic
 
 import panel as pn
 
-from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, COMPILE_SCOPES
+from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, COMPILE_SCOPES, QUANT_GROUP_SIZES
 from runner_core.models import preset_names
 from workbench import charts
-from workbench.controller import DEFAULT_LOAD, DEFAULT_MODEL, ViewController, default_device, load_config, model_choice
+from workbench.controller import (
+    DEFAULT_LOAD,
+    DEFAULT_MODEL,
+    STORAGE_CHOICES,
+    STORAGE_NONE,
+    ViewController,
+    default_device,
+    load_config,
+    model_choice,
+)
 from workbench.handles import SessionError
 from workbench.loaded_models import ModelEntry
 from workbench.model_roots import ModelRoots
@@ -31,7 +40,7 @@ REFRESH_MS = 500
 SIDEBAR_WIDTH = 300
 SIDEBAR_FIELD = 130  # px: two fields side by side in the sidebar, their labels in full
 SAMPLING_FIELD = 120
-CHART_NAMES = ("throughput", "memory", "blocks", "waste", "block_map", "compile", "expert_load")
+CHART_NAMES = ("throughput", "memory", "weights", "blocks", "waste", "block_map", "compile", "expert_load")
 
 
 class SessionDashboard(ViewController):
@@ -69,6 +78,14 @@ class SessionDashboard(ViewController):
         self.max_len = w.IntInput(name="max_model_len", value=DEFAULT_LOAD["max_model_len"], start=0,
                                   width=SIDEBAR_FIELD, css_classes=["wb-max-len"],
                                   description="0 = the model's own maximum context length")
+        self.storage = w.Select(name="weights stored as", options=list(STORAGE_CHOICES), value=STORAGE_NONE,
+                                width=SIDEBAR_FIELD, css_classes=["wb-storage"],
+                                description="none: the dtype; int8: one scale per output channel; int4: a scale "
+                                            "and a minimum per group of weights")
+        self.group_size = w.Select(name="int4 group", options=list(QUANT_GROUP_SIZES), value=64, width=SIDEBAR_FIELD,
+                                   css_classes=["wb-group-size"], description="weights along k per int4 scale")
+        self.quantize_lm_head = w.Checkbox(name="quantize the LM head too", value=False,
+                                           css_classes=["wb-quantize-lm-head"])
         self.load_button = w.Button(name="Load model", button_type="primary", css_classes=["wb-load"])
         self.unload_button = w.Button(name="Unload", button_type="default", css_classes=["wb-unload"])
         self.active_select = w.Select(name="Active model", options=[], css_classes=["wb-active"], **full)
@@ -116,7 +133,8 @@ class SessionDashboard(ViewController):
 
         sidebar = pn.Column(
             "### Model", self.model_select, self.model_path, pn.Row(self.dtype, self.device),
-            pn.Row(self.kv_mib, self.max_len), pn.Row(self.load_button, self.unload_button), self.active_select,
+            pn.Row(self.kv_mib, self.max_len), pn.Row(self.storage, self.group_size), self.quantize_lm_head,
+            pn.Row(self.load_button, self.unload_button), self.active_select,
             self.models_md, pn.layout.Divider(), "### Compile", self.compile_on,
             pn.Row(self.compile_backend, self.compile_mode), self.compile_scope, self.compile_button,
             width=SIDEBAR_WIDTH, styles={"background": "#f6f8fa", "border-radius": "6px"}, margin=(0, 10, 0, 0))
@@ -153,7 +171,8 @@ class SessionDashboard(ViewController):
     # ---- actions -----------------------------------------------------------------------------------
     def on_load(self) -> None:
         model = model_choice(self.model_select.value, self.model_path.value)
-        config = load_config(self.dtype.value, self.device.value, self.kv_mib.value, self.max_len.value)
+        config = load_config(self.dtype.value, self.device.value, self.kv_mib.value, self.max_len.value,
+                             self.storage.value, self.group_size.value, self.quantize_lm_head.value)
         already = model in self.session.models
         if self.load(model, config) is not None:
             self.show_info(f"{model} is already loaded; it is the active model now" if already
@@ -220,7 +239,8 @@ class SessionDashboard(ViewController):
         return f"{status} ({elapsed:.0f} s)" if s.busy and elapsed >= 1 else status
 
     def _show_models(self, models: dict) -> None:
-        lines = [f"- **{html.escape(e.name)}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB, "
+        lines = [f"- **{html.escape(e.name)}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB"
+                 f"{' ' + e.config.quantization if e.config.quantization else ''}, "
                  f"KV {e.kv_pool_bytes / 2**20:.1f} MiB, "
                  f"{'compiled ' + str(e.compile.get('backend')) if e.compile.get('enabled') else 'eager'}"
                  + "".join(f"<br>{html.escape(line)}" for line in e.engine_lines())

@@ -18,13 +18,22 @@ import weakref
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES
+from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, QUANT_GROUP_SIZES
 from runner_core.models import preset_names
 from workbench import charts
-from workbench.controller import DEFAULT_LOAD, DEFAULT_MODEL, ViewController, default_device, load_config, model_choice
+from workbench.controller import (
+    DEFAULT_LOAD,
+    DEFAULT_MODEL,
+    STORAGE_CHOICES,
+    STORAGE_NONE,
+    ViewController,
+    default_device,
+    load_config,
+    model_choice,
+)
 from workbench.session import Session
 
-FIGURES = ("throughput", "memory", "blocks", "block_map", "expert_load")
+FIGURES = ("throughput", "memory", "weights", "blocks", "block_map", "expert_load")
 LABEL = {"description_width": "initial"}  # a control's label in full ("temperature", not "temperat…")
 # the charts two by two, each column half of the cell's width (plotly autosizes into it)
 GRID = dict(grid_template_columns="repeat(2, minmax(0, 1fr))", grid_gap="4px 12px", width="100%")
@@ -46,6 +55,11 @@ class SessionWidgets(ViewController, W.VBox):
         self.load_button = W.Button(description="Load", button_style="primary", icon="download")
         self.unload_button = W.Button(description="Unload", icon="eject")
         self.active = W.Dropdown(options=[], description="Active", style=LABEL)
+        self.storage = W.Dropdown(options=STORAGE_CHOICES, value=STORAGE_NONE, description="weights stored as",
+                                  style=LABEL, layout=W.Layout(width="210px"))
+        self.group_size = W.Dropdown(options=QUANT_GROUP_SIZES, value=64, description="int4 group", style=LABEL,
+                                     layout=W.Layout(width="150px"))
+        self.quantize_lm_head = W.Checkbox(value=False, description="quantize the LM head too", indent=False)
         self.compile = W.Checkbox(value=False, description="torch.compile", indent=False)
         self.compile_backend = W.Dropdown(options=list(COMPILE_BACKENDS), value="inductor", description="backend",
                                           style=LABEL, layout=W.Layout(width="190px"))
@@ -76,6 +90,7 @@ class SessionWidgets(ViewController, W.VBox):
 
         controls = W.VBox([
             W.HBox([self.model, self.model_path]),
+            W.HBox([self.storage, self.group_size, self.quantize_lm_head]),
             W.HBox([self.load_button, self.unload_button, self.active]),
             W.HBox([self.compile, self.compile_backend, self.compile_mode, self.compile_button]),
         ])
@@ -99,7 +114,8 @@ class SessionWidgets(ViewController, W.VBox):
     # ---- actions ----------------------------------------------------------------------------------
     def on_load(self) -> None:
         config = load_config(DEFAULT_LOAD["dtype"], default_device(), DEFAULT_LOAD["kv_cache_memory_mib"],
-                             DEFAULT_LOAD["max_model_len"])
+                             DEFAULT_LOAD["max_model_len"], self.storage.value, self.group_size.value,
+                             self.quantize_lm_head.value)
         self.load(model_choice(self.model.value, self.model_path.value), config)
 
     def on_compile(self) -> None:
