@@ -1,8 +1,18 @@
-"""Rotary position embedding (neox layout, as in Hugging Face Llama) with linear and Llama-3 scaling."""
+"""Rotary position embedding (neox layout, as in Hugging Face Llama) with linear and Llama-3 scaling.
+
+The cos/sin tables are the same for every layer of a model: `RotaryEmbedding.shared` hands all
+layers built from one config the one module (and so one pair of tables), and `rotary_positions`
+caps their length while a model is built (the positions a runner can reach, not the model's
+max_position_embeddings).
+"""
 
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -23,7 +33,39 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(mid, smoothed, out)
 
 
+_POSITIONS_CAP: ContextVar[int | None] = ContextVar("rotary_positions", default=None)
+# (id of the model's config, table settings, device) -> the module the layers of that model share
+_SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+@contextmanager
+def rotary_positions(limit: int | None) -> Iterator[None]:
+    """Rotary tables built inside hold at most `limit` positions (None: the model's own limit)."""
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"rotary_positions takes an int >= 1 or None, got {limit!r}")
+    token = _POSITIONS_CAP.set(limit)
+    try:
+        yield
+    finally:
+        _POSITIONS_CAP.reset(token)
+
+
 class RotaryEmbedding(nn.Module):
+    @classmethod
+    def shared(cls, scope: object, head_dim: int, max_position: int, base: float,
+               scaling: dict | None = None) -> RotaryEmbedding:
+        """The module every layer built from `scope` (the model's config) with these settings shares:
+        one pair of tables per model, capped by `rotary_positions`. Held weakly here: dropping the
+        model frees it."""
+        cap = _POSITIONS_CAP.get()
+        positions = max_position if cap is None else min(cap, max_position)
+        key = (id(scope), head_dim, positions, base, repr(sorted((scaling or {}).items())),
+               str(torch.get_default_device()))
+        module = _SHARED.get(key)
+        if module is None:
+            module = _SHARED[key] = cls(head_dim, positions, base, scaling)
+        return module
+
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
