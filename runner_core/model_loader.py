@@ -27,7 +27,8 @@ from torch import nn
 
 from runner_core.config import RunnerConfig
 from runner_core.errors import ModelLoadError
-from runner_core.layers.linear import pack_panel_weights, panels_apply
+from runner_core.layers.quantization import QuantFormat
+from runner_core.layers.weight_storage import finish_storage, num_weights, panels_apply, plan_storage, stored_bytes
 from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
 from runner_core.models.registry import MODEL_ATTRIBUTES, ModelAdapter
 from runner_core.progress import progress
@@ -48,11 +49,11 @@ class LoadedModel:
     hf_config: PretrainedConfig
     model_path: Path
     load_seconds: float
-    weight_bytes: int  # the model's unique parameters (tied weights once), counted here once
-    buffer_bytes: int  # its buffers (rotary tables)
+    weight_bytes: int  # its weights as stored (parameters, panels, quantized tensors; tied ones once)
+    buffer_bytes: int  # its other buffers (rotary tables)
     adapter: ModelAdapter  # which class built it, by which path, and why
     bytes_read: int = 0  # checkpoint bytes read from the safetensors files
-    panel_bytes: int = 0  # the panel copies of its linear weights (CPU: layers/linear.py)
+    quantization: dict | None = None  # the storage format and what it kept in the compute dtype
     processor: object | None = None  # a multimodal model's Hugging Face processor (tokenizer + image processor)
 
 
@@ -84,18 +85,28 @@ class ModelLoader:
         tokenizer = load_tokenizer(tokenizer_path, hf_config, cfg.trust_remote_code)
         processor = load_processor(path, cfg.trust_remote_code) if adapter.kind == "multimodal" else None
         model = self._build(adapter.model_class, hf_config)
+        fmt = QuantFormat.of(cfg.quantization, cfg.quantization_group_size) if cfg.quantization else None
+        if fmt is not None and adapter.impl != "native":
+            raise ModelLoadError(
+                f"quantization={cfg.quantization!r} needs a native adapter; {adapter.architecture} runs on the "
+                f"{adapter.impl} path ({adapter.reason}). Load it without quantization, or register a native "
+                "adapter for it (runner_core.register_model)")
+        kept = plan_storage(model, cfg.torch_dtype, panels_apply(cfg.torch_device, cfg.torch_dtype, cfg.world_size),
+                            fmt, cfg.quantize_lm_head)
         try:
             bytes_read = self._load_weights(model, path)
+            finish_storage(model)
         except BaseException as exc:
             # a notebook keeps the last traceback: its frames must not hold the half-loaded model
             del model
             traceback.clear_frames(exc.__traceback__)
             raise
-        buffer_bytes = _nbytes(model.buffers())
-        panels = pack_panel_weights(model) if panels_apply(cfg.torch_device, cfg.torch_dtype, cfg.world_size) else 0
+        stored = stored_bytes(model)
+        weight_bytes = _nbytes(model.parameters()) + stored
         return LoadedModel(model=model, tokenizer=tokenizer, hf_config=hf_config, model_path=path,
-                           load_seconds=time.perf_counter() - start, weight_bytes=_nbytes(model.parameters()),
-                           buffer_bytes=buffer_bytes, panel_bytes=panels, adapter=adapter, bytes_read=bytes_read,
+                           load_seconds=time.perf_counter() - start, weight_bytes=weight_bytes,
+                           buffer_bytes=_nbytes(model.buffers()) - stored, adapter=adapter, bytes_read=bytes_read,
+                           quantization=quantization_info(model, fmt, cfg, kept, weight_bytes),
                            processor=processor)
 
     def _build(self, cls: type, hf_config) -> nn.Module:
@@ -138,6 +149,19 @@ class ModelLoader:
                 f"{', '.join(missing[:5])}{more}"
             )
         return weights.bytes_read
+
+
+def quantization_info(model: nn.Module, fmt: QuantFormat | None, cfg: RunnerConfig, kept: dict[str, str],
+                      weight_bytes: int) -> dict:
+    """What model_info reports of the storage format: the format, the layers it holds and those kept in
+    the compute dtype (with why), and the weights' bytes as stored beside their bytes in the compute dtype."""
+    quantized = [m for m in model.modules() if getattr(getattr(m, "storage", None), "fmt", None) is not None]
+    groups = sorted({m.storage.fmt.group for m in quantized if m.storage.fmt.name == "int4"})
+    dense = num_weights(model)
+    return {"format": fmt.name if fmt else None, "group_size": fmt.group if fmt and fmt.group else None,
+            "int4_groups": groups, "lm_head": cfg.quantize_lm_head if fmt else False,
+            "quantized_layers": len(quantized), "kept_layers": kept,
+            "weights_bytes": weight_bytes, "dense_bytes": dense * cfg.torch_dtype.itemsize}
 
 
 def _nbytes(tensors: Iterator[torch.Tensor]) -> int:

@@ -20,15 +20,23 @@ from tests.test_compile import COMPILED, GREEDY, _prompts
 LOGPROBS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
+def _row_major(config: dict) -> ModelRunner:
+    """A runner whose linear weights stay row-major: the layout CPU decode programs pack MKL's copy of, which
+    a runner keeps where the native kernels are off (with them on, the weights are stored once, as panels)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("runner_core.model_loader.panels_apply", lambda *args: False)
+        return ModelRunner(config).load_model()
+
+
 @pytest.fixture(scope="module")
 def compiled(tiny_llama_path):
     # a short max_model_len leaves room to shrink the pool (the compile key does not depend on it)
-    return ModelRunner({"model": str(tiny_llama_path), **COMPILED, "max_model_len": 256}).load_model()
+    return _row_major({"model": str(tiny_llama_path), **COMPILED, "max_model_len": 256})
 
 
 @pytest.fixture(scope="module")
 def eager(tiny_llama_path):
-    return ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 22}).load_model()
+    return _row_major({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 22})
 
 
 def _run(runner, prompts, params=LOGPROBS):
@@ -194,6 +202,18 @@ def test_plan_says_why_there_are_none(eager, monkeypatch):
     monkeypatch.setattr(dp, "available_memory_bytes", lambda device: 1 << 20)
     sizes, why = plan_sizes(None, model, torch.float32, 8, "aoti")
     assert sizes == [] and "over half the available memory" in why
+
+
+def test_no_programs_over_weights_stored_once(tiny_llama_path):
+    """With the kernels on, each linear weight is held once, as panels: no MKL copy is made for programs."""
+    runner = ModelRunner({"model": str(tiny_llama_path), **COMPILED, "max_model_len": 256}).load_model()
+    try:
+        reason = runner.compile_stats()["decode_programs"]["reason"]
+        assert runner.engine.worker.forward_pass.decode_programs is None and "stored once" in reason
+        assert runner.memory_stats()["decode_programs_bytes"] == 0
+        assert not any(n.endswith("packed_weight") for n, _ in runner.engine.worker.model.named_buffers())
+    finally:
+        runner.shutdown()
     assert dp.default_sizes("cuda", 40) == [1, 2, 4, 8, 16, 32]
 
 

@@ -17,6 +17,7 @@ import transformers
 
 from runner_core import ModelRunner, SamplingParams
 from runner_core.kernels import cpu_kernels_available, panels_support
+from runner_core.layers.weight_storage import stored_bytes
 from runner_core.models.presets import ensure_preset
 from runner_core.training.corpus import docstrings, prose_paragraphs
 from tests.conftest import REPO
@@ -104,7 +105,7 @@ def measure(runner: ModelRunner, windows: torch.Tensor, prompts: list[list[int]]
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
     outs = runner.generate(prompts, SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True))
     return Run(logits, math.exp(loss.item()), [o.token_ids for o in outs],
-               runner.memory_stats()["panel_weights_bytes"])
+               stored_bytes(runner.engine.worker.model))
 
 
 def load(dtype: str) -> ModelRunner:

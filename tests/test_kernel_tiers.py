@@ -20,6 +20,7 @@ import transformers
 from runner_core import ModelRunner, SamplingParams, kernels
 from runner_core.errors import ConfigError
 from runner_core.kernels import build, kernel_info, kernel_tier, kernel_tiers, set_kernel_tier, use_kernel_tier
+from runner_core.layers.weight_storage import stored_bytes
 from tests.helpers import make_tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,11 +62,12 @@ def _assert_tokens_match(ours: list[list[int]], theirs: list[list[int]], dtype: 
 ENGINE_SCRIPT = """
 import json, sys, torch
 from runner_core import ModelRunner, SamplingParams
+from runner_core.layers.weight_storage import stored_bytes
 runner = ModelRunner({"model": sys.argv[1], "dtype": sys.argv[2], "kv_cache_memory": 1 << 22}).load_model()
 outs = runner.generate(json.loads(sys.argv[3]), SamplingParams(max_tokens=int(sys.argv[4]), temperature=0.0,
                                                                ignore_eos=True))
 print(json.dumps({"tokens": [o.token_ids for o in outs], "cpu_kernels": runner.model_info()["cpu_kernels"],
-                  "panel_bytes": runner.engine.worker.panel_bytes,
+                  "panel_bytes": stored_bytes(runner.engine.worker.model),
                   "library_loaded": hasattr(torch.ops.runner_kernels, "panel_linear")}))
 runner.shutdown()
 """
@@ -103,7 +105,7 @@ def test_the_engine_with_the_kernels_off_gives_transformers_tokens(tiny_llama, t
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def runner(request, tiny_llama):
     runner = ModelRunner({"model": str(tiny_llama), "dtype": request.param, "kv_cache_memory": 1 << 22}).load_model()
-    assert runner.engine.worker.panel_bytes > 0  # the linears multiply their panels: the kernels are in use
+    assert stored_bytes(runner.engine.worker.model) > 0  # the linears multiply their panels: the kernels are in use
     yield request.param, runner
     runner.shutdown()
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear, panels_support
-from runner_core.layers import linear
+from runner_core.layers import linear, weight_storage
 from runner_core.layers.embedding import ParallelLMHead
 
 
@@ -81,7 +81,10 @@ def test_layers_multiply_their_panels_in_eager_and_in_compiled_graphs(tier, monk
     x = torch.randn(5, 24, dtype=dtype)
     plain = layer(x), head.compute_logits(x)
     model = torch.nn.Sequential(layer, head)
-    assert linear.pack_panel_weights(model) == (48 * 24 + 64 * 24) * dtype.itemsize
+    assert weight_storage.plan_storage(model, dtype, True, None, False) == {}
+    weight_storage.finish_storage(model)
+    assert "weight" not in layer._parameters and "weight" not in head._parameters  # one copy: the panels
+    assert weight_storage.stored_bytes(model) == (48 * 24 + 64 * 24) * dtype.itemsize
     assert linear.panel_bytes(Counter({(40, 24): 1, (50, 24): 1}), dtype) == (48 * 24 + 64 * 24) * dtype.itemsize
     # a traced graph holds the op itself (opaque, with its registered output shape)
     graph = torch.export.export(layer, (x,)).graph_module.code
@@ -90,8 +93,8 @@ def test_layers_multiply_their_panels_in_eager_and_in_compiled_graphs(tier, monk
     tol = {} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2 ** -7}  # F.linear rounds differently
     torch.testing.assert_close(compiled(x), layer(x))
     calls = []
-    real = linear.panel_linear
-    monkeypatch.setattr(linear, "panel_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = weight_storage.panel_linear
+    monkeypatch.setattr(weight_storage, "panel_linear", lambda *a: calls.append(a[0].shape) or real(*a))
     torch.testing.assert_close(layer(x), plain[0], **tol)
     torch.testing.assert_close(head.compute_logits(x), plain[1], **tol)
     torch.testing.assert_close(layer(x.view(1, 5, 24)), plain[0].view(1, 5, 40), **tol)  # any leading shape
@@ -99,8 +102,8 @@ def test_layers_multiply_their_panels_in_eager_and_in_compiled_graphs(tier, monk
 
 
 def test_panels_only_for_a_cpu_runner_in_one_process_in_a_native_dtype():
-    assert linear.panels_apply("cpu", torch.float32, 1)
-    assert linear.panels_apply("cpu", torch.bfloat16, 1)
-    assert not linear.panels_apply("cpu", torch.float16, 1)
-    assert not linear.panels_apply("cpu", torch.float32, 2)
-    assert not linear.panels_apply("meta", torch.float32, 1)
+    assert weight_storage.panels_apply("cpu", torch.float32, 1)
+    assert weight_storage.panels_apply("cpu", torch.bfloat16, 1)
+    assert not weight_storage.panels_apply("cpu", torch.float16, 1)
+    assert not weight_storage.panels_apply("cpu", torch.float32, 2)
+    assert not weight_storage.panels_apply("meta", torch.float32, 1)

@@ -25,6 +25,7 @@ from runner_core.engine.worker import Executor, LocalExecutor, Worker
 from runner_core.errors import EngineBusyError, InvalidRequestError, WorkerError
 from runner_core.kernels import kernel_info
 from runner_core.layers.sampler import Sampler, SamplingMetadata, nonfinite_rows
+from runner_core.layers.weight_storage import num_weights
 from runner_core.model_loader import LoadedModel
 from runner_core.sampling_params import SamplingParams
 from runner_core.tokenizer import IncrementalDetokenizer
@@ -63,12 +64,14 @@ class LLMEngine:
         self.model_info = {
             "architecture": adapter.architecture, "model_impl": adapter.impl, "kind": adapter.kind,
             "model_class": adapter.model_class.__name__, "reason": adapter.reason, "model_path": str(loaded.model_path),
-            "num_parameters": sum(p.numel() for p in worker.model.parameters()), "weights_bytes": loaded.weight_bytes,
+            "num_parameters": num_weights(worker.model), "weights_bytes": loaded.weight_bytes,
             "dtype": str(worker.dtype).removeprefix("torch."), "dtype_reason": _dtype_reason(config),
             "device": str(worker.device),
             "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
             # the native CPU kernels' instruction-set tier, why it was chosen, and the tiers this CPU runs
-            "cpu_kernels": kernel_info() if worker.device.type == "cpu" else None}
+            "cpu_kernels": kernel_info() if worker.device.type == "cpu" else None,
+            # how the weights are stored (None, int8, int4), what that kept in the compute dtype, the bytes saved
+            "quantization": loaded.quantization}
         # the CPU threads of the steps: how many, why (explicit, or adapted to load: engine/threads.py)
         self.threads = ThreadTuner.for_engine(config.cpu_threads, worker.device, config.world_size)
         self.model_info["threads"] = self.threads.info()

@@ -44,7 +44,7 @@ logger = logging.getLogger("runner_core")
 class Worker:
     def __init__(self, config: RunnerConfig, loaded: LoadedModel):
         self.config, self.model, self.hf_config = config, loaded.model, loaded.hf_config
-        self.weights_bytes, self.panel_bytes = loaded.weight_bytes, loaded.panel_bytes
+        self.weights_bytes = loaded.weight_bytes
         self.is_moe = callable(getattr(self.model, "expert_counts", None))  # routing reported per step
         self.device, self.dtype = config.torch_device, config.torch_dtype
         text = self.hf_config.get_text_config()  # a multimodal config's text model
@@ -54,7 +54,7 @@ class Worker:
         self.forward_pass = ForwardPass(self.model, bs, self.device, max_tokens=config.effective_max_num_batched_tokens,
                                         max_seqs=config.max_num_seqs, max_blocks_per_seq=-(-self.max_model_len // bs),
                                         attention_backend=config.attention_backend)
-        self.pool_plan = self._plan_pool(loaded.weight_bytes + loaded.buffer_bytes + loaded.panel_bytes)
+        self.pool_plan = self._plan_pool(loaded.weight_bytes + loaded.buffer_bytes)
         self.memory = MemoryManager(self.pool_plan.num_blocks, bs, config.enable_prefix_caching)
         self.memory.allocate_kv_cache(self.model, self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
                                       self.dtype, self.device)
@@ -203,7 +203,6 @@ class Worker:
         out = {"weights_bytes": self.weights_bytes, "kv_pool_bytes": self.memory.kv_cache_bytes,
                "kv_bytes_per_token": self.pool_plan.bytes_per_token,
                "activation_peak_bytes": self.pool_plan.activation_peak_bytes,
-               "panel_weights_bytes": self.panel_bytes,  # CPU: the panel copies of the linear weights
                # CPU: the decode programs' prepacked weights; CUDA: their graphs' memory pool
                "decode_programs_bytes": programs.memory_bytes if programs is not None else 0}
         if self.encoder_cache is not None:

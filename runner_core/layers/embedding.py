@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner_core.layers.linear import default_weight_loader, dense
+from runner_core.layers.linear import default_weight_loader
+from runner_core.layers.weight_storage import embedding_rows, matmul, store_weight
 from runner_core.parallel.state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -19,6 +20,10 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.rows_from: list[nn.Module] = []  # a tied head whose stored weight holds the rows (weight_storage.py)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding_rows(self.rows_from[0], ids) if self.rows_from else F.embedding(ids, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
@@ -32,10 +37,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.shard_size)
-        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = self.lookup(local.masked_fill(outside, 0))
         return tp_all_reduce(y.masked_fill(outside.unsqueeze(-1), 0))
 
 
@@ -46,15 +51,20 @@ class ParallelLMHead(VocabParallelEmbedding):
     contiguous [hidden, vocab] tensor, so the projection is a plain x @ W^T GEMM over contiguous
     columns. On the CPU, BLAS handles this wide matrix far better that way at decode batch sizes
     (docs/benchmarks.md, "Where the time goes"). A head tied to the embedding keeps its layout.
-    On a float32 CPU runner the eager path multiplies its panel copy instead (linear.py)."""
+    Where the native kernels run, the loader stores it as panels or quantized instead (weight_storage.py)."""
 
     uses_panels = True
+    is_lm_head = True  # stored in the compute dtype unless quantize_lm_head
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
         self.weight = nn.Parameter(torch.empty(embedding_dim, self.shard_size).t(), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self.load_shard
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        self.weight_loader(param, loaded)
+        store_weight(self)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = tp_all_gather(dense(self, hidden_states, self.weight, None))
+        logits = tp_all_gather(matmul(self, hidden_states, None))
         return logits[..., : self.num_embeddings]

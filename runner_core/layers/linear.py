@@ -4,17 +4,15 @@ Each parameter carries a `weight_loader` that copies this rank's slice of a
 checkpoint tensor into it, so fused layouts (qkv, gate_up) and sharding are
 handled where the layout is defined.
 
-Prepacked weights (CPU decode programs): `pack_linear_weights` gives each layer a copy of its
-weight in MKL's packed GEMM layout as a buffer; while `packed_weights_in_use()` is on (when a
-static decode program is exported) the layers call the opaque `runner_core::packed_linear` op on
-it. The packed buffer cannot move (MKL keeps address-dependent metadata in it), so it is a
-program *input* made in this process, never a constant stored in a package.
+After loading, each layer holds its weight once, in the form its matmul reads (weight_storage.py: the
+native kernels' panels, int8/int4, or the row-major parameter): `weight_loader` counts the fused shards
+and stores the weight as soon as the last one is in.
 
-Panels (CPU, float32 or bfloat16): `pack_panel_weights` gives each linear layer and the LM head a
-`panel_weight` buffer, its weight as panels of 16 output columns, which `dense` multiplies with the
-native kernel (runner_core/kernels, on this CPU's instruction-set tier) at every batch size, eager and
-in compiled graphs (an opaque op to them). It is a copy made once after loading: `weight` stays the
-parameter every other path reads.
+Prepacked weights (CPU decode programs, only where the weights stay row-major: the kernels off):
+`pack_linear_weights` gives each layer a copy of its weight in MKL's packed GEMM layout as a buffer; while
+`packed_weights_in_use()` is on (when a static decode program is exported) the layers call the opaque
+`runner_core::packed_linear` op on it. The packed buffer cannot move (MKL keeps address-dependent metadata
+in it), so it is a program *input* made in this process, never a constant stored in a package.
 """
 
 from __future__ import annotations
@@ -26,13 +24,11 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear, panels_support
+from runner_core.layers.weight_storage import matmul, store_weight
+from runner_core.layers.weight_storage import panel_bytes as one_panel_bytes
 from runner_core.parallel.state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-
-PANEL_ROWS = 16  # output columns per panel (NR in kernels/tier.h)
 
 
 def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -80,20 +76,25 @@ def packed_bytes(shapes: Counter) -> int:
     return sum(count * _packed_size(tuple(shape)) for shape, count in shapes.items())
 
 
+def _row_major_linears(model: nn.Module) -> list[LinearBase]:
+    """The linear layers that hold a row-major weight (stored ones have no second copy to pack)."""
+    return [m for m in model.modules() if isinstance(m, LinearBase) and "weight" in m._parameters]
+
+
 def packed_weight_bytes(model: nn.Module) -> int:
     """What `pack_linear_weights` will take for `model`."""
-    return packed_bytes(Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, LinearBase)))
+    return packed_bytes(Counter(tuple(m.weight.shape) for m in _row_major_linears(model)))
 
 
 def pack_linear_weights(model: nn.Module, batch_size: int) -> int:
-    """Give every linear layer a `packed_weight` buffer (MKL's layout, tuned for `batch_size` rows);
-    returns the bytes they take."""
+    """Give every linear layer that holds a row-major weight a `packed_weight` buffer (MKL's layout, tuned
+    for `batch_size` rows); returns the bytes they take. Layers stored as panels or quantized keep their one
+    copy: a program multiplies that."""
     total = 0
-    for m in model.modules():
-        if isinstance(m, LinearBase):
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), batch_size)
-            m.register_buffer("packed_weight", packed, persistent=False)
-            total += packed.numel() * packed.element_size()
+    for m in _row_major_linears(model):
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), batch_size)
+        m.register_buffer("packed_weight", packed, persistent=False)
+        total += packed.numel() * packed.element_size()
     return total
 
 
@@ -103,57 +104,34 @@ def unpack_linear_weights(model: nn.Module) -> None:
             del m._buffers["packed_weight"]
 
 
-def panels_apply(device: torch.device | str, dtype: torch.dtype, world_size: int) -> bool:
-    """Whether a runner with these settings gets panel copies of its weights: the CPU, one process,
-    the native kernels built, float32 or bfloat16 (every kernel tier multiplies both)."""
-    return torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) and world_size == 1 \
-        and cpu_kernels_available() and panels_support(dtype)
-
-
 def panel_bytes(shapes: Counter, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of the panel copies of weights of these [out, in] shapes (with counts) in `dtype`: 16
-    output columns per panel; bfloat16 panels hold k in pairs."""
-    size = torch.empty((), dtype=dtype).element_size()
-    pair = 2 if dtype == torch.bfloat16 else 1
-    return sum(count * -(-n // PANEL_ROWS) * PANEL_ROWS * -(-k // pair) * pair * size
-               for (n, k), count in shapes.items())
-
-
-def pack_panel_weights(model: nn.Module) -> int:
-    """Give every module with a `uses_panels` flag (linear layers, the LM head) a `panel_weight`
-    buffer; returns the bytes they take."""
-    total = 0
-    for m in model.modules():
-        if getattr(m, "uses_panels", False):
-            panels = pack_panels(m.weight.detach())
-            m.register_buffer("panel_weight", panels, persistent=False)
-            total += panels.numel() * panels.element_size()
-    return total
-
-
-def dense(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b: through `module`'s panel copy of W when it has one, else F.linear."""
-    panels = module._buffers.get("panel_weight")
-    if panels is None or x.dtype != panels.dtype:
-        return F.linear(x, weight, bias)
-    y = panel_linear(x.reshape(-1, x.shape[-1]), panels, weight.shape[0], bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    """Bytes of the panels of weights of these [out, in] shapes (with counts) in `dtype`."""
+    return sum(count * one_panel_bytes(n, k, dtype) for (n, k), count in shapes.items())
 
 
 class LinearBase(nn.Module):
     """y = x W^T + b over this rank's [out, in] slice of W."""
 
-    uses_panels = True  # pack_panel_weights gives it a panel copy
+    uses_panels = True  # the loader plans how it stores its weight (weight_storage.py)
+    num_shards = 1  # checkpoint tensors that make up the weight
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self.load_shard
+        self.shards_loaded: set = set()
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
+        """The weight's loader: this shard in, and the weight stored once its last shard is."""
+        self.weight_loader(param, loaded, *shard_id)
+        self.shards_loaded.add(shard_id)
+        if len(self.shards_loaded) == self.num_shards:
+            store_weight(self)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)
@@ -163,7 +141,7 @@ class LinearBase(nn.Module):
         if "packed_weight" in self._buffers and not torch.compiler.is_dynamo_compiling() and _PACKED_IN_USE.get():
             y = packed_linear(x, self._buffers["packed_weight"], self.weight)
             return y if bias is None else y + bias
-        return dense(self, x, self.weight, bias)
+        return matmul(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -192,6 +170,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
+        self.num_shards = len(output_sizes)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         shard = self.output_sizes[shard_id] // self.tp_size
@@ -214,6 +193,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_replicas = divide(tp_size, num_kv_heads, "tensor parallel size over num_key_value_heads")
         out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
         super().__init__(hidden_size, out, bias)
+        self.num_shards = 3  # q, k, v
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q = self.num_heads * self.head_size
