@@ -10,6 +10,8 @@ bookkeeping decides, and every rank moves its tensor the same way (`move_blocks`
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -45,8 +47,8 @@ class MemoryManager:
         Heads outermost, so gathering a batch's slots yields [kv_heads, batch, keys, head_dim],
         which the attention matmuls consume without another copy."""
         self._model = model
-        self._bind(torch.zeros(num_layers, 2, num_kv_heads, self.num_blocks * self.block_size, head_dim,
-                               dtype=dtype, device=device))
+        self._bind(_zeros((num_layers, 2, num_kv_heads, self.num_blocks * self.block_size, head_dim), dtype,
+                          torch.device(device)))
 
     def _bind(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
@@ -215,3 +217,13 @@ class MemoryManager:
             "internal_fragmentation": empty / allocated if allocated else 0.0,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
         }
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros. On the CPU it lies on fresh anonymous pages (mmap), which the kernel hands
+    out zero-filled on first touch: nothing is written, and no page is resident, before the pool
+    uses it, yet every byte reads as +0.0 (never left-over heap bytes, which could hold NaN)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the mapping
