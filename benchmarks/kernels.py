@@ -10,6 +10,11 @@ MKL), so an AVX2 row compares AVX2 code with AVX2 code; the micro-architecture s
              together pass twice the last-level cache, so every call reads its weight from memory as
              a decode step does. GFLOP/s = 2 m k n / seconds; at m = 1 also GB/s of weight bytes read
              (n k x element size) and its share of the memory bandwidth.
+  quant      int8 (per channel) and int4 (groups of --quant-group) weights, x in each dtype, at the same
+             layers and rows: ours (quant_linear over pack's panels, dequantized in registers) beside
+             torch's weight-only ops (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) and
+             our panels of the dtype, in the same rounds; us per call and GB/s of each one's stored
+             bytes read (the panels: the dtype's), at m = 1 also the share of the bandwidth.
   attention  decode (one query per sequence, 8 sequences, block size 16, the blocks shuffled in the
              pool) at a few context lengths: the kernel reading K/V in place against the torch path
              (gather the sequences' K/V, then runner_core.layers.attention._decode); GB/s of K/V read.
@@ -20,6 +25,7 @@ CPU and the tier; the last stdout line is one JSON object with every figure.
 
 Run:  make bench-kernels    or    .venv/bin/python benchmarks/kernels.py [--tiers avx2] [--dtypes bfloat16]
                                       [--models qwen2.5-0.5b] [--rows 1,16] [--repeats 5]
+                                      [--sections quant] [--quant-group 64]
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ LAYER_COUNT = {"qwen2.5-0.5b": 24, "llama-3.2-1b": 16, "small-llama": 8}  # deco
 # model -> (query heads, KV heads, head dim)
 ATTENTION = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64), "small-llama": (8, 4, 64)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SECTIONS = ("gemm", "quant", "attention")
 SEQS, BLOCK = 8, 16
 MIN_ROUND_S = 0.1  # each engine's calls in a round take at least this long
 
@@ -124,6 +131,54 @@ def gemm_rows(dtype: torch.dtype, models: list[str], rows: list[int], repeats: i
             for row in _gemm_layer(dtype, k, n, rows, repeats, llc)]
 
 
+def _quant_layer(dtype: torch.dtype, k: int, n: int, rows: list[int], repeats: int, llc: int,
+                 group: int) -> list[dict]:
+    from runner_core.kernels import pack_panels, panel_linear
+    from runner_core.layers.quantization import QuantFormat, pack, quant_linear, quantize
+
+    group = max(size for size in (32, 64, 128) if size <= group and k % size == 0)  # as the loader falls back
+    g = torch.Generator().manual_seed(k * n)
+    w = torch.randn(n, k, generator=g).div_(k ** 0.5)
+    f8, f4 = QuantFormat.of("int8"), QuantFormat.of("int4", group)
+    t8, t4 = quantize(w, f8), quantize(w, f4)
+    # torch's int4 weights are (q - 8) * scale + zero: the same weights as ours with zero = min + 8 scale
+    q4 = torch.stack((t4["qweight"] & 0xF, t4["qweight"] >> 4), dim=2).view(n, k).int()
+    zeros = torch.stack((t4["scales"], t4["mins"] + 8 * t4["scales"]), dim=2).transpose(0, 1).contiguous().to(dtype)
+    makers = {  # engine -> (make copy i -> its operands, call on x)
+        "ours_int8": (lambda i: pack(t8, f8, n, k), lambda x, p: quant_linear(x, p, f8, n, None)),
+        "torch_int8": (lambda i: (t8["qweight"].clone(), t8["scales"].view(n).to(dtype)),
+                       lambda x, p: torch.ops.aten._weight_int8pack_mm(x, *p)),
+        "ours_int4": (lambda i: pack(t4, f4, n, k), lambda x, p: quant_linear(x, p, f4, n, None)),
+        "torch_int4": (lambda i: (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 2), zeros.clone()),
+                       lambda x, p: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p[0], group, p[1])),
+        "panels": (lambda i: pack_panels(w.to(dtype)), lambda x, p: panel_linear(x, p, n, None)),
+    }
+    rings, nbytes = {}, {}
+    for name, (make, _) in makers.items():
+        first = make(0)
+        parts = first.values() if isinstance(first, dict) else first if isinstance(first, tuple) else (first,)
+        nbytes[name] = sum(t.nbytes for t in parts)
+        rings[name] = _ring(lambda i, make=make, first=first: first if i == 0 else make(i), nbytes[name], llc)
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, generator=g).to(dtype)
+        engines = {name: functools.partial(lambda x, call, ring, i: call(x, ring[i % len(ring)]), x, call, rings[name])
+                   for name, (_, call) in makers.items()}
+        secs = _rounds(engines, max(len(r) for r in rings.values()), repeats)
+        row = {"k": k, "n": n, "m": m, "group": group}
+        for name, t in secs.items():
+            row[name] = {"us": _spread([s * 1e6 for s in t]), "gbps": _spread([nbytes[name] / s / 1e9 for s in t]),
+                         "bytes": nbytes[name]}
+        out.append(row)
+    return out
+
+
+def quant_rows(dtype: torch.dtype, models: list[str], rows: list[int], repeats: int, llc: int,
+               group: int) -> list[dict]:
+    return [{"model": model, "layer": layer, **row} for model in models for layer, (k, n) in LAYERS[model].items()
+            for row in _quant_layer(dtype, k, n, rows, repeats, llc, group)]
+
+
 def _attention_case(dtype: torch.dtype, model: str, ctx: int, repeats: int, llc: int) -> dict:
     from runner_core.kernels import native_paged_attention
     from runner_core.layers.attention import _decode
@@ -175,11 +230,16 @@ def worker(args) -> None:
     llc = machine.last_level_cache_bytes("cpu")
     result = {"tier": kernel_tier(), "torch_capability": torch.backends.cpu.get_cpu_capability(),
               "threads": torch.get_num_threads(), "env": {k: os.environ.get(k) for k in TIER_ENV["plain"]},
-              "gemm": {}, "attention": {}}
+              "gemm": {}, "attention": {}, "quant": {}}
     probes = [machine.bandwidth_probes("cpu", calls=3)]
     for name in args.dtypes:
-        result["gemm"][name] = gemm_rows(DTYPES[name], args.models, args.rows, args.repeats, llc)
-        result["attention"][name] = attention_rows(DTYPES[name], args.models, args.contexts, args.repeats, llc)
+        dtype = DTYPES[name]
+        if "gemm" in args.sections:
+            result["gemm"][name] = gemm_rows(dtype, args.models, args.rows, args.repeats, llc)
+        if "quant" in args.sections:
+            result["quant"][name] = quant_rows(dtype, args.models, args.rows, args.repeats, llc, args.quant_group)
+        if "attention" in args.sections:
+            result["attention"][name] = attention_rows(dtype, args.models, args.contexts, args.repeats, llc)
     probes.append(machine.bandwidth_probes("cpu", calls=3))
     pooled = machine.pool_probes(probes)
     result["bandwidth_gbps"] = {method: _spread(pooled[method]["runs"]) for method in ("sum", "copy")}
@@ -208,6 +268,31 @@ def decode_steps(tier: dict) -> list[dict]:
                               "share": nbytes / secs / 1e9 / tier["bandwidth_gbps"]["sum"]["median"]}
             out.append(step)
     return out
+
+
+QUANT_ENGINES = ("ours_int8", "torch_int8", "ours_int4", "torch_int4", "panels")
+
+
+def quant_table(cpu: str, tiers: list[dict]) -> None:
+    if not any(t.get("quant") for t in tiers):
+        return
+    print("\nQuantized weights (int4 in groups of the row's group): us per call [range], GB/s of the stored bytes"
+          " read (at m = 1 also the share of the bandwidth); panels: our panels in x's dtype")
+    print(f"\n| CPU | tier (torch's) | x dtype | model | layer [k -> n] | m | {' | '.join(QUANT_ENGINES)} "
+          "| ours / torch int8 | ours / torch int4 |")
+    print("|" + " --- |" * 6 + " ---: |" * (len(QUANT_ENGINES) + 2))
+    for t in tiers:
+        bandwidth = t["bandwidth_gbps"]["sum"]["median"]
+        for dtype, rows in t.get("quant", {}).items():
+            for r in rows:
+                cells = []
+                for e in QUANT_ENGINES:
+                    gbps = r[e]["gbps"]["median"]
+                    share = f", {gbps / bandwidth:.0%}" if r["m"] == 1 else ""
+                    cells.append(f"{_fmt(r[e]['us'])} ({gbps:.1f} GB/s{share})")
+                speed = [r[f"torch_{f}"]["us"]["median"] / r[f"ours_{f}"]["us"]["median"] for f in ("int8", "int4")]
+                print(f"| {cpu} | {t['tier']} ({t['torch_capability']}) | {dtype} | {r['model']} | {r['layer']} "
+                      f"[{r['k']} -> {r['n']}] | {r['m']} | {' | '.join(cells)} | {speed[0]:.2f}x | {speed[1]:.2f}x |")
 
 
 def print_tables(cpu: str, tiers: list[dict]) -> None:
@@ -243,6 +328,7 @@ def print_tables(cpu: str, tiers: list[dict]) -> None:
                   f"{s['weight_bytes'] / 1e6:.0f} | {s['ours']['ms']:.1f} | {s['ours']['gbps']:.1f} "
                   f"({s['ours']['share']:.0%}) | {s['torch']['ms']:.1f} | {s['torch']['gbps']:.1f} "
                   f"({s['torch']['share']:.0%}) | {speed} |")
+    quant_table(cpu, tiers)
     print(f"\n| CPU | tier (torch's) | dtype | model (heads/KV heads/dim) | {SEQS} sequences x context | ours ms "
           "| torch ms | torch / ours | ours GB/s of K/V |")
     print("|" + " --- |" * 5 + " ---: |" * 4)
@@ -264,10 +350,14 @@ def main() -> None:
     p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16, 64, 256])
     p.add_argument("--contexts", type=lambda s: [int(v) for v in s.split(",")], default=[256, 1024, 4096])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sections", type=lambda s: s.split(","), default=list(SECTIONS),
+                   help="comma-separated: " + ", ".join(SECTIONS))
+    p.add_argument("--quant-group", type=int, default=64, choices=(32, 64, 128), help="int4 group size (quant)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the tiers' processes (default: torch's)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    for what, given, known in (("dtype", args.dtypes, DTYPES), ("model", args.models, LAYERS)):
+    for what, given, known in (("dtype", args.dtypes, DTYPES), ("model", args.models, LAYERS),
+                               ("section", args.sections, SECTIONS)):
         unknown = [v for v in given if v not in known]
         if unknown:
             p.error(f"unknown {what} {', '.join(unknown)}; pick from {', '.join(known)}")
@@ -294,7 +384,8 @@ def main() -> None:
         command = [sys.executable, os.path.abspath(__file__), "--worker", "--dtypes", ",".join(args.dtypes),
                    "--models", ",".join(args.models), "--rows", ",".join(map(str, args.rows)),
                    "--contexts", ",".join(map(str, args.contexts)), "--repeats", str(args.repeats),
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads), "--sections", ",".join(args.sections),
+                   "--quant-group", str(args.quant_group)]
         print(f"tier {tier}: {' '.join(f'{k}={v}' for k, v in TIER_ENV[tier].items())} ...", flush=True)
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
         if done.returncode != 0:
