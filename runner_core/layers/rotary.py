@@ -34,7 +34,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 _POSITIONS_CAP: ContextVar[int | None] = ContextVar("rotary_positions", default=None)
-# (id of the model's config, table settings, device) -> the module the layers of that model share
+# (id of the model's config, table settings, device) -> the first layer's module, whose tables the others share
 _SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -54,16 +54,23 @@ class RotaryEmbedding(nn.Module):
     @classmethod
     def shared(cls, scope: object, head_dim: int, max_position: int, base: float,
                scaling: dict | None = None) -> RotaryEmbedding:
-        """The module every layer built from `scope` (the model's config) with these settings shares:
-        one pair of tables per model, capped by `rotary_positions`. Held weakly here: dropping the
-        model frees it."""
+        """A layer's module over the one pair of tables that every layer built from `scope` (the model's
+        config) with these settings shares, capped by `rotary_positions`. Each layer gets its own module
+        (a module reached by several paths confuses torch.func.functional_call, which exported programs
+        run through: it restores a shared module's tensors wrongly); the tables are the first one's,
+        held weakly here: dropping the model frees them."""
         cap = _POSITIONS_CAP.get()
         positions = max_position if cap is None else min(cap, max_position)
         key = (id(scope), head_dim, positions, base, repr(sorted((scaling or {}).items())),
                str(torch.get_default_device()))
-        module = _SHARED.get(key)
-        if module is None:
-            module = _SHARED[key] = cls(head_dim, positions, base, scaling)
+        first = _SHARED.get(key)
+        if first is None:
+            first = _SHARED[key] = cls(head_dim, positions, base, scaling)
+            return first
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.register_buffer("cos", first.cos, persistent=False)
+        module.register_buffer("sin", first.sin, persistent=False)
         return module
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
