@@ -3,13 +3,13 @@ scaling, refusal of configurations that cannot fit, and the pool plan (sizing)."
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
 import torch
 
 from runner_core import ConfigError, ModelRunner, RunnerConfig
-from runner_core.kernels import cpu_kernels_available
 from runner_core.memory import ModelShape, kv_bytes_per_token
 from runner_core.memory.estimate import estimate_memory
 from runner_core.memory.fit import check_config_fits, check_fits, required_bytes
@@ -40,28 +40,55 @@ def test_prediction_matches_measurement(loaded):
                           max_num_batched_tokens=TOKENS, kv_cache_memory=KV_MEMORY)
     # weights and pool to the byte (headers and shapes give both exactly); the activation peak within 0.1%
     # (measured: the estimate 28 bytes above, on both presets, in float32 and bfloat16)
-    assert est.weights_bytes == _unique_param_bytes(runner.model) == runner.memory_stats()["weights_bytes"]
+    assert est.weights_bytes == runner.memory_stats()["weights_bytes"]  # one copy: the panels only
+    assert est.dense_weights_bytes == _unique_param_bytes(_dense_model(name)) <= est.weights_bytes
     kv = runner.engine.memory.kv_cache
     assert est.kv_pool_bytes == kv.numel() * kv.element_size()
     measured = runner.engine.worker.measure_activation_peak(TOKENS, 8)
     assert abs(est.activation_peak_bytes - measured) <= 0.001 * measured, (est.activation_peak_bytes, measured)
-    # float32 on the CPU: the panel copies of the linear weights, predicted to the byte
-    panels = runner.engine.worker.memory_bytes()["panel_weights_bytes"]
-    assert panels > 0.5 * est.weights_bytes and est.panel_weights_bytes == panels
     assert est.total_per_device_bytes == (est.weights_bytes + est.kv_pool_bytes + est.activation_peak_bytes
-                                          + est.buffers_bytes + est.panel_weights_bytes)
+                                          + est.buffers_bytes)
 
 
-def test_bfloat16_panels_predicted_to_the_byte(tiny_llama_path):
-    """bfloat16 runners get panel copies wherever the native kernels run (every tier multiplies
-    bfloat16 panels), none with them off; the estimate says which, to the byte."""
+def _dense_model(name: str) -> torch.nn.Module:
+    """The preset as transformers builds it (every weight a float32 parameter), on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from runner_core.model_loader import resolve_model_path
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(read_hf_config(resolve_model_path(name)))
+
+
+@pytest.mark.parametrize("quantization, group, lm_head", [("int8", 64, False), ("int4", 64, False),
+                                                           ("int4", 32, True)])
+@pytest.mark.parametrize("name", ["tiny-llama", "small-llama"])
+def test_stored_weights_predicted_to_the_byte(name, quantization, group, lm_head):
+    """int8 / int4 storage: the estimate's weights are what the loaded runner holds, to the byte (panels
+    of the stored format where the kernels run, the LM head in the compute dtype unless quantized too),
+    and its dense figure is model_info's."""
+    settings = {"quantization": quantization, "quantization_group_size": group, "quantize_lm_head": lm_head}
+    runner = ModelRunner({"model": name, "dtype": "float32", "kv_cache_memory": 1 << 20, "max_model_len": 64,
+                          "max_num_seqs": 2, **settings}).load_model()
+    try:
+        est = estimate_memory(name, dtype="float32", max_model_len=64, max_num_seqs=2, **settings)
+        info = runner.model_info()["quantization"]
+        assert est.weights_bytes == runner.memory_stats()["weights_bytes"] == info["weights_bytes"]
+        assert est.dense_weights_bytes == info["dense_bytes"] > est.weights_bytes
+        assert re.search(rf"weights +{est.weights_bytes / 2**20:.1f}  {quantization}", str(est))
+    finally:
+        runner.shutdown()
+
+
+def test_bfloat16_weights_predicted_to_the_byte(tiny_llama_path):
+    """bfloat16 runners hold their linear weights as panels only wherever the native kernels run (every tier
+    multiplies bfloat16 panels), row-major with them off; the estimate says which, to the byte."""
     runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "bfloat16", "max_model_len": 64,
                           "max_num_seqs": 2}).load_model()
     try:
         est = estimate_memory(tiny_llama_path, dtype="bfloat16", max_model_len=64, max_num_seqs=2)
-        panels = runner.engine.worker.memory_bytes()["panel_weights_bytes"]
-        assert est.panel_weights_bytes == panels
-        assert (panels > 0.5 * est.weights_bytes) == cpu_kernels_available()
+        assert est.weights_bytes == runner.memory_stats()["weights_bytes"]
+        assert est.dense_weights_bytes <= est.weights_bytes
     finally:
         runner.shutdown()
 
@@ -196,14 +223,12 @@ def test_max_model_len_beyond_the_model_is_refused(tiny_llama_path):
 
 def test_configuration_that_cannot_fit_is_refused():
     est = estimate_memory("small-llama", dtype="float32", max_model_len=4096)
-    panels = est.panel_weights_bytes  # the float32 CPU runner's panel copies of the linear weights
-    available = (150 << 20) + panels
+    available = 150 << 20
     assert required_bytes(est) > available
     with pytest.raises(ConfigError) as info:
         check_fits(est, available, gpu_memory_utilization=0.9)
     msg = str(info.value)
     assert "needs" in msg and f"available: {available / 2**20:.1f} MiB" in msg and "weights 120.5 MiB" in msg
-    assert f"weight panels {panels / 2**20:.1f} MiB" in msg
     assert "dtype='bfloat16'" in msg and "fits" in msg
     assert "tensor_parallel_size=2" in msg
     assert "max_model_len=" in msg

@@ -1,9 +1,11 @@
 """Memory prediction before anything is loaded.
 
 `estimate_memory(model, ...)` reads config.json and the safetensors headers only (never the
-tensors) and predicts, per device, the weights in the target dtype, the KV pool, the peak
-transient memory of one forward pass and the rotary tables. Figures are the maximum over
-devices; the per-device weight rules live in `shapes`, the fit checks in `fit`.
+tensors) and predicts, per device, the weights at their stored size (the compute dtype, or the
+int8/int4 storage format of the linear layers), the KV pool, the peak transient memory of one
+forward pass and the rotary tables. Figures are the maximum over devices; the per-device weight
+rules live in `shapes`, the bytes of one stored linear weight in `layers.weight_storage`, the
+fit checks in `fit`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 
 from runner_core.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    QUANT_GROUP_SIZES,
+    QUANTIZATIONS,
     TORCH_DTYPES,
     auto_dtype,
     checkpoint_dtype,
@@ -25,7 +29,9 @@ from runner_core.config import (
     resolve_max_model_len,
 )
 from runner_core.errors import ConfigError
-from runner_core.layers.linear import packed_bytes, panel_bytes, panels_apply
+from runner_core.layers.linear import packed_bytes
+from runner_core.layers.quantization import QuantFormat
+from runner_core.layers.weight_storage import layer_format, panels_apply, weight_bytes
 from runner_core.memory.shapes import (
     ModelShape,
     _MiB,
@@ -122,7 +128,10 @@ class MemoryEstimate:
     dtype: str
     buffers_bytes: int = 0  # rotary cos/sin tables (float32)
     decode_programs_bytes: int = 0  # CPU decode programs' MKL-prepacked weights (compiled, one device)
-    panel_weights_bytes: int = 0  # CPU, one device: the linear weights' panel copies (layers/linear.py)
+    dense_weights_bytes: int = 0  # the same weights, every one in the compute dtype (unpadded)
+    quantization: str | None = None  # the linear weights' storage format: None (the compute dtype), int8, int4
+    quantization_group_size: int = 64  # int4: weights per scale along k
+    quantize_lm_head: bool = False
     encoder_cache_bytes: int = 0  # a multimodal model's cached image features (encoder_cache_tokens rows)
     min_kv_pool_bytes: int = 0  # one max_model_len sequence, rounded up to whole blocks
     block_size: int = 16
@@ -142,12 +151,21 @@ class MemoryEstimate:
     def fixed_bytes(self) -> int:
         """Everything but the KV pool: weights, activation peak, buffers, prepacked weights, image features."""
         return (self.weights_bytes + self.activation_peak_bytes + self.buffers_bytes + self.decode_programs_bytes
-                + self.panel_weights_bytes + self.encoder_cache_bytes)
+                + self.encoder_cache_bytes)
+
+    @property
+    def storage(self) -> str:
+        """The weights' storage in words: "float32", "int8 (bfloat16 compute)", "int4 g64 + LM head (...)"."""
+        if self.quantization is None:
+            return self.dtype
+        fmt = self.quantization + (f" g{self.quantization_group_size}" if self.quantization == "int4" else "")
+        return f"{fmt}{' + LM head' if self.quantize_lm_head else ''} ({self.dtype} compute)"
 
     def __str__(self) -> str:
         par = f"tp={self.tensor_parallel_size}, pp={self.pipeline_parallel_size}"
         rows = [
-            ("weights", self.weights_bytes, f"{self.dtype}"),
+            ("weights", self.weights_bytes, self.storage + (
+                f", {self.dense_weights_bytes / _MiB:.1f} MiB in {self.dtype}" if self.quantization else "")),
             ("KV pool", self.kv_pool_bytes,
              f"{self.kv_pool_tokens} tokens x {self.kv_bytes_per_token / 1024:.1f} KiB/token"),
             ("activation peak", self.activation_peak_bytes,
@@ -156,8 +174,6 @@ class MemoryEstimate:
             ("rotary tables", self.buffers_bytes, ""),
             *([("decode programs", self.decode_programs_bytes, "MKL-prepacked linear weights (compiled, CPU)")]
               if self.decode_programs_bytes else []),
-            *([("weight panels", self.panel_weights_bytes, "linear weights packed for the CPU GEMM kernel")]
-              if self.panel_weights_bytes else []),
             *([("encoder cache", self.encoder_cache_bytes, "image features kept for reuse")]
               if self.encoder_cache_bytes else []),
             ("total", self.total_per_device_bytes, f"per device, {self.num_devices} device(s)"),
@@ -189,7 +205,9 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
                     max_num_batched_tokens: int | None = None, block_size: int = 16,
                     kv_cache_memory: int | None = None, device: str | torch.device = "cpu",
                     trust_remote_code: bool = False, packed_decode_weights: bool = False,
-                    encoder_cache_tokens: int | None = None, model_impl: str = "auto") -> MemoryEstimate:
+                    encoder_cache_tokens: int | None = None, model_impl: str = "auto",
+                    quantization: str | None = None, quantization_group_size: int = 64,
+                    quantize_lm_head: bool = False) -> MemoryEstimate:
     """Predict the memory a configuration needs per device, before loading anything.
 
     `model` is resolved like the loader does (a directory, a preset built on first use, a hub id
@@ -203,10 +221,22 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
     vision tower and projector and `encoder_cache_tokens` rows of image features (default:
     max_num_batched_tokens). An architecture the runner cannot build under `model_impl` is refused
     first (ModelLoadError naming it and what would work).
+
+    `quantization` ("int8" | "int4", with `quantization_group_size`) stores the runner's linear
+    layers in that format; the embedding, norms and biases stay in the compute dtype, and so does
+    the LM head unless `quantize_lm_head` (a tied embedding then reads its rows from it). Where the
+    CPU kernels multiply panels (one process, the native linear layers) a linear weight is held in
+    that layout only, padded to whole panels: `weights_bytes` is then what memory_stats() reports
+    after load, and `dense_weights_bytes` what the same weights take in the compute dtype.
     """
     from runner_core.model_loader import read_hf_config, resolve_model_path
     from runner_core.models import MODEL_REGISTRY
 
+    for name, value, allowed in (("quantization", quantization, QUANTIZATIONS),
+                                 ("quantization_group_size", quantization_group_size, QUANT_GROUP_SIZES)):
+        if value not in allowed:
+            raise ConfigError(f"{name}={value!r} is not a storage format setting; use one of "
+                              f"{', '.join(map(repr, allowed))}")
     path = resolve_model_path(str(model))
     hf_config = read_hf_config(path, trust_remote_code)
     adapter = MODEL_REGISTRY.get_adapter(hf_config, model_impl, trust_remote_code=trust_remote_code)
@@ -222,6 +252,8 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 block_size=block_size, kv_cache_memory=kv_cache_memory, device=device, model=str(model),
                 packed_decode_weights=packed_decode_weights, native_linears=adapter.impl == "native",
+                quantization=quantization, quantization_group_size=quantization_group_size,
+                quantize_lm_head=bool(quantize_lm_head),
                 encoder_cache_tokens=(encoder_cache_tokens if encoder_cache_tokens is not None else
                                       max_num_batched_tokens) if multimodal else 0)
     return _estimate(_Inputs(shape, tuple(tensors), args))
@@ -242,7 +274,10 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
     b = dtype_bytes(dtype)
     tokens = a["max_num_batched_tokens"] or max(a["max_num_seqs"], DEFAULT_MAX_NUM_BATCHED_TOKENS[dev_type])
 
-    weights = [n * b for n in weights_per_stage(inputs.tensors, shape, tp, stages)]
+    dense = [n * b for n in weights_per_stage(inputs.tensors, shape, tp, stages)]
+    panels = a["native_linears"] and panels_apply(dev_type, TORCH_DTYPES[dtype], tp * pp)
+    weights = ([d + _linear_bytes_over_dense(shape, tp, r, r is stages[-1], a, panels)
+                for d, r in zip(dense, stages)] if a["native_linears"] else dense)
     layers = [len(r) for r in stages]
     kv_heads = shape.kv_heads_per_device(tp)
     per_token = [kv_bytes_per_token(n, kv_heads, shape.head_dim, dtype) for n in layers]
@@ -255,18 +290,17 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
     act = estimate_activation_peak(shape, num_tokens=tokens, num_seqs=a["max_num_seqs"], dtype=dtype,
                                    tensor_parallel_size=tp, context_len=max_len, decode_gather=dev_type == "cuda")
     packed = (packed_bytes(_linear_shapes(shape)) if a["packed_decode_weights"] and tp * pp == 1
-              and dtype == "float32" else 0)
-    panels = (panel_bytes(_linear_shapes(shape) + Counter({(shape.vocab_size, shape.hidden_size): 1}),
-                          TORCH_DTYPES[dtype])
-              if a["native_linears"] and panels_apply(dev_type, TORCH_DTYPES[dtype], tp * pp) else 0)
+              and dtype == "float32" and a["quantization"] is None else 0)
     encoder = (a["encoder_cache_tokens"] if a["encoder_cache_tokens"] is not None else tokens) * shape.hidden_size * b
-    totals = [w + pool_tokens * k + act + buf + packed + panels + encoder
+    totals = [w + pool_tokens * k + act + buf + packed + encoder
               for w, k, buf in zip(weights, per_token, buffers)]
     return MemoryEstimate(
         weights_bytes=max(weights), kv_bytes_per_token=bpt, kv_pool_bytes=pool_tokens * bpt,
         kv_pool_tokens=pool_tokens, activation_peak_bytes=act, total_per_device_bytes=max(totals),
         num_devices=tp * pp, max_model_len=max_len, dtype=dtype, buffers_bytes=max(buffers),
-        decode_programs_bytes=packed, panel_weights_bytes=panels, encoder_cache_bytes=encoder,
+        decode_programs_bytes=packed, dense_weights_bytes=max(dense), quantization=a["quantization"],
+        quantization_group_size=a["quantization_group_size"], quantize_lm_head=a["quantize_lm_head"],
+        encoder_cache_bytes=encoder,
         min_kv_pool_bytes=-(-max_len // bs) * bs * bpt, block_size=bs, max_num_seqs=a["max_num_seqs"],
         max_num_batched_tokens=tokens, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         kv_cache_memory=a["kv_cache_memory"], device=device, model=a["model"],
@@ -285,17 +319,36 @@ def vision_tensors(hf_config) -> list[tuple[str, tuple[int, ...]]]:
             + [(f"multi_modal_projector.{n}", tuple(p.shape)) for n, p in projector.named_parameters()])
 
 
-def _linear_shapes(shape: ModelShape) -> Counter:
-    """[out, in] shapes (with counts) of the runner's fused linear weights: qkv, o per layer; gate_up,
-    down per dense layer; an MoE layer's router, shared expert and its gate (experts are no linear
-    layers)."""
-    h, i, d, n = shape.hidden_size, shape.intermediate_size, shape.head_dim, shape.num_layers
-    q, kv = shape.num_heads * d, shape.num_kv_heads * d
-    dense, moe = len(shape.dense_layers), shape.moe
-    shapes = Counter({(q + 2 * kv, h): n, (h, q): n})
+def _linear_bytes_over_dense(shape: ModelShape, tp: int, layers: range, last: bool, a: dict, panels: bool) -> int:
+    """What one device of a stage holding `layers` (and the LM head when `last`) stores for its linear
+    weights beyond their elements in the compute dtype: `weight_bytes` of each per-device [n, k] weight
+    (quantized, panel-padded) minus n x k x dtype bytes."""
+    dtype = TORCH_DTYPES[a["dtype"]]
+    fmt = QuantFormat.of(a["quantization"], a["quantization_group_size"]) if a["quantization"] else None
+
+    def extra(n: int, k: int, fmt: QuantFormat | None) -> int:
+        return weight_bytes(n, k, dtype, fmt and layer_format(fmt, k), panels) - n * k * dtype.itemsize
+
+    total = sum(count * extra(n, k, fmt) for (n, k), count in _linear_shapes(shape, tp, layers).items())
+    if last:
+        total += extra(-(-shape.vocab_size // tp), shape.hidden_size, fmt if a["quantize_lm_head"] else None)
+    return total
+
+
+def _linear_shapes(shape: ModelShape, tp: int = 1, layers: range | None = None) -> Counter:
+    """[out, in] shapes (with counts) of the runner's fused linear weights on one of `tp` devices, in
+    `layers` (default: all): qkv, o per layer; gate_up, down per dense layer; an MoE layer's router,
+    shared expert and its gate (replicated: router and gate; experts are no linear layers)."""
+    layers = range(shape.num_layers) if layers is None else layers
+    h, d = shape.hidden_size, shape.head_dim
+    i = -(-shape.intermediate_size // tp)
+    q, kv = shape.num_heads // tp * d, shape.kv_heads_per_device(tp) * d
+    dense, moe = len(set(shape.dense_layers) & set(layers)), shape.moe
+    shapes = Counter({(q + 2 * kv, h): len(layers), (h, q): len(layers)})
     shapes.update({(2 * i, h): dense, (h, i): dense})
     if moe is not None and moe.sparse_layers:
-        sparse, s = len(moe.sparse_layers), moe.shared_expert_intermediate_size
+        sparse = len(set(moe.sparse_layers) & set(layers))
+        s = -(-moe.shared_expert_intermediate_size // tp)
         shapes.update({(moe.num_experts, h): sparse})
         if s:
             shapes.update({(2 * s, h): sparse, (h, s): sparse, (1, h): sparse})

@@ -1,8 +1,11 @@
 """Refusal of configurations that cannot fit: the least memory a configuration needs, the
-single changes that would make it fit, and the `ConfigError` that says so.
+single changes that would make it fit (a lighter storage format of the weights first, with its
+measured quality cost), and the `ConfigError` that says so.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from runner_core.errors import ConfigError
 from runner_core.memory.estimate import MemoryEstimate, _estimate, estimate_memory
@@ -10,6 +13,49 @@ from runner_core.memory.shapes import _MiB
 from runner_core.memory.sizing import usable_memory_bytes
 
 _GiB = 2**30
+
+# The storage formats the advisor tries, the smallest loss of quality first: each one's settings.
+# bfloat16 is tried only where the compute dtype is float32 (it halves every weight and the KV cache);
+# int4's smaller groups hold more scales (more bytes) and follow each weight's range more closely.
+STORAGE_LADDER = (
+    ("bfloat16", {"dtype": "bfloat16"}),
+    ("int8", {"quantization": "int8"}),
+    ("int4 g32", {"quantization": "int4", "quantization_group_size": 32}),
+    ("int4 g64", {"quantization": "int4", "quantization_group_size": 64}),
+    ("int4 g128", {"quantization": "int4", "quantization_group_size": 128}),
+)
+# What each format costs in quality against float32: the relative change of the trained tiny-speaker's
+# perplexity on held-out text, and greedy agreement (the share of identical next tokens) on small-llama.
+# From `python benchmarks/quant.py --quick`; None where it has not been measured.
+QUALITY_COST: dict[str, dict[str, float | None]] = {
+    label: {"perplexity_change": None, "greedy_agreement": None} for label, _ in STORAGE_LADDER}
+
+
+@dataclass(frozen=True)
+class StorageOption:
+    """One storage format tried for an estimate: its settings, the stored weights and the need it gives."""
+
+    label: str  # "bfloat16", "int8", "int4 g64", ...
+    settings: dict  # the RunnerConfig fields that select it
+    weights_bytes: int  # the weights stored in this format (per device)
+    need_bytes: int  # required_bytes with it
+    fits: bool
+
+    @property
+    def quality(self) -> str:
+        """The measured quality cost in words."""
+        cost = QUALITY_COST.get(self.label, {})
+        ppl, agree = cost.get("perplexity_change"), cost.get("greedy_agreement")
+        if ppl is None and agree is None:
+            return "quality cost not measured yet (benchmarks/quant.py)"
+        parts = ([f"perplexity {ppl:+.1%}"] if ppl is not None else []) + (
+            [f"greedy agreement {agree:.0%}"] if agree is not None else [])
+        return "measured: " + ", ".join(parts)
+
+    def describe(self) -> str:
+        settings = ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
+        return (f"{settings} (weights {_fmt(self.weights_bytes)} stored, needs {_fmt(self.need_bytes)}: "
+                f"{'fits' if self.fits else 'not enough alone'}, {self.quality})")
 
 
 def _fmt(n: int) -> str:
@@ -23,16 +69,51 @@ def required_bytes(estimate: MemoryEstimate) -> int:
     return estimate.fixed_bytes + pool
 
 
-def fit_suggestions(estimate: MemoryEstimate, available_bytes: int) -> list[str]:
-    """Single changes that would make `estimate` fit in `available_bytes` per device."""
+def storage_ladder(estimate: MemoryEstimate) -> list[tuple[str, dict]]:
+    """The entries of STORAGE_LADDER lighter than `estimate`'s own storage, in order: bfloat16 where
+    it computes in float32, int8 unless it is quantized already, int4 in groups larger than its own;
+    no format for a model the runner's own linear layers do not run (the transformers fallback)."""
     inputs = estimate._inputs
     if inputs is None:
         return []
     out = []
-    if estimate.dtype == "float32":
-        half = _estimate(inputs, dtype="bfloat16")
-        verdict = "fits" if required_bytes(half) <= available_bytes else "not enough alone"
-        out.append(f"dtype='bfloat16' or 'float16' (needs {_fmt(required_bytes(half))}: {verdict})")
+    for label, settings in STORAGE_LADDER:
+        if label == "bfloat16":
+            keep = estimate.dtype == "float32"
+        elif not inputs.args["native_linears"]:
+            keep = False
+        elif estimate.quantization is None:
+            keep = True
+        else:  # any int4 after int8; after int4, the larger groups (fewer scales)
+            keep = settings["quantization"] == "int4" and (
+                estimate.quantization == "int8"
+                or settings["quantization_group_size"] > estimate.quantization_group_size)
+        if keep:
+            out.append((label, settings))
+    return out
+
+
+def storage_options(estimate: MemoryEstimate, available_bytes: int) -> list[StorageOption]:
+    """Each lighter storage format (`storage_ladder`) with its stored weights, need and verdict."""
+    out = []
+    for label, settings in storage_ladder(estimate):
+        other = _estimate(estimate._inputs, **settings)
+        need = required_bytes(other)
+        out.append(StorageOption(label, settings, other.weights_bytes, need, need <= available_bytes))
+    return out
+
+
+def fit_suggestions(estimate: MemoryEstimate, available_bytes: int) -> list[str]:
+    """Single changes that would make `estimate` fit in `available_bytes` per device: the storage
+    format with the smallest loss of quality that fits (else the one that needs least: "not enough alone"),
+    more tensor-parallel devices, a shorter max_model_len, a smaller kv_cache_memory."""
+    inputs = estimate._inputs
+    if inputs is None or required_bytes(estimate) <= available_bytes:
+        return []
+    out = []
+    options = storage_options(estimate, available_bytes)
+    if options:
+        out.append(next((o for o in options if o.fits), min(options, key=lambda o: o.need_bytes)).describe())
     tp = estimate.tensor_parallel_size * 2
     while tp <= max(64, estimate.tensor_parallel_size * 2):
         if inputs.shape.tp_problem(tp) is None:
@@ -74,15 +155,13 @@ def check_fits(estimate: MemoryEstimate, available_bytes: int, *, gpu_memory_uti
     where = (f"available: {_fmt(available_bytes)} (gpu_memory_utilization={gpu_memory_utilization:g} of the device)"
              if estimate.device.startswith("cuda") else f"available: {_fmt(available_bytes)} of RAM")
     msg = (f"{estimate.model or 'the model'} does not fit: it needs {_fmt(need)} per device (weights "
-           f"{_fmt(estimate.weights_bytes)} in {estimate.dtype}, "
+           f"{_fmt(estimate.weights_bytes)} in {estimate.storage}, "
            f"activation peak {_fmt(estimate.activation_peak_bytes)}, "
-           f"rotary tables {_fmt(estimate.buffers_bytes)}, "
-           + (f"weight panels {_fmt(estimate.panel_weights_bytes)}, " if estimate.panel_weights_bytes else "")
-           + f"{pool}) but {where}.")
+           f"rotary tables {_fmt(estimate.buffers_bytes)}, {pool}) but {where}.")
     tips = fit_suggestions(estimate, available_bytes)
     msg += (" Would fit with: " + "; ".join(tips) + "." if tips else
-            " No single change of dtype, tensor_parallel_size, max_model_len or kv_cache_memory makes it fit; "
-            "combine them or use a device with more memory.")
+            " No single change of storage format, tensor_parallel_size, max_model_len or kv_cache_memory makes it "
+            "fit; combine them or use a device with more memory.")
     raise ConfigError(msg)
 
 
@@ -100,7 +179,8 @@ def check_config_fits(config, available_bytes: int | None = None, *,
         max_num_batched_tokens=config.effective_max_num_batched_tokens, block_size=config.block_size,
         kv_cache_memory=config.kv_cache_memory, device=str(device), trust_remote_code=config.trust_remote_code,
         packed_decode_weights=packed_decode_weights, encoder_cache_tokens=config.effective_encoder_cache_tokens,
-        model_impl=config.model_impl)
+        model_impl=config.model_impl, quantization=config.quantization,
+        quantization_group_size=config.quantization_group_size, quantize_lm_head=config.quantize_lm_head)
     if available_bytes is None:
         available_bytes = usable_memory_bytes(device, config.gpu_memory_utilization)
     if estimate.decode_programs_bytes > available_bytes // 2:  # the runner will not pack them (plan_sizes)
