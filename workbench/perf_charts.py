@@ -88,23 +88,27 @@ def comm_per_step(layouts: Mapping[str, Mapping[str, Mapping[str, float]]],
     return fig
 
 
-def parallel_layouts(candidates: Sequence[Mapping], device_bytes: int, chosen: tuple[int, int] | None = None,
+def parallel_layouts(candidates: Sequence[Mapping], device_bytes: int, chosen: tuple | None = None,
                      title: str = "Memory per device of each parallel layout") -> go.Figure:
     """Bars of the predicted need per device of each (tp, pp) layout (`suggest_parallel_config`'s
-    candidates: {"tp", "pp", "need_bytes", "fits", "why"}; those refused before sizing, e.g. a TP
-    size that does not divide the heads, are left out) against a dashed line at the usable memory
-    of a device; green fits, red does not, the chosen layout is outlined."""
+    candidates: {"tp", "pp", "need_bytes", "fits", "why"}, and "storage" for a layout tried with a
+    lighter storage format; those refused before sizing, e.g. a TP size that does not divide the
+    heads, are left out) against a dashed line at the usable memory of a device; green fits, red
+    does not, the chosen layout ((tp, pp), or (tp, pp, storage)) is outlined."""
     fig = _figure(title, "layout: tensor parallel x pipeline parallel (devices)", "GiB per device")
     sized = [c for c in candidates if c.get("need_bytes") is not None]
     if not sized:
         return _empty(fig, "no layout could be sized")
-    names = [f"{c['tp']}x{c['pp']} ({c['tp'] * c['pp']})" for c in sized]
+    names = [f"{c['tp']}x{c['pp']} ({c['tp'] * c['pp']})" + (f" {c['storage']}" if c.get("storage") else "")
+             for c in sized]
+    want = None if chosen is None else (*chosen, "")[:3]  # (tp, pp, storage: "" as configured)
+    picked = [(c["tp"], c["pp"], c.get("storage", "")) == want for c in sized]
     fig.add_trace(go.Bar(
         x=names, y=[c["need_bytes"] / GIB for c in sized], showlegend=False,
         marker_color=[PALETTE[2] if c["fits"] else PALETTE[3] for c in sized],
-        marker_line=dict(width=[3 if (c["tp"], c["pp"]) == chosen else 0 for c in sized], color="#222"),
-        text=[f"{c['need_bytes'] / GIB:.0f}" + ("<br><b>chosen</b>" if (c["tp"], c["pp"]) == chosen else "")
-              for c in sized], textposition="outside", cliponaxis=False,
+        marker_line=dict(width=[3 if p else 0 for p in picked], color="#222"),
+        text=[f"{c['need_bytes'] / GIB:.0f}" + ("<br><b>chosen</b>" if p else "")
+              for c, p in zip(sized, picked)], textposition="outside", cliponaxis=False,
         hovertemplate="tp x pp (devices) %{x}: %{y:.1f} GiB per device<extra></extra>"))
     top = max(max(c["need_bytes"] for c in sized), device_bytes) / GIB
     fig.update_yaxes(range=[0, 1.2 * top])

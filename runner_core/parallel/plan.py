@@ -17,6 +17,12 @@ The rule, in order:
      for other replicas); at equal device count the larger tp wins (TP splits each layer's
      work and KV per token, so it lowers latency; PP without micro-batching runs the stages
      one after another and only adds capacity).
+With `storage_formats=True` every layout is also tried with each lighter storage format of the
+weights (`memory.fit.storage_ladder`: bfloat16 where the dtype is float32, then int8, then int4
+in groups of 32, 64, 128), and the rule ranks by devices first, then by the format's loss of
+quality (the ladder's order), then by tp: "1 device with int8" comes before "2 devices in
+bfloat16", and "2 devices as configured" before "2 devices in int8". A format costs quality but
+no communication; a device more costs hardware and a collective per layer.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 
 from runner_core.errors import ConfigError
 from runner_core.memory import ModelShape, available_memory_bytes, estimate_memory, stage_layer_ranges
+from runner_core.memory.fit import storage_ladder
 from runner_core.models import MODEL_REGISTRY
 
 _GiB = 2**30
@@ -75,13 +82,15 @@ class ParallelSuggestion:
     device_bytes: int  # usable memory of the smallest device
     reason: str
     candidates: list[dict] = field(default_factory=list)  # every layout considered, with its need and verdict
+    storage: dict = field(default_factory=dict)  # the storage format's settings (dtype, quantization), if changed
 
     def as_config(self) -> dict:
         return {"tensor_parallel_size": self.tensor_parallel_size,
-                "pipeline_parallel_size": self.pipeline_parallel_size}
+                "pipeline_parallel_size": self.pipeline_parallel_size, **self.storage}
 
     def __str__(self) -> str:
-        rows = [f"  tp={c['tp']} pp={c['pp']}: " + (f"{c['need_bytes'] / _GiB:.2f} GiB per device, "
+        rows = [f"  tp={c['tp']} pp={c['pp']}" + (f" {c['storage']}" if c.get("storage") else "") + ": "
+                + (f"{c['need_bytes'] / _GiB:.2f} GiB per device, "
                 f"{'fits' if c['fits'] else 'too big'}" if c.get("need_bytes") is not None else c["why"])
                 for c in self.candidates]
         return self.reason + "\n" + "\n".join(rows)
@@ -118,12 +127,15 @@ def _runs_on_one_device(model: str, estimate_kwargs: dict) -> bool:
 
 def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memory: int | None = None,
                             devices_per_node: int | None = None, gpu_memory_utilization: float = 0.9,
-                            min_sequences: int = 1, **estimate_kwargs) -> ParallelSuggestion:
+                            min_sequences: int = 1, storage_formats: bool = False,
+                            **estimate_kwargs) -> ParallelSuggestion:
     """Pick tensor_parallel_size and pipeline_parallel_size for `model` on `devices` (a CUDA count,
-    or a list such as ["cuda:0", "cuda:1"] or ["cpu"] * 2) by the rule in the module docstring.
+    or a list such as ["cuda:0", "cuda:1"] or ["cpu"] * 2) by the rule in the module docstring;
+    with `storage_formats`, also the weights' storage format (bfloat16, int8, int4) that lets it
+    take fewer devices (`as_config()` then carries the format's settings too).
 
     `device_memory` (bytes per device) plans on paper instead of asking the devices;
-    `estimate_kwargs` go to `estimate_memory` (dtype, max_model_len, max_num_seqs, ...).
+    `estimate_kwargs` go to `estimate_memory` (dtype, max_model_len, max_num_seqs, quantization, ...).
     Raises ConfigError when no layout fits, saying the least memory per device it would take."""
     n, usable, kind = _usable_bytes(devices, device_memory, gpu_memory_utilization)
     per_node = devices_per_node or n
@@ -131,6 +143,7 @@ def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memor
     base = estimate_memory(model, **estimate_kwargs)
     shape = base._inputs.shape
     one_device = _runs_on_one_device(model, estimate_kwargs)
+    formats = [("", {})] + (storage_ladder(base) if storage_formats else [])
     candidates = []
     for world in range(1, n + 1):
         for tp in sorted((d for d in range(1, world + 1) if world % d == 0), reverse=True):
@@ -145,10 +158,12 @@ def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memor
             if why is not None:
                 candidates.append({"tp": tp, "pp": pp, "need_bytes": None, "fits": False, "why": why})
                 continue
-            est = estimate_memory(model, **{**estimate_kwargs, "tensor_parallel_size": tp,
-                                            "pipeline_parallel_size": pp})
-            need = est.fixed_bytes + est.min_kv_pool_bytes * min_sequences
-            candidates.append({"tp": tp, "pp": pp, "need_bytes": need, "fits": need <= usable, "why": ""})
+            for rank, (label, settings) in enumerate(formats):
+                est = estimate_memory(model, **{**estimate_kwargs, **settings, "tensor_parallel_size": tp,
+                                                "pipeline_parallel_size": pp})
+                need = est.fixed_bytes + est.min_kv_pool_bytes * min_sequences
+                candidates.append({"tp": tp, "pp": pp, "need_bytes": need, "fits": need <= usable, "why": "",
+                                   **({"storage": label, "settings": settings, "rank": rank} if label else {})})
     fitting = [c for c in candidates if c["fits"]]
     if not fitting:
         sized = [c for c in candidates if c["need_bytes"] is not None]
@@ -156,15 +171,19 @@ def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memor
         detail = (f"; the best layout, tp={best['tp']} pp={best['pp']}, needs {best['need_bytes'] / _GiB:.2f} GiB "
                   f"per device" if best else "")
         raise ConfigError(f"{model} does not fit on {n} device(s) of {usable / _GiB:.2f} GiB usable{detail}. "
-                          "Use more or larger devices, a 16-bit dtype or a shorter max_model_len")
-    best = min(fitting, key=lambda c: (c["tp"] * c["pp"], -c["tp"]))
+                          "Use more or larger devices, a 16-bit dtype, int8/int4 weights (quantization=, or "
+                          "storage_formats=True to let the plan choose) or a shorter max_model_len")
+    best = min(fitting, key=lambda c: (c["tp"] * c["pp"], c.get("rank", 0), -c["tp"]))
     smaller = [c for c in candidates if c["tp"] * c["pp"] < best["tp"] * best["pp"] and c["need_bytes"] is not None]
     why_not_fewer = (f"; with fewer devices the least need is {min(c['need_bytes'] for c in smaller) / _GiB:.2f} GiB"
                      if smaller else "")
-    reason = (f"tensor_parallel_size={best['tp']}, pipeline_parallel_size={best['pp']}: the fewest devices "
+    storage = (f" with {best['storage']} weights (the least loss of quality that fits them)"
+               if best.get("storage") else "")
+    reason = (f"tensor_parallel_size={best['tp']}, pipeline_parallel_size={best['pp']}{storage}: the fewest devices "
               f"({best['tp'] * best['pp']} of {n}) whose predicted need per device, "
               f"{best['need_bytes'] / _GiB:.2f} GiB "
               f"(weights, activation peak, rotary tables and KV for {min_sequences} x max_model_len), fits in "
               f"{usable / _GiB:.2f} GiB usable{why_not_fewer}; at equal device count tensor parallelism is "
               "preferred (it splits every layer's work; pipeline stages run one after another)")
-    return ParallelSuggestion(best["tp"], best["pp"], best["need_bytes"], usable, reason, candidates)
+    return ParallelSuggestion(best["tp"], best["pp"], best["need_bytes"], usable, reason, candidates,
+                              dict(best.get("settings", {})))
