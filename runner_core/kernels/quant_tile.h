@@ -17,7 +17,7 @@ namespace runner_kernels::RW_TIER {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 struct QV {
   using F = __m512;
-  static constexpr int W = 16, MR8 = 12, MR4 = 8;  // tile rows: int8, int4 (two accumulators a row)
+  static constexpr int W = 16, MR8 = 12, MR4 = 8;  // tile rows: int8, int4 (three accumulators a row)
   static F zero() { return _mm512_setzero_ps(); }
   static F bcast(float a) { return _mm512_set1_ps(a); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
@@ -38,7 +38,7 @@ struct QV {
 #elif defined(__AVX2__) && defined(__FMA__)
 struct QV {
   using F = __m256;
-  static constexpr int W = 8, MR8 = 6, MR4 = 3;
+  static constexpr int W = 8, MR8 = 6, MR4 = 4;
   static F zero() { return _mm256_setzero_ps(); }
   static F bcast(float a) { return _mm256_set1_ps(a); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
@@ -175,31 +175,35 @@ inline void row_i8(const float* x, const int8_t* q, int64_t k, const float* scal
   qstore<O, 1>(sum, scale, bias, y, 0, ncols);
 }
 
-// int4, MR rows x one panel ([k / 2, 16] bytes; scales and mins [groups, 16]); xsum: [MR, groups], ldxs apart
+// int4, MR rows x one panel ([k / 2, 16] bytes; scales and mins [groups, 16]); xsum: [MR, groups], ldxs
+// apart. One vector of columns at a time (AVX2's panel is two): a row's two accumulators per vector then
+// leave registers for more rows sharing each widened step.
 template <class O, int MR>
 inline void tile_i4(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* q,
                     const float* scales, const float* mins, int64_t k, int64_t group, const float* bias, O* y,
                     int64_t ldy, int64_t ncols) {
-  QF c[MR][QNV];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < QNV; ++v) c[r][v] = QV::zero();
-  for (int64_t g = 0; g * group < k; ++g) {
-    QF a[MR][QNV];
-    for (int r = 0; r < MR; ++r)
-      for (int v = 0; v < QNV; ++v) a[r][v] = QV::zero();
-    for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j)
-      for (int v = 0; v < QNV; ++v) {
+  for (int v = 0; v < QNV; ++v) {
+    const int64_t o = v * QV::W;
+    QF c[MR];
+    for (int r = 0; r < MR; ++r) c[r] = QV::zero();
+    for (int64_t g = 0; g * group < k; ++g) {
+      QF ae[MR], ao[MR];  // even and odd k apart: one chain of FMAs each, not two in a row
+      for (int r = 0; r < MR; ++r) ae[r] = ao[r] = QV::zero();
+      for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) {
         QF even, odd;
-        QV::u4(q + j * NR + v * QV::W, even, odd);
-        for (int r = 0; r < MR; ++r)
-          a[r][v] = QV::fma(QV::bcast(x[r * ldx + 2 * j + 1]), odd, QV::fma(QV::bcast(x[r * ldx + 2 * j]), even, a[r][v]));
+        QV::u4(q + j * NR + o, even, odd);
+        for (int r = 0; r < MR; ++r) {
+          ae[r] = QV::fma(QV::bcast(x[r * ldx + 2 * j]), even, ae[r]);
+          ao[r] = QV::fma(QV::bcast(x[r * ldx + 2 * j + 1]), odd, ao[r]);
+        }
       }
-    for (int v = 0; v < QNV; ++v) {
-      const QF s = QV::load(scales + g * NR + v * QV::W), mn = QV::load(mins + g * NR + v * QV::W);
-      for (int r = 0; r < MR; ++r) c[r][v] = QV::fma(mn, QV::bcast(xsum[r * ldxs + g]), QV::fma(s, a[r][v], c[r][v]));
+      const QF s = QV::load(scales + g * NR + o), mn = QV::load(mins + g * NR + o);
+      for (int r = 0; r < MR; ++r)
+        c[r] = QV::fma(mn, QV::bcast(xsum[r * ldxs + g]), QV::fma(s, QV::add(ae[r], ao[r]), c[r]));
     }
+    const QF b = QV::load(bias + o);
+    for (int r = 0; r < MR; ++r) QV::store(y + r * ldy + o, QV::add(c[r], b), ncols - o);
   }
-  qstore<O, MR>(c, nullptr, bias, y, ldy, ncols);
 }
 
 // int4, one row: per group, four chains (two k pairs, even and odd k) folded into the row's sum
