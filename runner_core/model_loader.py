@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from runner_core.checkpoint_writer import checkpoint_quantization, quantized_checkpoint_tensors
 from runner_core.config import RunnerConfig
 from runner_core.errors import ModelLoadError
 from runner_core.layers.quantization import QuantFormat
@@ -85,16 +86,16 @@ class ModelLoader:
         tokenizer = load_tokenizer(tokenizer_path, hf_config, cfg.trust_remote_code)
         processor = load_processor(path, cfg.trust_remote_code) if adapter.kind == "multimodal" else None
         model = self._build(adapter.model_class, hf_config)
-        fmt = QuantFormat.of(cfg.quantization, cfg.quantization_group_size) if cfg.quantization else None
+        fmt, lm_head, saved = self._format(hf_config)
         if fmt is not None and adapter.impl != "native":
             raise ModelLoadError(
                 f"quantization={cfg.quantization!r} needs a native adapter; {adapter.architecture} runs on the "
                 f"{adapter.impl} path ({adapter.reason}). Load it without quantization, or register a native "
                 "adapter for it (runner_core.register_model)")
         kept = plan_storage(model, cfg.torch_dtype, panels_apply(cfg.torch_device, cfg.torch_dtype, cfg.world_size),
-                            fmt, cfg.quantize_lm_head)
+                            fmt, lm_head)
         try:
-            bytes_read = self._load_weights(model, path)
+            bytes_read = self._load_weights(model, path, saved)
             finish_storage(model)
         except BaseException as exc:
             # a notebook keeps the last traceback: its frames must not hold the half-loaded model
@@ -106,7 +107,7 @@ class ModelLoader:
         return LoadedModel(model=model, tokenizer=tokenizer, hf_config=hf_config, model_path=path,
                            load_seconds=time.perf_counter() - start, weight_bytes=weight_bytes,
                            buffer_bytes=_nbytes(model.buffers()) - stored, adapter=adapter, bytes_read=bytes_read,
-                           quantization=quantization_info(model, fmt, cfg, kept, weight_bytes),
+                           quantization=quantization_info(model, fmt, lm_head, cfg.torch_dtype, kept, weight_bytes),
                            processor=processor)
 
     def _build(self, cls: type, hf_config) -> nn.Module:
@@ -127,12 +128,30 @@ class ModelLoader:
                                  "contract: see runner_core.register_model)")
         return model.eval()
 
-    def _load_weights(self, model: nn.Module, path: Path) -> int:
+    def _format(self, hf_config) -> tuple[QuantFormat | None, bool, bool]:
+        """(the storage format, whether the LM head takes it, whether the checkpoint was saved quantized): the
+        config's, or those a checkpoint this project quantized names in its config.json."""
+        cfg = self.config
+        saved = checkpoint_quantization(hf_config)
+        if saved is None:
+            fmt = QuantFormat.of(cfg.quantization, cfg.quantization_group_size) if cfg.quantization else None
+            return fmt, cfg.quantize_lm_head, False
+        if cfg.quantization not in (None, saved["format"]):
+            raise ModelLoadError(f"the checkpoint is stored in {saved['format']}, but quantization="
+                                 f"{cfg.quantization!r} was asked; load it with quantization=None (or "
+                                 f"{saved['format']!r}), or quantize its unquantized original")
+        if cfg.world_size > 1:
+            raise ModelLoadError("a checkpoint quantized by runner_core loads in one process; load its unquantized "
+                                 "original with tensor or pipeline parallelism and quantization set")
+        return QuantFormat.of(saved["format"], saved.get("group_size") or 64), bool(saved["quantize_lm_head"]), True
+
+    def _load_weights(self, model: nn.Module, path: Path, saved_quantized: bool = False) -> int:
         cfg = self.config
         weights = SafetensorsWeights(path, lazy=cfg.world_size > 1)
+        stream = quantized_checkpoint_tensors(weights) if saved_quantized else iter(weights)
         try:
             with torch.no_grad():
-                loaded = model.load_weights(iter(weights))
+                loaded = model.load_weights(stream)
         except ValueError as exc:
             if weights.current is None:
                 raise ModelLoadError(f"cannot load the weights in {path}: {exc}") from exc
@@ -151,17 +170,17 @@ class ModelLoader:
         return weights.bytes_read
 
 
-def quantization_info(model: nn.Module, fmt: QuantFormat | None, cfg: RunnerConfig, kept: dict[str, str],
-                      weight_bytes: int) -> dict:
+def quantization_info(model: nn.Module, fmt: QuantFormat | None, lm_head: bool, dtype: torch.dtype,
+                      kept: dict[str, str], weight_bytes: int) -> dict:
     """What model_info reports of the storage format: the format, the layers it holds and those kept in
     the compute dtype (with why), and the weights' bytes as stored beside their bytes in the compute dtype."""
     quantized = [m for m in model.modules() if getattr(getattr(m, "storage", None), "fmt", None) is not None]
     groups = sorted({m.storage.fmt.group for m in quantized if m.storage.fmt.name == "int4"})
     dense = num_weights(model)
     return {"format": fmt.name if fmt else None, "group_size": fmt.group if fmt and fmt.group else None,
-            "int4_groups": groups, "lm_head": cfg.quantize_lm_head if fmt else False,
+            "int4_groups": groups, "lm_head": lm_head if fmt else False,
             "quantized_layers": len(quantized), "kept_layers": kept,
-            "weights_bytes": weight_bytes, "dense_bytes": dense * cfg.torch_dtype.itemsize}
+            "weights_bytes": weight_bytes, "dense_bytes": dense * dtype.itemsize}
 
 
 def _nbytes(tensors: Iterator[torch.Tensor]) -> int:

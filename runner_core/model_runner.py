@@ -6,13 +6,15 @@ import logging
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from runner_core.checkpoint_writer import save_stored
 from runner_core.compile import cpu_programs_expected
 from runner_core.config import RunnerConfig
 from runner_core.engine import LLMEngine, LocalExecutor, RequestOutput, Worker
-from runner_core.errors import EngineNotReadyError, InvalidRequestError
+from runner_core.errors import ConfigError, EngineNotReadyError, InvalidRequestError
 from runner_core.memory import MemoryEstimate, check_config_fits, release_freed_memory
 from runner_core.model_loader import ModelLoader, read_hf_config, resolve_model_path
 from runner_core.parallel.plan import validate_parallel_config
@@ -261,6 +263,16 @@ class ModelRunner:
                 engine.abort_request(rid)
 
     # ---- figures and operations ------------------------------------------------------------
+    def save_pretrained(self, directory) -> Path:
+        """Write the loaded model as it is stored (quantized or not) to `directory` as a checkpoint this
+        project loads again: safetensors, config.json naming the format, the tokenizer's files."""
+        engine = self._engine()
+        if self.config.world_size > 1:
+            raise ConfigError("save_pretrained saves a model loaded in one process; load it without tensor or "
+                              "pipeline parallelism to save it")
+        return save_stored(engine.worker.model, engine.hf_config, engine.model_info["quantization"],
+                           Path(engine.model_info["model_path"]), directory)
+
     def memory_stats(self) -> dict:
         """Weights, KV pool, activation peak and decode-program bytes; blocks total/used/free/cached,
         KV utilization, internal fragmentation, prefix-cache hit rate; what a static reservation and

@@ -169,6 +169,16 @@ def matmul(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> tor
     return y.view(*x.shape[:-1], n)
 
 
+def row_major_weight(module: nn.Module) -> torch.Tensor:
+    """A weight stored as compute-dtype panels back as its [n, k] matrix (for saving)."""
+    n, k = module.weight_shape
+    panels = module._buffers["panel_weight"]
+    count, steps, width = panels.shape
+    pair = width // PANEL_ROWS  # k values per panel step
+    cols = panels.view(count, steps, PANEL_ROWS, pair).permute(0, 2, 1, 3)
+    return cols.reshape(count * PANEL_ROWS, steps * pair)[:n, :k]
+
+
 def embedding_rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of `module`'s stored [vocab, hidden] weight (a tied head read as the embedding), in the
     compute dtype, gathered from the one copy."""
