@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from runner_core.kernels import cpu_kernels_available
@@ -115,6 +116,16 @@ def test_quant_linear_in_a_compiled_graph_is_the_opaque_op():
     gm = make_fx(lambda x, b, *parts: quant_linear(x, dict(zip(packed, parts)), fmt, n, b),
                  tracing_mode="fake")(x, bias, *packed.values())
     assert "runner_kernels.quant_linear" in gm.code and "aten" not in gm.code
+
+
+@pytest.mark.parametrize("fmt", FORMATS[:2], ids=IDS[:2])
+def test_pack_under_fake_tensors_gives_the_real_shapes(fmt):
+    tensors = _weight(37, 128, fmt)
+    real = pack(tensors, fmt, 37, 128)
+    with FakeTensorMode() as mode:
+        fake = pack({name: mode.from_tensor(t) for name, t in tensors.items()}, fmt, 37, 128)
+    assert {name: (t.shape, t.dtype) for name, t in fake.items()} == {name: (t.shape, t.dtype)
+                                                                        for name, t in real.items()}
 
 
 def test_bad_input_is_refused_with_the_problem_named():
