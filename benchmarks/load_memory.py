@@ -122,13 +122,16 @@ def child(spec: dict) -> dict:
     sampler.join()
     steps.append(("loaded", process_memory()))
     loaded = process_memory()
+    t = time.perf_counter()
     release_freed_memory()
+    trim_seconds = time.perf_counter() - t
     steps.append(("after malloc_trim", process_memory()))
     stats = runner.memory_stats()
     model = runner.model
     tables = {id(b): b for m in model.modules() if isinstance(m, RotaryEmbedding) for b in m.buffers()}
     kv = runner.engine.memory.kv_cache
     out = {"model": spec["model"], "dtype": spec["dtype"], "format": spec["quantization"], "load_seconds": seconds,
+           "trim_seconds": trim_seconds,
            "steps": [(label, mem) for label, mem in steps], "loaded": loaded, "trimmed": process_memory(),
            "weights_bytes": stats["weights_bytes"], "panel_weights_bytes": stats.get("panel_weights_bytes", 0),
            "decode_programs_bytes": stats.get("decode_programs_bytes", 0), "kv_pool_bytes": stats["kv_pool_bytes"],
@@ -184,7 +187,7 @@ def report(r: dict) -> None:
     for label, mem in r["steps"]:
         print(f"  {label:<42}{mem['rss'] / _MiB:>9.0f}{mem['rss_anon'] / _MiB:>8.0f}{mem['rss_file'] / _MiB:>8.0f}"
               f"{mem['peak_rss'] / _MiB:>8.0f}")
-    print(f"  {'after load, held by':<42}{'MiB':>9}")
+    print(f"  {'after load, held by':<42}{'MiB':>9}   (malloc_trim took {r['trim_seconds'] * 1e3:.0f} ms)")
     for name, value in breakdown(r).items():
         print(f"  {name:<42}{value / _MiB:>9.0f}")
     v = verdict(r)
