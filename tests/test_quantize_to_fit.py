@@ -10,6 +10,7 @@ from runner_core import ConfigError, RunnerConfig, suggest_parallel_config
 from runner_core.memory.estimate import estimate_memory
 from runner_core.memory.fit import (
     QUALITY_COST,
+    STORAGE_LADDER,
     check_config_fits,
     fit_suggestions,
     required_bytes,
@@ -63,10 +64,15 @@ def test_the_ladder_goes_from_the_least_loss_of_quality():
     assert [label for label, _ in storage_ladder(g64)] == ["int4 g128"]
     sizes = [o.weights_bytes for o in storage_options(f32, 0)[1:]]  # int8, int4 g32, g64, g128
     assert sizes == sorted(sizes, reverse=True)
+    # every format has its measured cost, and the order is the measured one: perplexity rises along the int4
+    # groups, agreement falls along the whole ladder
+    assert sorted(QUALITY_COST) == sorted(label for label, _ in STORAGE_LADDER)
+    ppl = [QUALITY_COST[f"int4 g{g}"]["perplexity_change"] for g in (32, 64, 128)]
+    agree = [QUALITY_COST[label]["greedy_agreement"] for label, _ in STORAGE_LADDER]
+    assert ppl == sorted(ppl) and agree == sorted(agree, reverse=True)
 
 
-def test_the_config_error_lists_the_format_with_its_cost(monkeypatch):
-    monkeypatch.setitem(QUALITY_COST, "int8", {"perplexity_change": 0.004, "greedy_agreement": 0.97})
+def test_the_config_error_lists_the_format_with_its_cost():
     config = RunnerConfig(model="small-llama", dtype="bfloat16", **KW)
     est = estimate_memory("small-llama", dtype="bfloat16", **KW)
     int8 = estimate_memory("small-llama", dtype="bfloat16", quantization="int8", **KW)
@@ -74,8 +80,10 @@ def test_the_config_error_lists_the_format_with_its_cost(monkeypatch):
         check_config_fits(config, available_bytes=(required_bytes(int8) + required_bytes(est)) // 2)
     msg = str(info.value)
     assert f"weights {est.weights_bytes / MiB:.1f} MiB in bfloat16" in msg
+    cost = QUALITY_COST["int8"]
     assert (f"quantization='int8' (weights {int8.weights_bytes / MiB:.1f} MiB stored" in msg
-            and "measured: perplexity +0.4%, greedy agreement 97%" in msg)
+            and f"measured: perplexity {cost['perplexity_change']:+.2%}, "
+                f"greedy agreement {cost['greedy_agreement']:.0%}" in msg)
     # the configured format is what is estimated and named
     with pytest.raises(ConfigError, match=r"weights [\d.]+ MiB in int8 \(bfloat16 compute\)"):
         check_config_fits(RunnerConfig(model="small-llama", dtype="bfloat16", quantization="int8", **KW),
