@@ -11,7 +11,8 @@ LM head quantized too), each in a fresh process of its own (quant_proc.py; quant
   speed     batch-1 decode tok/s (32-token prompt, 128 tokens; the 1-token call's time subtracted) and the
             GB/s of weight bytes that reads (bytes one step reads x tok/s) against the memory bandwidth probed
             in the same round (benchmarks/machine.py, the sum probe); the mixed workload of
-            benchmarks/workload.py (24 requests, prompts 16-256, outputs 16-128, all at once): useful tok/s
+            benchmarks/workload.py (24 requests, prompts 16-256, outputs 16-128, all at once; `--mixed-formats`,
+            default none, bf16, int8, int4-g64): useful tok/s
   peers     llama.cpp (`make bench-llamacpp-peer`; benchmarks/llamacpp_peer.py) on GGUF files written from
             the same safetensors in F32, Q8_0 and Q4_0: the same memory, quality and batch-1 figures
 Timed figures: every process loaded, then `--repeats` rounds (>= 3) in which each takes its turn (A B C ...
@@ -58,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--mixed-requests", type=int, default=24)
+    ap.add_argument("--mixed-formats", nargs="+", choices=list(quant_proc.FORMATS),
+                    default=["none", "bf16", "int8", "int4-g64"], help="the formats that run the mixed workload")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--interleave", action="store_true", help="keep every format alive even for large models")
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out even when its venv exists")
@@ -111,9 +114,11 @@ def start_peers(model_dir: str, tmp: Path, args, errors: dict) -> dict:
     return procs
 
 
-def run_rounds(procs: dict, ours: set, repeats: int, decode_tokens: int, errors: dict, probes: list) -> dict:
-    """`repeats` rounds: a bandwidth probe, each process's batch-1 turn, then ours' mixed turns:
-    {name: {"batch1": [tok/s], "mixed": [tok/s], "bandwidth": [GB/s of the round's probe]}}."""
+def run_rounds(procs: dict, args, errors: dict, probes: list) -> dict:
+    """`args.repeats` rounds: a bandwidth probe, each process's batch-1 turn, then ours' mixed turns:
+    {name: {"batch1": [tok/s], "mixed": [tok/s], "bandwidth": [GB/s of the round's probe]}}; the mixed
+    workload runs once untimed, then in each round, for the formats in `args.mixed_formats`."""
+    mixed, decode_tokens = set(args.mixed_formats), args.decode_tokens
     timings = {name: {"batch1": [], "mixed": [], "bandwidth": []} for name in procs}
 
     def ask(name: str, cmd: str) -> dict | None:
@@ -128,8 +133,10 @@ def run_rounds(procs: dict, ours: set, repeats: int, decode_tokens: int, errors:
 
     for name in procs:  # one untimed turn each
         ask(name, "batch1")
-    for r in range(repeats):
-        print(f"  round {r + 1}/{repeats}: {', '.join(procs)}", flush=True)
+        if name in mixed:
+            ask(name, "mixed")
+    for r in range(args.repeats):
+        print(f"  round {r + 1}/{args.repeats}: {', '.join(procs)}", flush=True)
         probe = machine.bandwidth_probes("cpu", calls=3)
         probes.append(probe)
         for name in procs:
@@ -138,7 +145,7 @@ def run_rounds(procs: dict, ours: set, repeats: int, decode_tokens: int, errors:
                 timings[name]["batch1"].append(decode_tokens / (res["many_s"] - res["one_s"]))
                 timings[name]["bandwidth"].append(probe["sum"]["median"])
         for name in procs:
-            if name in ours and (res := ask(name, "mixed")):
+            if name in mixed and (res := ask(name, "mixed")):
                 timings[name]["mixed"].append(res["returned_tokens"] / res["seconds"])
     return timings
 
@@ -160,7 +167,7 @@ def run_model(model: str, args, errors: dict) -> dict:
                 continue
             starts[fmt] = proc.started
             if starts["none"]["dense_bytes"] > ONE_AT_A_TIME_BYTES and not args.interleave:
-                timings.update(run_rounds({fmt: proc}, {fmt}, args.repeats, args.decode_tokens, errors, probes))
+                timings.update(run_rounds({fmt: proc}, args, errors, probes))
                 proc.close()
             else:
                 alive[fmt] = proc
@@ -168,8 +175,7 @@ def run_model(model: str, args, errors: dict) -> dict:
         starts.update({name: p.started for name, p in peers.items()})
         try:
             if alive or peers:
-                timings.update(run_rounds({**alive, **peers}, set(alive), args.repeats, args.decode_tokens, errors,
-                                          probes))
+                timings.update(run_rounds({**alive, **peers}, args, errors, probes))
         finally:
             for p in [*alive.values(), *peers.values()]:
                 p.close()
