@@ -221,13 +221,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qpanels, const at
                 "] in x's dtype, got ", bias->scalar_type(), " ", bias->sizes());
     b = bias->to(at::kFloat).contiguous();
   }
-  const auto xf = x.to(at::kFloat).contiguous();  // bfloat16 widened once per call
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto xb = x.contiguous(), xf = xb.to(at::kFloat);  // bfloat16 widened once per call
   auto out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0 || n == 0) return out;
-  const runner_kernels::QuantArgs args{
-      xf.data_ptr<float>(), qpanels.data_ptr(), scales.data_ptr<float>(), int4 ? mins->data_ptr<float>() : nullptr,
-      b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), x.scalar_type() == at::kBFloat16, x.size(0), k, n,
-      group, at::get_num_threads()};
+  const runner_kernels::QuantArgs args{xf.data_ptr<float>(),
+                                       bf16 ? reinterpret_cast<const uint16_t*>(xb.data_ptr()) : nullptr,
+                                       qpanels.data_ptr(),
+                                       scales.data_ptr<float>(),
+                                       int4 ? mins->data_ptr<float>() : nullptr,
+                                       b.defined() ? b.data_ptr<float>() : nullptr,
+                                       out.data_ptr(),
+                                       x.size(0), k, n, group, at::get_num_threads()};
   kernels().quant_linear(args);
   return out;
 }

@@ -7,6 +7,8 @@
 //   the group computed once per row and group (tier.cpp) and shared by every column.
 // A tile of MR rows widens each panel step once and multiplies it into all its rows (what makes m > 1
 // fast); one row takes a tile unrolled over k (independent accumulator chains), prefetching ahead.
+// x comes widened to float32 (once per call, dispatch.cpp); on AVX512-BF16 a bfloat16 x of two rows or
+// more is multiplied as it is, a k pair per vdpbf16ps (exact products: see tile_i8_dp).
 // The arithmetic is float32 x float32: VNNI's int8 dot products would need the activations quantized to
 // int8 too (W8A8), which is another numeric result than these weight-only formats give, so none is used.
 // QV is the tier's vector: AVX512 (16 floats), AVX2 (8), plain (16, vectorised by the compiler).
@@ -238,55 +240,127 @@ inline void row_i4(const float* x, const float* xsum, const uint8_t* q, const fl
   qstore<O, 1>(c, nullptr, bias, y, 0, ncols);
 }
 
-// the last rows - 1 < MR of a panel's rows: the tile of exactly that many rows (one row: the row tile)
-template <class O, int R>
-inline void tail_i8(int64_t rows, const float* x, int64_t k, const int8_t* q, const float* scale, const float* bias,
-                    O* y, int64_t ldy, int64_t ncols) {
-  if constexpr (R == 1) {
-    if (rows == 1) row_i8<O>(x, q, k, scale, bias, y, ncols);
-  } else if (rows == R) {
-    tile_i8<O, R>(x, k, q, k, scale, bias, y, ldy, ncols);
-  } else {
-    tail_i8<O, R - 1>(rows, x, k, q, scale, bias, y, ldy, ncols);
+#if defined(__AVX512BF16__)
+// bfloat16 x on AVX512-BF16, two rows or more: a k pair of 16 columns in one vdpbf16ps per row. The
+// stored integers (|q| <= 127) are exact in bfloat16 and x is bfloat16 already, so every product is
+// exact and the sums are float32, as in the widened path (which one row takes: it is bound by memory).
+constexpr int MR_DP = 12;
+
+// two vectors of integer-valued floats -> bfloat16 pairs (even k in the low half of each 32-bit lane):
+// exact by truncation, a float of at most 8 significant bits being its own bfloat16 in the high half
+inline __m512bh qpairs(__m512 even, __m512 odd) {
+  return (__m512bh)_mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                           _mm512_castps_si512(odd));
+}
+
+template <class O, int MR>
+inline void tile_i8_dp(const uint16_t* x, int64_t ldx, const int8_t* q, int64_t k, const float* scale,
+                       const float* bias, O* y, int64_t ldy, int64_t ncols) {
+  QF c[MR][1];
+  for (int r = 0; r < MR; ++r) c[r][0] = QV::zero();
+  for (int64_t s = 0; s < k; s += 2) {
+    const __m512bh w = qpairs(QV::i8(q + s * NR), QV::i8(q + (s + 1) * NR));
+    for (int r = 0; r < MR; ++r) c[r][0] = _mm512_dpbf16_ps(c[r][0], (__m512bh)pair_bits(x + r * ldx + s), w);
+  }
+  qstore<O, MR>(c, scale, bias, y, ldy, ncols);
+}
+
+template <class O, int MR>
+inline void tile_i4_dp(const uint16_t* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* q,
+                       const float* scales, const float* mins, int64_t k, int64_t group, const float* bias, O* y,
+                       int64_t ldy, int64_t ncols) {
+  QF c[MR][1];
+  for (int r = 0; r < MR; ++r) c[r][0] = QV::zero();
+  for (int64_t g = 0; g * group < k; ++g) {
+    QF a[MR];
+    for (int r = 0; r < MR; ++r) a[r] = QV::zero();
+    for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) {
+      QF even, odd;
+      QV::u4(q + j * NR, even, odd);
+      const __m512bh w = qpairs(even, odd);
+      for (int r = 0; r < MR; ++r) a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)pair_bits(x + r * ldx + 2 * j), w);
+    }
+    const QF s = QV::load(scales + g * NR), mn = QV::load(mins + g * NR);
+    for (int r = 0; r < MR; ++r)
+      c[r][0] = QV::fma(mn, QV::bcast(xsum[r * ldxs + g]), QV::fma(s, a[r], c[r][0]));
+  }
+  qstore<O, MR>(c, nullptr, bias, y, ldy, ncols);
+}
+#endif
+
+// f(rows, r) for rows [0, m) in tiles: `rows` (std::integral_constant) is MR, then the m % MR left
+template <int R, class F>
+inline void with_rows(int64_t rows, const F& f) {
+  if constexpr (R >= 1) {
+    if (rows == R)
+      f(std::integral_constant<int, R>{});
+    else
+      with_rows<R - 1>(rows, f);
   }
 }
 
-template <class O, int R>
-inline void tail_i4(int64_t rows, const float* x, int64_t k, const float* xsum, int64_t groups, const uint8_t* q,
-                    const float* scales, const float* mins, int64_t group, const float* bias, O* y, int64_t ldy,
-                    int64_t ncols) {
-  if constexpr (R == 1) {
-    if (rows == 1) row_i4<O>(x, xsum, q, scales, mins, k, group, bias, y, ncols);
-  } else if (rows == R) {
-    tile_i4<O, R>(x, k, xsum, groups, q, scales, mins, k, group, bias, y, ldy, ncols);
-  } else {
-    tail_i4<O, R - 1>(rows, x, k, xsum, groups, q, scales, mins, group, bias, y, ldy, ncols);
-  }
+template <int MR, class F>
+inline void over_rows(int64_t m, const F& f) {
+  int64_t r = 0;
+  for (; r + MR <= m; r += MR) f(std::integral_constant<int, MR>{}, r);
+  with_rows<MR - 1>(m - r, [&](auto rows) { f(rows, r); });
 }
 
-// rows [0, m) of x (xsum: their group sums, int4) against panel p: tiles of the tier's MR rows, then
-// the rest in one smaller tile; bias: the panel's 16 floats
+// rows [r0, r0 + m) of x (xsum: the group sums of x's rows, int4) against panel p: tiles of the tier's
+// MR rows, then one of the rest (one row: the row tile); bias: the panel's 16 floats
 template <class O>
-inline void quant_panel_rows(const QuantArgs& a, const float* x, const float* xsum, int64_t m, int64_t p, O* y,
+inline void quant_panel_rows(const QuantArgs& a, const float* xsum, int64_t r0, int64_t m, int64_t p,
                              const float* bias) {
   const int64_t k = a.k, ldy = a.n, ncols = std::min<int64_t>(NR, a.n - p * NR);
-  int64_t r = 0;
+  const float* x = a.x + r0 * k;
+  O* y = static_cast<O*>(a.y) + r0 * ldy + p * NR;
+#if defined(__AVX512BF16__)
+  const bool dp = a.x_bf16 != nullptr && k % 2 == 0 && m > 1;
+  const uint16_t* x16 = a.x_bf16 + r0 * k;
+#endif
   if (a.group == 0) {
     const int8_t* q = static_cast<const int8_t*>(a.qpanels) + p * k * NR;
     const float* scale = a.scales + p * NR;
-    for (; r + QV::MR8 <= m; r += QV::MR8) tile_i8<O, QV::MR8>(x + r * k, k, q, k, scale, bias, y + r * ldy, ldy, ncols);
-    tail_i8<O, QV::MR8 - 1>(m - r, x + r * k, k, q, scale, bias, y + r * ldy, ldy, ncols);
-    return;
+    const auto tile = [&](auto rows, int64_t r) {
+      constexpr int R = decltype(rows)::value;
+      if constexpr (R == 1) {
+        row_i8<O>(x + r * k, q, k, scale, bias, y + r * ldy, ncols);
+      } else {
+#if defined(__AVX512BF16__)
+        if (dp) return tile_i8_dp<O, R>(x16 + r * k, k, q, k, scale, bias, y + r * ldy, ldy, ncols);
+#endif
+        if constexpr (R <= QV::MR8) tile_i8<O, R>(x + r * k, k, q, k, scale, bias, y + r * ldy, ldy, ncols);
+      }
+    };
+#if defined(__AVX512BF16__)
+    if (dp) return over_rows<MR_DP>(m, tile);
+#endif
+    return over_rows<QV::MR8>(m, tile);
   }
   const int64_t groups = k / a.group;
   const uint8_t* q = static_cast<const uint8_t*>(a.qpanels) + p * (k / 2) * NR;
   const float* scales = a.scales + p * groups * NR;
   const float* mins = a.mins + p * groups * NR;
-  for (; r + QV::MR4 <= m; r += QV::MR4)
-    tile_i4<O, QV::MR4>(x + r * k, k, xsum + r * groups, groups, q, scales, mins, k, a.group, bias, y + r * ldy, ldy,
-                        ncols);
-  tail_i4<O, QV::MR4 - 1>(m - r, x + r * k, k, xsum + r * groups, groups, q, scales, mins, a.group, bias, y + r * ldy,
-                          ldy, ncols);
+  const float* xs = xsum + r0 * groups;
+  const auto tile = [&](auto rows, int64_t r) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (R == 1) {
+      row_i4<O>(x + r * k, xs + r * groups, q, scales, mins, k, a.group, bias, y + r * ldy, ncols);
+    } else {
+#if defined(__AVX512BF16__)
+      if (dp)
+        return tile_i4_dp<O, R>(x16 + r * k, k, xs + r * groups, groups, q, scales, mins, k, a.group, bias,
+                                y + r * ldy, ldy, ncols);
+#endif
+      if constexpr (R <= QV::MR4)
+        tile_i4<O, R>(x + r * k, k, xs + r * groups, groups, q, scales, mins, k, a.group, bias, y + r * ldy, ldy,
+                      ncols);
+    }
+  };
+#if defined(__AVX512BF16__)
+  if (dp) return over_rows<MR_DP>(m, tile);
+#endif
+  over_rows<QV::MR4>(m, tile);
 }
 
 }  // namespace runner_kernels::RW_TIER

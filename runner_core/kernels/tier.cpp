@@ -99,20 +99,18 @@ void quant_linear_as(const QuantArgs& a) {
       xsum[r * groups + g] = s;
     }
   const int64_t block = std::max<int64_t>(24, (1 << 20) / (a.k * 4) / 24 * 24);
-  O* y = static_cast<O*>(a.y);
   parallel_ranges(count, a.threads, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < a.m; r += block)
       for (int64_t p = begin; p < end; ++p) {
         alignas(64) float b[NR] = {0};
         if (a.bias != nullptr) std::copy(a.bias + p * NR, a.bias + std::min(a.n, (p + 1) * NR), b);
-        quant_panel_rows<O>(a, a.x + r * a.k, xsum.data() + r * groups, std::min(block, a.m - r), p,
-                            y + r * a.n + p * NR, b);
+        quant_panel_rows<O>(a, xsum.data(), r, std::min(block, a.m - r), p, b);
       }
   });
 }
 
 void quant_linear(const QuantArgs& a) {
-  if (a.bf16_out)
+  if (a.x_bf16 != nullptr)
     quant_linear_as<uint16_t>(a);
   else
     quant_linear_as<float>(a);

@@ -36,12 +36,12 @@ struct AttentionArgs {
 // column's k pair, low nibble the even k) with scales and mins [P, k / group, 16]; P = ceil(n / 16)
 struct QuantArgs {
   const float* x;       // [m, k]
+  const uint16_t* x_bf16;  // the same x in bfloat16 when the caller's x was (else null)
   const void* qpanels;  // int8_t (int8) or uint8_t (int4)
   const float* scales;
   const float* mins;    // int4 only
   const float* bias;    // n floats or null
-  void* y;              // [m, n] float32, or bfloat16 (raw 16 bits) when bf16_out
-  bool bf16_out;
+  void* y;              // [m, n]: bfloat16 (raw 16 bits) when x_bf16 is given, else float32
   int64_t m, k, n, group;  // group 0: int8
   int threads;
 };
