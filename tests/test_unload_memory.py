@@ -1,6 +1,6 @@
 """Unload means unloaded: after `session.unload()` / `runner.shutdown()` the process's resident memory
-returns to near where it was before the load (within a fifth of what the load took: the C heap's
-arenas keep some freed pages), and load -> unload x20 does not grow.
+returns to near where it was before the load (within half the weights: the C heap's arenas keep
+some freed pages), and load -> unload x20 does not grow.
 
 Each measurement runs in a fresh process: in the test process, earlier tests' heap fragments would
 blur a figure of a few MiB.
@@ -45,13 +45,13 @@ def measure(body: str) -> dict:
 
 
 def test_session_unload_returns_the_memory(tiny_llama_path):
-    # small-llama's 120 MiB of weights are many mid-sized tensors (its panel copies have pages of their
-    # own): the C heap keeps their pages unless it is trimmed (without release_freed_memory this
-    # measures ~40 MiB more left behind per cycle). Even trimmed, the malloc arena of the engine's
-    # thread keeps 1-40 MiB of a step's freed activations after a cycle (its top cannot shrink past a
-    # live chunk; ~1 MiB with MALLOC_ARENA_MAX=1), so the bound is on the median of three cycles, a
-    # fifth of what a load takes. A model held after unload would keep its weights and panels in every
-    # cycle, over twice the per-cycle bound here; growth over many cycles is the next test's.
+    # small-llama's 120 MiB of weights are many mid-sized tensors: the C heap keeps their pages unless
+    # it is trimmed (without release_freed_memory this measures ~40 MiB more left behind per cycle).
+    # Even trimmed, the malloc arena of the engine's thread keeps 1-40 MiB of a step's freed
+    # activations after a cycle (its top cannot shrink past a live chunk; ~1 MiB with MALLOC_ARENA_MAX=1),
+    # so the bound is on the median of three cycles, half the weights (measured: 29-33 MiB left). A
+    # model held after unload would keep its weights in every cycle, twice the bound here; growth over
+    # many cycles is the next test's. (The KV pool's pages are resident only where written.)
     f = measure("""
         s = Session()
         load(s, "tiny-llama", 64)  # first-use costs (imports, kernels, caches) are paid here
@@ -66,8 +66,8 @@ def test_session_unload_returns_the_memory(tiny_llama_path):
         print(json.dumps({"loaded": loaded, "weights": weights, "after": after}))
         s.close()
     """)
-    assert min(f["loaded"]) > 2 * f["weights"]  # the weights, their panels and the pool were resident
-    assert sorted(f["after"])[1] < min(f["loaded"]) / 5
+    assert min(f["loaded"]) > f["weights"]  # the weights were resident
+    assert sorted(f["after"])[1] < f["weights"] / 2
     assert max(f["after"]) < f["weights"]
 
 
