@@ -204,17 +204,18 @@ def test_plan_says_why_there_are_none(eager, monkeypatch):
     assert sizes == [] and "over half the available memory" in why
 
 
-def test_no_programs_over_weights_stored_once(tiny_llama_path):
-    """With the kernels on, each linear weight is held once, as panels: no MKL copy is made for programs."""
+def test_programs_over_weights_stored_once_take_no_copy(tiny_llama_path, eager):
+    """With the kernels on, each linear weight is held once, as panels: the programs multiply those (no MKL
+    copy is made) and give eager's tokens."""
     runner = ModelRunner({"model": str(tiny_llama_path), **COMPILED, "max_model_len": 256}).load_model()
     try:
-        reason = runner.compile_stats()["decode_programs"]["reason"]
-        assert runner.engine.worker.forward_pass.decode_programs is None and "stored once" in reason
+        programs = runner.engine.worker.forward_pass.decode_programs
+        assert programs.sizes == [1, 4] and programs.kind.endswith("stored weights")
         assert runner.memory_stats()["decode_programs_bytes"] == 0
         assert not any(n.endswith("packed_weight") for n, _ in runner.engine.worker.model.named_buffers())
+        assert _run(runner, _prompts()[:3])[0] == _run(eager, _prompts()[:3])[0] and programs.runs[4] >= 11
     finally:
         runner.shutdown()
-    assert dp.default_sizes("cuda", 40) == [1, 2, 4, 8, 16, 32]
 
 
 def test_bad_compile_sizes_are_refused(tiny_llama_path):

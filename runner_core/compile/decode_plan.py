@@ -15,7 +15,7 @@ from torch import nn
 from runner_core.compile.compile_optimizer import WARM_START_ENV, CompileOptimizer, CompileSettings
 from runner_core.compile.decode_programs import CUDAGraphDecodePrograms, DecodePrograms, PackedDecodePrograms
 from runner_core.config import CUDA_GRAPH_MODES
-from runner_core.layers.linear import LinearBase, packed_weight_bytes
+from runner_core.layers.linear import packed_weight_bytes
 from runner_core.memory import MemoryManager, ModelShape, available_memory_bytes, estimate_activation_peak
 
 logger = logging.getLogger("runner_core")
@@ -87,11 +87,10 @@ def plan_sizes(configured: list[int] | None, model: nn.Module, dtype: torch.dtyp
     are `cuda_capture_plan`'s."""
     if route != "aoti":
         return [], f"the {route!r} route: CPU decode programs are AOTInductor packages"
-    if not torch.backends.mkl.is_available() or dtype != torch.float32:
-        return [], "MKL's packed GEMM needs float32 weights and a torch built with MKL"
-    if not any("weight" in m._parameters for m in model.modules() if isinstance(m, LinearBase)):
-        return [], ("the linear weights are stored once, as the kernels' panels or quantized: MKL's packed "
-                    "programs would need a second copy of each")
+    if dtype != torch.float32:
+        return [], "CPU decode programs are built for float32 runners"
+    if packed_weight_bytes(model) and not torch.backends.mkl.is_available():
+        return [], "row-major linear weights need MKL's packed GEMM, which this torch is built without"
     usable = _usable_sizes(configured, "cpu", max_num_seqs)
     if configured is not None and len(usable) < len(configured):
         logger.info("compile_sizes above max_num_seqs=%d are never used: %s", max_num_seqs,

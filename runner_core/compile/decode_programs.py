@@ -99,16 +99,18 @@ class DecodePrograms:
 
 
 class PackedDecodePrograms(DecodePrograms):
-    """CPU: one AOTInductor package per size, exported for exactly that many tokens with every
-    linear layer on MKL's packed GEMM (its prepacked weights are inputs made at load). One packed
-    copy is made, for the smallest size: MKL runs any other row count on the plain weight (same
-    results, no gain), so further sizes only save the general program's dynamic-shape overhead."""
-
-    kind = "AOTInductor, static size, MKL-prepacked weights"
+    """CPU: one AOTInductor package per size, exported for exactly that many tokens. Linear weights stored
+    as the kernels' panels (or quantized) are multiplied as they are; row-major ones (the kernels off) go
+    through MKL's packed GEMM (their prepacked copies are inputs made at load). One packed copy is made,
+    for the smallest size: MKL runs any other row count on the plain weight (same results, no gain), so
+    further sizes only save the general program's dynamic-shape overhead."""
 
     def __init__(self, model: nn.Module, sizes: list[int], optimizer):
         super().__init__(model, sizes)
+        # an MKL copy of the linear weights that stay row-major (the kernels off); stored ones are multiplied as
+        # they are (weight_storage.py: no second copy)
         self.memory_bytes = pack_linear_weights(model, sizes[0])
+        self.kind = "AOTInductor, static size, " + ("MKL-prepacked weights" if self.memory_bytes else "stored weights")
         self.calls, self.cache = {}, {}
         for size in sizes:
             program = AOTIProgram(optimizer, size)

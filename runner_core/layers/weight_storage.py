@@ -86,10 +86,17 @@ def plan_storage(model: nn.Module, dtype: torch.dtype, panels: bool, fmt: QuantF
 def finish_storage(model: nn.Module) -> None:
     """Store what streaming did not (a head tied to the embedding is loaded through the embedding), and
     point an embedding whose weight a stored head took at that head's one copy."""
+    readers = {}  # the modules holding each parameter that a layer multiplies
+    for module in model.modules():
+        if module._parameters.get("weight") is not None:
+            readers.setdefault(id(module._parameters["weight"]), []).append(module)
     stored = {}
     for module in model.modules():
         if getattr(module, "uses_panels", False) and "weight" in module._parameters:
             param = module._parameters["weight"]
+            others = [m for m in readers[id(param)] if m is not module]
+            if any(not hasattr(m, "rows_from") for m in others):
+                continue  # tied to a module that reads the weight itself (transformers' nn.Embedding): kept as is
             store_weight(module)
             if "weight" not in module._parameters:
                 stored[id(param)] = module
