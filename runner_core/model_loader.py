@@ -16,31 +16,30 @@ import re
 import time
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from runner_core.checkpoint_writer import checkpoint_quantization, quantized_checkpoint_tensors
-from runner_core.config import RunnerConfig
+from runner_core.config import RunnerConfig, resolve_max_model_len
 from runner_core.errors import ModelLoadError
 from runner_core.layers.quantization import QuantFormat
+from runner_core.layers.rotary import rotary_positions
 from runner_core.layers.weight_storage import finish_storage, num_weights, panels_apply, plan_storage, stored_bytes
+from runner_core.memory.release import release_freed_memory
 from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
 from runner_core.models.registry import MODEL_ATTRIBUTES, ModelAdapter
-from runner_core.progress import progress
 from runner_core.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
+from runner_core.weight_utils import SafetensorsWeights
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 logger = logging.getLogger("runner_core")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 @dataclass(slots=True)
@@ -97,6 +96,7 @@ class ModelLoader:
         try:
             bytes_read = self._load_weights(model, path, saved)
             finish_storage(model)
+            release_freed_memory()  # the float32 staging and the quantizer's temporaries, back to the system
         except BaseException as exc:
             # a notebook keeps the last traceback: its frames must not hold the half-loaded model
             del model
@@ -111,10 +111,15 @@ class ModelLoader:
                            processor=processor)
 
     def _build(self, cls: type, hf_config) -> nn.Module:
+        cfg = self.config
+        limit = hf_config.get_text_config().max_position_embeddings
+        # the rotary table covers the positions a step can reach: max_model_len, or a profile batch's tokens
+        reach = max(resolve_max_model_len(cfg.max_model_len, limit), cfg.effective_max_num_batched_tokens)
+        positions = min(limit, reach)
         previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.config.torch_dtype)
+        torch.set_default_dtype(cfg.torch_dtype)
         try:
-            with torch.device(self.config.torch_device):
+            with torch.device(cfg.torch_device), rotary_positions(positions):
                 model = cls(hf_config)
         except ValueError as exc:  # e.g. heads not divisible by the tensor parallel size
             raise ModelLoadError(
@@ -185,152 +190,6 @@ def quantization_info(model: nn.Module, fmt: QuantFormat | None, lm_head: bool, 
 
 def _nbytes(tensors: Iterator[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)  # parameters()/buffers() yield shared ones once
-
-
-class SafetensorsWeights:
-    """(hf_name, tensor) pairs from a directory's safetensors files, one tensor at a time.
-
-    With `lazy`, the tensors are `LazyWeight`s read on use (only the slice a weight loader
-    narrows to). `current` is (file, name, shape) of the last tensor handed out, for error
-    messages; `bytes_read` counts what was read.
-    """
-
-    def __init__(self, path: Path, lazy: bool = False) -> None:
-        self.files = safetensors_files(path)
-        self.lazy = lazy
-        self.current: tuple[Path, str, tuple[int, ...]] | None = None
-        self.bytes_read = 0
-
-    def num_tensors(self) -> int:
-        """Tensors in the checkpoint (read from the files' headers)."""
-        total = 0
-        for file in self.files:
-            with _guard(file), safe_open(file, framework="pt", device="cpu") as handle:
-                total += len(handle.keys())
-        return total
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        files = f"{len(self.files)} file{'s' * (len(self.files) != 1)}"
-        with progress(desc=f"Loading weights ({files})", total=self.num_tensors(), unit="tensor", leave=False) as bar:
-            yield from self._tensors(bar)
-
-    def _tensors(self, bar) -> Iterator[tuple[str, torch.Tensor]]:
-        for file in self.files:
-            with _guard(file):
-                handle = safe_open(file, framework="pt", device="cpu")
-            with handle:
-                for name in handle.keys():
-                    if self.lazy:
-                        with _guard(file):
-                            part = handle.get_slice(name)
-                        tensor = LazyWeight(part, file, self)
-                    else:
-                        with _guard(file):
-                            tensor = handle.get_tensor(name)
-                        self.bytes_read += tensor.numel() * tensor.element_size()
-                    self.current = (file, name, tuple(tensor.shape))
-                    yield name, tensor
-                    bar.update(1)
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
-
-
-class LazyWeight:
-    """A checkpoint tensor not read yet. `narrow(dim, start, length)` (what the tensor-parallel
-    weight loaders call) selects a slice without reading; `to(dtype)` records the target dtype;
-    any torch operation on it (e.g. `param.copy_(w)`) reads the selected slice then, through
-    the `__torch_function__` protocol. So each rank reads only its shard from the file."""
-
-    __slots__ = ("_part", "_file", "_owner", "_index", "shape", "_dtype")
-
-    def __init__(self, part, file: Path, owner: SafetensorsWeights, index: tuple[slice, ...] | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        self._part, self._file, self._owner = part, file, owner
-        full = part.get_shape()
-        self._index = index if index is not None else tuple(slice(0, n) for n in full)
-        self.shape = torch.Size(s.stop - s.start for s in self._index)
-        self._dtype = dtype
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype or _SAFETENSORS_DTYPES.get(self._part.get_dtype(), torch.float32)
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def size(self, dim: int | None = None):
-        return self.shape if dim is None else self.shape[dim]
-
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    def narrow(self, dim: int, start: int, length: int) -> LazyWeight:
-        dim = dim % self.dim()
-        if start < 0 or length < 0 or start + length > self.shape[dim]:
-            raise ValueError(f"narrow({dim}, {start}, {length}) is outside a tensor of shape {tuple(self.shape)}")
-        base = self._index[dim].start
-        index = self._index[:dim] + (slice(base + start, base + start + length),) + self._index[dim + 1:]
-        return LazyWeight(self._part, self._file, self._owner, index, self._dtype)
-
-    def to(self, dtype: torch.dtype) -> LazyWeight:
-        return LazyWeight(self._part, self._file, self._owner, self._index, dtype)
-
-    def materialize(self) -> torch.Tensor:
-        with _guard(self._file):
-            tensor = self._part[self._index] if self._index else self._part[:]
-        self._owner.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor if self._dtype is None else tensor.to(self._dtype)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        def real(x):
-            return x.materialize() if isinstance(x, LazyWeight) else x
-        return func(*map(real, args), **{k: real(v) for k, v in (kwargs or {}).items()})
-
-
-@contextmanager
-def _guard(file: Path) -> Iterator[None]:
-    """Turn safetensors' errors on `file` (bad header, short data) into ModelLoadError."""
-    try:
-        yield
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise ModelLoadError(
-            f"safetensors file {file} is corrupt or truncated ({exc}); download or save it again"
-        ) from exc
-
-
-def safetensors_files(path: Path) -> list[Path]:
-    """The checkpoint's safetensors files: the sharded index's, model.safetensors, or any *.safetensors."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
-            raise ModelLoadError(f"{index} is not a valid index (a JSON object with a 'weight_map'): {exc}") from exc
-        files = [path / name for name in names]
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise ModelLoadError(f"shards listed in {index} are missing: {', '.join(absent)}")
-        return files
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"]
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        return files
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
-    if pickles:
-        raise ModelLoadError(
-            f"{path} holds only pickle checkpoints ({', '.join(pickles)}), which are refused for safety "
-            "(unpickling can run arbitrary code). Convert once where you trust the file: "
-            "transformers.AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
-        )
-    raise ModelLoadError(f"no safetensors weights (*.safetensors) in {path}")
 
 
 def resolve_model_path(model: str) -> Path:

@@ -17,7 +17,7 @@ import torch
 from runner_core import RunnerConfig
 from runner_core.compile import aoti_program
 from runner_core.compile.compile_optimizer import CompileOptimizer
-from runner_core.model_loader import SafetensorsWeights
+from runner_core.weight_utils import SafetensorsWeights
 from tests.conftest import REPO
 
 WAIT_S = 60.0  # how long a fake step waits for the bar's refreshes before the test gives up

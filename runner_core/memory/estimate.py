@@ -286,7 +286,8 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
         pool_tokens = a["kv_cache_memory"] // (bpt * bs) * bs
     else:
         pool_tokens = -(-a["max_num_seqs"] * max_len // bs) * bs
-    buffers = [limit * shape.head_dim * 4 if n else 0 for n in layers]  # one cos and sin table per model, float32
+    # one cos and sin table per model, float32, over the positions a step reaches (model_loader.py)
+    buffers = [min(limit, max(max_len, tokens)) * shape.head_dim * 4 if n else 0 for n in layers]
     act = estimate_activation_peak(shape, num_tokens=tokens, num_seqs=a["max_num_seqs"], dtype=dtype,
                                    tensor_parallel_size=tp, context_len=max_len, decode_gather=dev_type == "cuda")
     packed = (packed_bytes(_linear_shapes(shape)) if a["packed_decode_weights"] and tp * pp == 1
