@@ -14,7 +14,8 @@ MKL), so an AVX2 row compares AVX2 code with AVX2 code; the micro-architecture s
              layers and rows: ours (quant_linear over pack's panels, dequantized in registers) beside
              torch's weight-only ops (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) and
              our panels of the dtype, in the same rounds; us per call and GB/s of each one's stored
-             bytes read (the panels: the dtype's), at m = 1 also the share of the bandwidth.
+             bytes read (the panels: the dtype's), at m = 1 also the share of the bandwidth. torch's
+             ops take a scalar path for float32 x (seconds per call at m > 1): there m = 1 only.
   attention  decode (one query per sequence, 8 sequences, block size 16, the blocks shuffled in the
              pool) at a few context lengths: the kernel reading K/V in place against the torch path
              (gather the sequences' K/V, then runner_core.layers.attention._decode); GB/s of K/V read.
@@ -82,21 +83,22 @@ def _ring(make, nbytes: int, llc: int) -> list:
 
 def _rounds(engines: dict, ring_len: int, repeats: int) -> dict:
     """Seconds per call of each engine (name -> fn(i) for copy i) in each round, engines taking turns;
-    each engine goes on through the copies from where its last round stopped."""
-    for fn in engines.values():  # untimed pass: every copy once
+    each engine goes on through the copies from where its last round stopped. An engine's calls per
+    round are sized by its last untimed call (engines may differ a hundredfold)."""
+    calls = {}
+    for name, fn in engines.items():  # untimed pass: every copy once
         for i in range(ring_len):
+            t = time.perf_counter()
             fn(i)
-    t = time.perf_counter()
-    next(iter(engines.values()))(0)
-    calls = int(MIN_ROUND_S / max(time.perf_counter() - t, 1e-6)) + 1
+        calls[name] = int(MIN_ROUND_S / max(time.perf_counter() - t, 1e-6)) + 1
     out: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(repeats):
         order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]
         for name, fn in order:
             t = time.perf_counter()
-            for i in range(r * calls, (r + 1) * calls):
+            for i in range(r * calls[name], (r + 1) * calls[name]):
                 fn(i % ring_len)
-            out[name].append((time.perf_counter() - t) / calls)
+            out[name].append((time.perf_counter() - t) / calls[name])
     return out
 
 
@@ -153,23 +155,22 @@ def _quant_layer(dtype: torch.dtype, k: int, n: int, rows: list[int], repeats: i
                        lambda x, p: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p[0], group, p[1])),
         "panels": (lambda i: pack_panels(w.to(dtype)), lambda x, p: panel_linear(x, p, n, None)),
     }
-    rings, nbytes = {}, {}
-    for name, (make, _) in makers.items():
-        first = make(0)
-        parts = first.values() if isinstance(first, dict) else first if isinstance(first, tuple) else (first,)
-        nbytes[name] = sum(t.nbytes for t in parts)
-        rings[name] = _ring(lambda i, make=make, first=first: first if i == 0 else make(i), nbytes[name], llc)
+    firsts = {name: make(0) for name, (make, _) in makers.items()}
+    nbytes = {name: sum(t.nbytes for t in (f.values() if isinstance(f, dict) else f if isinstance(f, tuple) else (f,)))
+              for name, f in firsts.items()}
+    rings = {name: _ring(lambda i, make=make, f=firsts[name]: f if i == 0 else make(i), nbytes[name], llc)
+             for name, (make, _) in makers.items()}
     out = []
     for m in rows:
         x = torch.randn(m, k, generator=g).to(dtype)
+        # torch's ops in float32 take a scalar path (seconds per call at the LM head past m = 1): m = 1 only
         engines = {name: functools.partial(lambda x, call, ring, i: call(x, ring[i % len(ring)]), x, call, rings[name])
-                   for name, (_, call) in makers.items()}
+                   for name, (_, call) in makers.items()
+                   if not (name.startswith("torch") and dtype == torch.float32 and m > 1)}
         secs = _rounds(engines, max(len(r) for r in rings.values()), repeats)
-        row = {"k": k, "n": n, "m": m, "group": group}
-        for name, t in secs.items():
-            row[name] = {"us": _spread([s * 1e6 for s in t]), "gbps": _spread([nbytes[name] / s / 1e9 for s in t]),
-                         "bytes": nbytes[name]}
-        out.append(row)
+        out.append({"k": k, "n": n, "m": m, "group": group, **{
+            name: {"us": _spread([s * 1e6 for s in t]), "gbps": _spread([nbytes[name] / s / 1e9 for s in t]),
+                   "bytes": nbytes[name]} for name, t in secs.items()}})
     return out
 
 
@@ -285,14 +286,13 @@ def quant_table(cpu: str, tiers: list[dict]) -> None:
         bandwidth = t["bandwidth_gbps"]["sum"]["median"]
         for dtype, rows in t.get("quant", {}).items():
             for r in rows:
-                cells = []
-                for e in QUANT_ENGINES:
-                    gbps = r[e]["gbps"]["median"]
-                    share = f", {gbps / bandwidth:.0%}" if r["m"] == 1 else ""
-                    cells.append(f"{_fmt(r[e]['us'])} ({gbps:.1f} GB/s{share})")
-                speed = [r[f"torch_{f}"]["us"]["median"] / r[f"ours_{f}"]["us"]["median"] for f in ("int8", "int4")]
+                cells = ["not run" if e not in r else f"{_fmt(r[e]['us'])} ({r[e]['gbps']['median']:.1f} GB/s"
+                         + (f", {r[e]['gbps']['median'] / bandwidth:.0%})" if r["m"] == 1 else ")")
+                         for e in QUANT_ENGINES]
+                cells += [f"{r[f'torch_{f}']['us']['median'] / r[f'ours_{f}']['us']['median']:.2f}x"
+                          if f"torch_{f}" in r else "" for f in ("int8", "int4")]
                 print(f"| {cpu} | {t['tier']} ({t['torch_capability']}) | {dtype} | {r['model']} | {r['layer']} "
-                      f"[{r['k']} -> {r['n']}] | {r['m']} | {' | '.join(cells)} | {speed[0]:.2f}x | {speed[1]:.2f}x |")
+                      f"[{r['k']} -> {r['n']}] | {r['m']} | {' | '.join(cells)} |")
 
 
 def print_tables(cpu: str, tiers: list[dict]) -> None:
