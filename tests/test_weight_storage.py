@@ -72,10 +72,10 @@ def test_layers_are_stored_as_the_checkpoint_streams_in(untied, monkeypatch):
     built, others_waiting = [], []
     build, store = ModelLoader._build, weight_storage.store_weight
 
-    def counting_store(module):
+    def counting_store(module, source=None):
         others_waiting.append(sum(1 for m in _stored_layers(built[0]) if m is not module
                                   and "weight" in m._parameters and getattr(m, "shards_loaded", None)))
-        store(module)
+        store(module, source)
 
     monkeypatch.setattr(ModelLoader, "_build", lambda self, *a: built.append(build(self, *a)) or built[-1])
     monkeypatch.setattr("runner_core.layers.linear.store_weight", counting_store)

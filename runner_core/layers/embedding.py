@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner_core.layers.linear import default_weight_loader
-from runner_core.layers.weight_storage import embedding_rows, matmul, store_weight
+from runner_core.layers.weight_storage import direct_source, embedding_rows, matmul, store_weight
 from runner_core.parallel.state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -62,8 +62,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight.weight_loader = self.load_shard
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        self.weight_loader(param, loaded)
-        store_weight(self)
+        source = direct_source(self, param, loaded)
+        if source is None:
+            self.weight_loader(param, loaded)
+        store_weight(self, source)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = tp_all_gather(matmul(self, hidden_states, None))

@@ -26,7 +26,7 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from runner_core.layers.weight_storage import matmul, store_weight
+from runner_core.layers.weight_storage import direct_source, matmul, store_weight
 from runner_core.layers.weight_storage import panel_bytes as one_panel_bytes
 from runner_core.parallel.state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
@@ -127,7 +127,12 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
-        """The weight's loader: this shard in, and the weight stored once its last shard is."""
+        """The weight's loader: this shard in, and the weight stored once its last shard is (a weight of one
+        shard straight from the checkpoint tensor, never copied into the parameter)."""
+        source = direct_source(self, param, loaded) if self.num_shards == 1 else None
+        if source is not None:
+            store_weight(self, source)
+            return
         self.weight_loader(param, loaded, *shard_id)
         self.shards_loaded.add(shard_id)
         if len(self.shards_loaded) == self.num_shards:

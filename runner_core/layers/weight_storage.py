@@ -58,10 +58,20 @@ def plan_storage(model: nn.Module, dtype: torch.dtype, panels: bool, fmt: QuantF
                  quantize_lm_head: bool) -> dict[str, str]:
     """Give every layer that multiplies a weight its `WeightStorage`, before the checkpoint streams in;
     returns the layers kept in the compute dtype under a format, with why. A quantized layer's weight is
-    staged in float32, so it is quantized from the checkpoint's own values (one layer at a time)."""
+    staged in float32, so it is quantized from the checkpoint's own values (one layer at a time). A head
+    tied to the embedding is stored when the embedding's tensor streams in, and the embedding then reads
+    its rows from it; tied to a module that reads the weight itself (transformers' nn.Embedding), it keeps
+    the shared row-major weight."""
+    readers: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        if module._parameters.get("weight") is not None:
+            readers.setdefault(id(module._parameters["weight"]), []).append(module)
     kept = {}
     for name, module in model.named_modules():
         if not getattr(module, "uses_panels", False):
+            continue
+        tied = [m for m in readers[id(module.weight)] if m is not module]
+        if any(not hasattr(m, "rows_from") for m in tied):
             continue
         layer_fmt, why = fmt, None
         if fmt is not None:
@@ -80,31 +90,43 @@ def plan_storage(model: nn.Module, dtype: torch.dtype, panels: bool, fmt: QuantF
             w = module.weight  # the untied LM head is the [vocab, hidden] view of a [hidden, vocab] tensor
             module.weight.data = (torch.empty(w.shape[1], w.shape[0], dtype=torch.float32).t()
                                   if not w.is_contiguous() else torch.empty(w.shape, dtype=torch.float32))
+        if tied and module.storage.kind is not None:
+            module.weight.weight_loader = _TiedLoader(module.weight.weight_loader, module, tied)
     return kept
 
 
+class _TiedLoader:
+    """The shared parameter's loader (the embedding's): the tensor goes straight into the head's stored
+    form, and the embedding reads its rows from there."""
+
+    def __init__(self, load, head: nn.Module, embeddings: list[nn.Module]):
+        self.load, self.head, self.embeddings = load, head, embeddings
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, *shard) -> None:
+        source = direct_source(self.head, param, loaded)
+        if source is None:
+            self.load(param, loaded, *shard)
+        store_weight(self.head, source)
+        for module in self.embeddings:
+            module.rows_from = [self.head]
+            module._parameters.pop("weight", None)
+
+
+def direct_source(module: nn.Module, param: nn.Parameter, loaded) -> torch.Tensor | None:
+    """`loaded` when it is the whole of `module`'s weight (one shard, one process), so the layer can be stored
+    from it without copying it into the parameter first; else None."""
+    storage = getattr(module, "storage", None)
+    if storage is None or storage.kind is None or not isinstance(loaded, torch.Tensor):
+        return None
+    return loaded if tuple(loaded.shape) == tuple(param.shape) else None
+
+
 def finish_storage(model: nn.Module) -> None:
-    """Store what streaming did not (a head tied to the embedding is loaded through the embedding), and
-    point an embedding whose weight a stored head took at that head's one copy."""
-    readers = {}  # the modules holding each parameter that a layer multiplies
+    """Store any layer whose weight streaming left row-major (a safety net: every complete layer is stored
+    as its last shard comes in)."""
     for module in model.modules():
-        if module._parameters.get("weight") is not None:
-            readers.setdefault(id(module._parameters["weight"]), []).append(module)
-    stored = {}
-    for module in model.modules():
-        if getattr(module, "uses_panels", False) and "weight" in module._parameters:
-            param = module._parameters["weight"]
-            others = [m for m in readers[id(param)] if m is not module]
-            if any(not hasattr(m, "rows_from") for m in others):
-                continue  # tied to a module that reads the weight itself (transformers' nn.Embedding): kept as is
+        if "weight" in module._parameters and getattr(module, "storage", None) is not None:
             store_weight(module)
-            if "weight" not in module._parameters:
-                stored[id(param)] = module
-    for module in model.modules():
-        param = module._parameters.get("weight") if not getattr(module, "uses_panels", False) else None
-        if param is not None and id(param) in stored:
-            module.rows_from = [stored[id(param)]]
-            del module._parameters["weight"]
 
 
 def panel_bytes(n: int, k: int, dtype: torch.dtype) -> int:
@@ -130,19 +152,21 @@ def layer_format(fmt: QuantFormat, k: int) -> QuantFormat | None:
     return QuantFormat.of("int4", smaller[0]) if smaller else None
 
 
-def store_weight(module: nn.Module) -> None:
-    """Turn `module`'s complete row-major weight into its stored form and drop the parameter (its bytes
-    are freed at once: the loader's own references to the Parameter object see an empty tensor)."""
+def store_weight(module: nn.Module, source: torch.Tensor | None = None) -> None:
+    """Turn `module`'s complete weight (the row-major parameter, or `source`, the whole checkpoint tensor) into
+    its stored form and drop the parameter (its bytes are freed at once: the loader's own references to the
+    Parameter object see an empty tensor)."""
     storage: WeightStorage | None = getattr(module, "storage", None)
     if storage is None or storage.kind is None or "weight" not in module._parameters:
         return
     param = module._parameters["weight"]
     n, k = param.shape
+    weight = (param if source is None else source).detach()
     with torch.no_grad():
         if storage.fmt is None:
-            module.register_buffer("panel_weight", pack_panels(param.detach().to(storage.dtype)), persistent=False)
+            module.register_buffer("panel_weight", pack_panels(weight.to(storage.dtype)), persistent=False)
         else:
-            tensors = quant.quantize(param.detach(), storage.fmt)
+            tensors = quant.quantize(weight, storage.fmt)
             if storage.panels:
                 tensors = quant.pack(tensors, storage.fmt, n, k)
             for name, tensor in tensors.items():
