@@ -61,6 +61,19 @@ def test_quant_linear_equals_linear_of_the_dequantized_weight(tier, m, fmt, dtyp
     torch.testing.assert_close(got.float(), want, atol=tol * k ** 0.5, rtol=tol)
 
 
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_int8_with_an_odd_k_equals_linear(tier, m, dtype):
+    # int8 takes any k; AVX512-BF16's bfloat16 path takes k in pairs, so an odd k goes the widened way
+    fmt, n, k = QuantFormat.of("int8"), 21, 129
+    tensors = _weight(n, k, fmt)
+    x = torch.randn(m, k).to(dtype)
+    got = quant_linear(x, pack(tensors, fmt, n, k), fmt, n, None)
+    tol = 1e-4 if dtype == torch.float32 else 2 ** -8
+    want = F.linear(x.float(), dequantize(tensors, fmt))
+    torch.testing.assert_close(got.float(), want, atol=tol * k ** 0.5, rtol=tol)
+
+
 @pytest.mark.parametrize("fmt", FORMATS[:2], ids=IDS[:2])
 def test_quant_linear_with_several_threads_equals_one(tier, fmt):
     n, k = 1000, 256
