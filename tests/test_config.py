@@ -44,6 +44,9 @@ DEFAULTS = {
     "encoder_cache_tokens": None,
     "enforce_eager": False,
     "cpu_threads": None,
+    "quantization": None,
+    "quantization_group_size": 64,
+    "quantize_lm_head": False,
     "seed": 0,
 }
 
