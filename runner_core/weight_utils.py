@@ -21,7 +21,7 @@ from runner_core.memory.release import release_freed_memory
 from runner_core.progress import progress
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-WINDOW_BYTES = 256 << 20  # checkpoint bytes read through one mapping of a file
+WINDOW_BYTES = 128 << 20  # checkpoint bytes read through one mapping of a file
 
 
 class SafetensorsWeights:

@@ -64,12 +64,24 @@ class QuantFormat:
         return n * k // 2 + 8 * n * (k // self.group)
 
 
+ROWS_PER_CHUNK = 1024  # rows quantized at a time: the float32 temporaries stay a few MiB whatever the layer
+
+
 def quantize(weight: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
     """Row-major quantized tensors of an [n, k] float weight: {"qweight", "scales"} for int8 (int8 [n, k],
-    float32 [n, 1]); {"qweight", "scales", "mins"} for int4 (uint8 [n, k / 2], float32 [n, k / group] twice)."""
+    float32 [n, 1]); {"qweight", "scales", "mins"} for int4 (uint8 [n, k / 2], float32 [n, k / group] twice).
+    Rows go ROWS_PER_CHUNK at a time (every format's scales are per row), so a large layer's float32
+    temporaries never add up to several copies of it."""
     why = fmt.check(*weight.shape)
     if why is not None:
         raise ValueError(why)
+    parts = [_quantize_rows(weight[i:i + ROWS_PER_CHUNK], fmt) for i in range(0, weight.shape[0], ROWS_PER_CHUNK)]
+    if len(parts) == 1:
+        return parts[0]
+    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+
+
+def _quantize_rows(weight: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
     w = weight.detach().float()
     if fmt.name == "int8":
         scales = w.abs().amax(dim=1, keepdim=True) / INT8_MAX
