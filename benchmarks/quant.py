@@ -16,8 +16,9 @@ LM head quantized too), each in a fresh process of its own (quant_proc.py; quant
   peers     llama.cpp (`make bench-llamacpp-peer`; benchmarks/llamacpp_peer.py) on GGUF files written from
             the same safetensors in F32, Q8_0 and Q4_0: the same memory, quality and batch-1 figures
 Timed figures: every process loaded, then `--repeats` rounds (>= 3) in which each takes its turn (A B C ...
-A B C ...); the median and range. A model whose float32 weights exceed 2 GB runs one format at a time
-(its rounds while it alone is alive) unless `--interleave`. Then the perplexity of the trained tiny-speaker
+A B C ...); the median and range. A model whose float32 weights exceed 1 GiB (qwen2.5-0.5b, llama-3.2-1b) runs
+one format at a time (its rounds while it alone is alive: eight of them at 2-3 GiB each do not fit beside
+llama.cpp in 24 GiB) unless `--interleave`. Then the perplexity of the trained tiny-speaker
 per format on held-out prose (runner_core.quality: the standard library's test folders, which its corpus
 leaves out). Every figure names the CPU and kernel tier; targets (issue 23) are reported, never enforced;
 the last stdout line is one JSON object.
@@ -47,7 +48,7 @@ except ImportError:  # run as `python -m benchmarks.quant`
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("small-llama", "qwen2.5-0.5b", "llama-3.2-1b")
-ONE_AT_A_TIME_BYTES = 2 << 30
+ONE_AT_A_TIME_BYTES = 1 << 30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
