@@ -164,3 +164,16 @@ def test_int4_layers_take_the_largest_group_that_divides_k():
     assert weight_storage.layer_format(QuantFormat.of("int4", 64), 896) == QuantFormat.of("int4", 64)
     assert weight_storage.layer_format(QuantFormat.of("int4", 32), 100) is None
     assert weight_storage.layer_format(QuantFormat.of("int8"), 100) == QuantFormat.of("int8")
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_moe_routers_keep_the_compute_dtype_and_the_estimate_follows(preset):
+    from runner_core import estimate_memory
+
+    runner = _runner(preset, quantization="int8", max_model_len=256)
+    info = runner.model_info()["quantization"]
+    routers = [name for name in info["kept_layers"] if name.endswith(("mlp.gate", "shared_expert_gate"))]
+    assert routers and all(info["kept_layers"][name].startswith("an MoE router") for name in routers)
+    est = estimate_memory(preset, dtype="float32", quantization="int8", max_model_len=256)
+    assert est.weights_bytes == runner.memory_stats()["weights_bytes"]
+    runner.shutdown()

@@ -331,9 +331,22 @@ def _linear_bytes_over_dense(shape: ModelShape, tp: int, layers: range, last: bo
         return weight_bytes(n, k, dtype, fmt and layer_format(fmt, k), panels) - n * k * dtype.itemsize
 
     total = sum(count * extra(n, k, fmt) for (n, k), count in _linear_shapes(shape, tp, layers).items())
+    # the MoE routers keep the compute dtype (models/moe.py)
+    total -= sum(count * (extra(n, k, fmt) - extra(n, k, None)) for (n, k), count in _routers(shape, layers).items())
     if last:
         total += extra(-(-shape.vocab_size // tp), shape.hidden_size, fmt if a["quantize_lm_head"] else None)
     return total
+
+
+def _routers(shape: ModelShape, layers: range) -> Counter:
+    """[out, in] shapes (with counts) of the MoE routers in `layers`: each sparse layer's router and the
+    shared expert's gate (replicated on every device)."""
+    moe = shape.moe
+    if moe is None or not moe.sparse_layers:
+        return Counter()
+    sparse = len(set(moe.sparse_layers) & set(layers))
+    return Counter({(moe.num_experts, shape.hidden_size): sparse,
+                    **({(1, shape.hidden_size): sparse} if moe.shared_expert_intermediate_size else {})})
 
 
 def _linear_shapes(shape: ModelShape, tp: int = 1, layers: range | None = None) -> Counter:

@@ -47,6 +47,11 @@ class SharedExpert(nn.Module):
         return self.down_proj.matmul(self.act_fn(self.gate_up_proj(x)), None)
 
 
+# why the routers stay in the compute dtype under int8/int4 (weight_storage.plan_storage): a near tie between two
+# experts' scores turns on a rounding, and they are a sliver of the weights
+ROUTER_KEEPS_DTYPE = "an MoE router (its scores pick the experts)"
+
+
 class SparseMoeBlock(nn.Module):
     """Router, experts and optional sigmoid-gated shared expert over the flat batch [N, H]."""
 
@@ -54,10 +59,12 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.gate = LinearBase(h, spec.num_experts, bias=False)  # the router, replicated on every rank
+        self.gate.keep_dtype = ROUTER_KEEPS_DTYPE
         self.experts = FusedMoE(spec.num_experts, spec.top_k, h, spec.intermediate_size, spec.renormalize)
         if spec.shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(h, spec.shared_expert_intermediate_size)
             self.shared_expert_gate = LinearBase(h, 1, bias=False)
+            self.shared_expert_gate.keep_dtype = ROUTER_KEEPS_DTYPE
         else:
             self.shared_expert = self.shared_expert_gate = None
 
