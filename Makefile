@@ -117,7 +117,7 @@ $(PEERS)/.installed:
 	touch $@
 
 # llama.cpp (llama-cpp-python, an sdist: pip compiles llama.cpp with cmake, CPU only, a release build for this
-# CPU, ~12 minutes on 2 cores) and gguf-py in their own venv; benchmarks/llamacpp_peer.py writes GGUF files
+# CPU; 30 minutes on 2 busy cores on 2026-12-02) and gguf-py in their own venv; benchmarks/llamacpp_peer.py writes GGUF files
 # (F32, BF16, Q8_0, Q4_0) from a preset's safetensors and times batch-1 decode there
 bench-llamacpp-peer: $(LLAMACPP)/.installed
 

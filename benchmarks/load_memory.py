@@ -16,7 +16,7 @@ once config.json is read: Python, torch, transformers); the tokenizer; heap that
 back (allocator slack); the rest. With --tracemalloc the Python heap's largest allocation sites after
 load are listed too (the load runs slower).
 
-Target (issue 23; reported, never enforced): resident after load <= 1.1 x the stored weight bytes + the
+Target (reported, never enforced): resident after load <= 1.1 x the stored weight bytes + the
 KV pool + 300 MiB; peak during the load <= 1.25 x the resident after it. The stored weight bytes are
 memory_stats' weights_bytes (a second copy, the panels, counts against the target). "With the pool
 full" adds the pool's pages not written yet.

@@ -20,7 +20,7 @@ A B C ...); the median and range. A model whose float32 weights exceed 1 GiB (qw
 one format at a time (its rounds while it alone is alive: eight of them at 2-3 GiB each do not fit beside
 llama.cpp in 24 GiB) unless `--interleave`. Then the perplexity of the trained tiny-speaker
 per format on held-out prose (runner_core.quality: the standard library's test folders, which its corpus
-leaves out). Every figure names the CPU and kernel tier; targets (issue 23) are reported, never enforced;
+leaves out). Every figure names the CPU and kernel tier; the targets set for the formats are reported, never enforced;
 the last stdout line is one JSON object.
 
 Run:  make bench-quant   or   .venv/bin/python benchmarks/quant.py [--model small-llama] [--quick]

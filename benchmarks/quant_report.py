@@ -1,4 +1,4 @@
-"""benchmarks/quant.py's tables and the issue-23 targets, from the figures its processes returned.
+"""benchmarks/quant.py's tables and the targets set for the weight formats, from the figures its processes returned.
 
 `report(results)` prints one table per model (a row per format and llama.cpp file type), the tiny-speaker
 perplexity table and each target's verdict (met, or missed by how much), every line naming the CPU and
@@ -125,7 +125,7 @@ def report(results: dict) -> dict:
             print(f"  {name:<16}{p['perplexity']:>9.3f}")
     summary["perplexity"] = ppl
     summary["targets"] += perplexity_targets(ppl)
-    print(f"\ntargets (issue 23; {tag}):")
+    print(f"\ntargets ({tag}):")
     for line in summary["targets"]:
         print(f"  {line}")
     for name, why in results.get("errors", {}).items():
