@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from runner_core.layers.weight_storage import direct_source, matmul, store_weight
-from runner_core.layers.weight_storage import panel_bytes as one_panel_bytes
 from runner_core.parallel.state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -102,11 +101,6 @@ def unpack_linear_weights(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, LinearBase) and "packed_weight" in m._buffers:
             del m._buffers["packed_weight"]
-
-
-def panel_bytes(shapes: Counter, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of the panels of weights of these [out, in] shapes (with counts) in `dtype`."""
-    return sum(count * one_panel_bytes(n, k, dtype) for (n, k), count in shapes.items())
 
 
 class LinearBase(nn.Module):
