@@ -44,7 +44,8 @@ def check_compile_tuning(nb) -> None:
     text = _stream_text(nb)
     assert "greedy tokens equal: True" in text and "recompiles after warm-up: 0" in text
     predicted, measured = re.search(r"predicted ([\d.]+) MiB, measured ([\d.]+) MiB", text).groups()
-    assert predicted == measured and float(measured) > 0
+    # the programs multiply the weights stored once: nothing extra, predicted and measured
+    assert predicted == measured == "0.0" and "decode program sizes: [1]" in text
     assert "aoti.pt2" in text and "decode-1.pt2" in text  # the packages in the cache folder
 
 

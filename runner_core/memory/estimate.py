@@ -290,8 +290,9 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
     buffers = [min(limit, max(max_len, tokens)) * shape.head_dim * 4 if n else 0 for n in layers]
     act = estimate_activation_peak(shape, num_tokens=tokens, num_seqs=a["max_num_seqs"], dtype=dtype,
                                    tensor_parallel_size=tp, context_len=max_len, decode_gather=dev_type == "cuda")
+    # MKL's copies for the CPU decode programs, only where the linear weights stay row-major (no panels)
     packed = (packed_bytes(_linear_shapes(shape)) if a["packed_decode_weights"] and tp * pp == 1
-              and dtype == "float32" and a["quantization"] is None else 0)
+              and dtype == "float32" and a["quantization"] is None and not panels else 0)
     encoder = (a["encoder_cache_tokens"] if a["encoder_cache_tokens"] is not None else tokens) * shape.hidden_size * b
     totals = [w + pool_tokens * k + act + buf + packed + encoder
               for w, k, buf in zip(weights, per_token, buffers)]
