@@ -29,11 +29,11 @@ from runner_core.errors import ModelLoadError
 from runner_core.layers.quantization import QuantFormat
 from runner_core.layers.rotary import rotary_positions
 from runner_core.layers.weight_storage import finish_storage, num_weights, panels_apply, plan_storage, stored_bytes
-from runner_core.memory.release import release_freed_memory
+from runner_core.memory.release import trim_heap
 from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
 from runner_core.models.registry import MODEL_ATTRIBUTES, ModelAdapter
 from runner_core.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
-from runner_core.weight_utils import SafetensorsWeights
+from runner_core.weight_utils import WINDOW_BYTES, SafetensorsWeights
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -96,7 +96,8 @@ class ModelLoader:
         try:
             bytes_read = self._load_weights(model, path, saved)
             finish_storage(model)
-            release_freed_memory()  # the float32 staging and the quantizer's temporaries, back to the system
+            if bytes_read >= WINDOW_BYTES:  # the staging and the quantizer's temporaries, back to the system
+                trim_heap()
         except BaseException as exc:
             # a notebook keeps the last traceback: its frames must not hold the half-loaded model
             del model

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from runner_core.errors import ModelLoadError
-from runner_core.memory.release import release_freed_memory
+from runner_core.memory.release import trim_heap
 from runner_core.progress import progress
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -67,7 +67,7 @@ class SafetensorsWeights:
         with handle:
             for i, name in enumerate(names):
                 if read >= WINDOW_BYTES and not self.lazy:
-                    release_freed_memory()  # the staging freed so far, before the next window maps
+                    trim_heap()  # the staging freed so far, before the next window maps
                     return names[i:]
                 if self.lazy:
                     with _guard(file):

@@ -33,6 +33,11 @@ def release_freed_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Return the C heap's free pages to the system (what a load's freed staging leaves); no collection."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
