@@ -244,6 +244,32 @@ class Session:
                                    seed=seed)
         return [self.submit(r.prompt, model=model, **r.sampling()) for r in requests]
 
+    def run_load(self, workload=None, *, target=None, model: str | None = None):
+        """Run a tuning workload (runner_core.tuning.Workload: arrivals x lengths x sampling) against a loaded
+        model, blocking the caller (not the engine): a RunResult with one record per request (TTFT, TPOT,
+        inter-token latencies, end to end) and the run's summary (percentiles, throughput, goodput)."""
+        from workbench.tuning import run_load
+
+        return run_load(self, workload, target=target, model=model)
+
+    def tune(self, space=None, workload=None, *, target=None, model: str | None = None, **options):
+        """Start a sweep of `space` (runner_core.tuning.SweepSpace; None: proposed from the KV capacity) with
+        `workload` under `target` (default: p99 time per output token ≤ 100 ms) on a loaded model, in the
+        background: returns a TuneJob (progress, rows so far, result(), cancel()). Scheduler knobs change live,
+        without reloading weights. `options`: repeats, warmup, results (a .csv/.json path that resumes)."""
+        from workbench.tuning import TuneJob
+
+        return TuneJob.start(self, space, workload, target=target, model=model, **options)
+
+    def serve_api(self, port: int = 0, *, host: str = "127.0.0.1", api_key: str | None = None):
+        """Serve an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions, /health,
+        /metrics) over this session's models from a background thread; the notebook stays free and the
+        dashboards show the served traffic. Loopback by default; any other host needs `api_key`.
+        Returns the ApiServer (.url, .stop())."""
+        from workbench.api import serve_api
+
+        return serve_api(self, port=port, host=host, api_key=api_key)
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every request has finished and queued commands ran; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
