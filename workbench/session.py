@@ -48,6 +48,7 @@ class Session:
         self._thread = EngineThread(advance=self._advance, has_work=self._has_work)
         self._models = LoadedModels(self._thread, self._telemetry)
         self._router = Router(self._thread, self._models, self._telemetry)
+        self._api_servers: list = []  # serve_api's servers, stopped at close()
         self._thread.start()
 
     @classmethod
@@ -268,7 +269,9 @@ class Session:
         Returns the ApiServer (.url, .stop())."""
         from workbench.api import serve_api
 
-        return serve_api(self, port=port, host=host, api_key=api_key)
+        server = serve_api(self, port=port, host=host, api_key=api_key)
+        self._api_servers.append(server)
+        return server
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every request has finished and queued commands ran; False on timeout."""
@@ -291,6 +294,8 @@ class Session:
         """Unload every model and stop the engine thread."""
         if self.closed:
             return
+        for server in self._api_servers:
+            server.stop()
         for name, entry in self.models.items():
             try:
                 if entry.status != "loading":
