@@ -1,10 +1,11 @@
 """Tuning: workloads with arrivals, per-request latency metrics, the load drivers (in process and over
 HTTP) and the sweeps that search the engine's settings under a latency target."""
 
+from runner_core.tuning.driver import run_workload, vocab_and_tokenizer
 from runner_core.tuning.request_metrics import RequestRecord, RunResult, Target, summarize
 from runner_core.tuning.workload import Arrivals, Lengths, Workload, WorkloadRequest, load_dataset
 
 __all__ = [
     "Arrivals", "Lengths", "RequestRecord", "RunResult", "Target", "Workload", "WorkloadRequest", "load_dataset",
-    "summarize",
+    "run_workload", "summarize", "vocab_and_tokenizer",
 ]

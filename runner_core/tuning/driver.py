@@ -1,0 +1,73 @@
+"""The in-process load driver: sends a Workload's requests to a ModelRunner when they are due and
+timestamps every streamed token, on the caller's thread, with the real clock. It is the reference
+definition of a run's RequestRecords; the session and HTTP drivers produce the same records.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from runner_core.errors import InvalidRequestError
+from runner_core.tuning.request_metrics import RequestRecord, RunResult, Target, summarize
+from runner_core.tuning.workload import Workload
+
+
+def vocab_and_tokenizer(runner) -> tuple[int, object | None]:
+    """The loaded model's vocabulary size (bounds synthetic token ids) and its tokenizer (or None)."""
+    engine = runner.engine
+    if engine is None:
+        raise ValueError("the runner has no model loaded; call runner.load_model() before a load run")
+    return engine.vocab_size, getattr(engine, "tokenizer", None)
+
+
+def run_workload(runner, workload: Workload, *, target: Target | None = None) -> RunResult:
+    """Run `workload` on a loaded `runner` and time it: each request is added when due (in
+    "concurrency" mode, or with a concurrency cap, only while fewer than n are in flight), the engine
+    steps while anything is unfinished and sleeps until the next due time otherwise. A request the
+    engine refuses (InvalidRequestError) becomes a failed record and the run goes on. Requests other
+    callers queued on the same engine run alongside and are not recorded. Returns a RunResult with
+    `settings` empty (the caller fills them)."""
+    if not isinstance(workload, Workload):
+        raise ValueError(f"workload must be a Workload, got {type(workload).__name__}")
+    vocab_size, tokenizer = vocab_and_tokenizer(runner)
+    pending = deque(workload.requests(vocab_size, tokenizer))
+    limit = workload.arrivals.concurrency
+    records: list[RequestRecord] = []
+    inflight: dict[str, RequestRecord] = {}
+    start = time.perf_counter()
+    try:
+        while pending or inflight:
+            now = time.perf_counter()
+            while pending and start + pending[0].arrival_s <= now and (limit is None or len(inflight) < limit):
+                req = pending.popleft()
+                record = RequestRecord(req.index, time.perf_counter(),
+                                       len(req.prompt) if isinstance(req.prompt, list) else 0)
+                records.append(record)
+                try:
+                    inflight[runner.add_request(req.prompt, req.sampling_params(), stream=True)] = record
+                except InvalidRequestError as e:
+                    record.error, record.end = str(e), time.perf_counter()
+            if inflight:
+                if not runner.has_unfinished_requests():
+                    raise RuntimeError(f"engine went idle with {len(inflight)} requests of the run unanswered")
+                outputs = runner.step()
+                now = time.perf_counter()
+                for out in outputs:
+                    record = inflight.get(out.request_id)
+                    if record is None:
+                        continue
+                    record.token_times.extend([now] * len(out.delta_token_ids))
+                    if out.finished:
+                        del inflight[out.request_id]
+                        record.end = now
+                        record.prompt_tokens = len(out.prompt_token_ids) or record.prompt_tokens
+                        if out.finish_reason in ("error", "abort"):
+                            record.error = out.error or f"request ended with finish_reason {out.finish_reason!r}"
+            elif pending:
+                time.sleep(max(0.0, start + pending[0].arrival_s - time.perf_counter()))
+    finally:
+        for rid in inflight:
+            runner.abort_request(rid)
+    duration = time.perf_counter() - start
+    return RunResult(records, summarize(records, duration, target), workload, {})
