@@ -1,0 +1,93 @@
+"""The API's request bodies and response objects, with OpenAI's field names (and vLLM's extensions
+`top_k` and `ignore_eos`). Pydantic checks types and ranges, so a bad field is a 400 naming it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage in every chunk
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints share; unknown fields are ignored, as OpenAI-compatible servers do."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | bool | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+
+    def sampling_fields(self) -> dict:
+        """SamplingParams fields (max_tokens is the endpoint's to decide)."""
+        fields = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed,
+                  "stop": self.stop, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens}
+        if self.top_k is not None:
+            fields["top_k"] = self.top_k
+        return fields
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(_Sampling):
+    # a string, token ids, or a list of one of those (one prompt per request)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls...: handed to the chat template as given
+
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
