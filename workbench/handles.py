@@ -44,8 +44,9 @@ class RequestHandle:
         self.output = None  # the final RequestOutput
         self.exception: BaseException | None = None
         self.submitted = time.perf_counter()
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
+        self.token_times: list[float] = []  # time.perf_counter() at which each output token arrived
+        self.end_time: float | None = None  # when it finished (any finish reason, or failed)
+        self._done_callbacks: list[Callable[[RequestHandle], None]] = []
 
     # ---- written by the engine thread -------------------------------------------------------
     def _push(self, out) -> None:
@@ -53,26 +54,53 @@ class RequestHandle:
         with self._cond:
             if out.delta_token_ids:
                 self.token_ids.extend(out.delta_token_ids)
-                self.first_token_time = self.first_token_time or now
-                self.last_token_time = now
+                self.token_times.extend([now] * len(out.delta_token_ids))  # a chunk's tokens arrive together
             if out.delta_text:
                 self._pieces.append(out.delta_text)
             if out.finished:
                 self.output = out
+                self.end_time = now
                 if out.finish_reason == "error":
                     self.exception = GenerationError(out.error or "the generation failed")
             self._cond.notify_all()
+        if out.finished:
+            self._run_done_callbacks()
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
             if self.output is None and self.exception is None:
                 self.exception = exc
+                self.end_time = time.perf_counter()
             self._cond.notify_all()
+        self._run_done_callbacks()
+
+    def _run_done_callbacks(self) -> None:
+        with self._cond:
+            callbacks, self._done_callbacks = self._done_callbacks, []
+        for fn in callbacks:
+            fn(self)
 
     # ---- read from anywhere -------------------------------------------------------------------
     @property
     def done(self) -> bool:
         return self.output is not None or self.exception is not None
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def last_token_time(self) -> float | None:
+        return self.token_times[-1] if self.token_times else None
+
+    def add_done_callback(self, fn: Callable[[RequestHandle], None]) -> None:
+        """Call `fn(handle)` once the request has finished or failed: at once if it has, else on the engine
+        thread as it finishes (so `fn` must be quick and must not wait on the engine)."""
+        with self._cond:
+            if not self.done:
+                self._done_callbacks.append(fn)
+                return
+        fn(self)
 
     @property
     def text(self) -> str:
