@@ -39,6 +39,10 @@ QUANT_GROUP_SIZES = (32, 64, 128)  # int4: weights along k sharing one scale and
 # how attention reads the KV pool; auto: flex on CUDA, the native kernel on the CPU when built, else gather
 ATTENTION_BACKENDS = ("auto", "flex", "native", "gather")
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# what a loaded runner changes without reloading a weight (ModelRunner.reconfigure), by what the change rebuilds
+RECONFIGURABLE = {"scheduler": ("max_num_seqs", "max_num_batched_tokens"),
+                  "pool": ("block_size", "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching"),
+                  "compile": ("compile", "compile_backend", "compile_mode", "compile_scope", "enforce_eager")}
 
 _DTYPES = {
     "auto": "auto",
@@ -294,9 +298,7 @@ class RunnerConfig:
         elif isinstance(config, Mapping):
             values = dict(config)
         else:
-            raise ConfigError(
-                f"RunnerConfig takes a dict or a RunnerConfig, got {type(config).__name__} {config!r}"
-            )
+            raise ConfigError(f"RunnerConfig takes a dict or a RunnerConfig, got {type(config).__name__} {config!r}")
         values.update(kwargs)
         known = [f.name for f in fields(RunnerConfig)]
         for key in values:
@@ -332,8 +334,7 @@ class RunnerConfig:
         self.gpu_memory_utilization = _check_memory_fraction(self.gpu_memory_utilization)
         self.max_model_len = _check_int("max_model_len", self.max_model_len, 1, optional=True)
         self.max_num_seqs = _check_int("max_num_seqs", self.max_num_seqs, 1)
-        self.max_num_batched_tokens = _check_int(
-            "max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        self.max_num_batched_tokens = _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, True)
         self.block_size = _check_choice("block_size", self.block_size, BLOCK_SIZES)
         self.attention_backend = _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         self.kv_cache_memory = _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
@@ -358,9 +359,7 @@ class RunnerConfig:
         return cls(config)
 
     @classmethod
-    def coerce(
-        cls, obj: RunnerConfig | Mapping[str, Any] | None = None, **overrides: Any
-    ) -> RunnerConfig:
+    def coerce(cls, obj: RunnerConfig | Mapping[str, Any] | None = None, **overrides: Any) -> RunnerConfig:
         """A new validated config from a RunnerConfig, a dict or None, with `overrides` applied."""
         return cls(obj, **overrides)
 

@@ -288,6 +288,19 @@ class ModelRunner:
         """Switch compilation on a loaded runner (no weight reload); returns compile_stats()."""
         return self._engine().set_compile_mode(compile, backend=backend, mode=mode, scope=scope)
 
+    def reconfigure(self, **fields) -> dict:
+        """Change settings of the loaded runner without reloading a weight (a tuning sweep's step).
+        Live: max_num_seqs, max_num_batched_tokens ("scheduler"); block_size, kv_cache_memory,
+        gpu_memory_utilization, enable_prefix_caching rebuild the KV pool only ("pool": the prefix
+        cache's contents are dropped); compile, compile_backend, compile_mode, compile_scope,
+        enforce_eager switch the compile mode ("compile"). Other fields need a reload (ConfigError
+        saying so); bad values raise ConfigError naming the field; EngineBusyError while requests run.
+        Returns {"changed": {field: [old, new]}, "rebuilt": "none"|"scheduler"|"pool"|"compile",
+        "seconds", "kv_tokens" (the pool's capacity after), "prefix_cache_dropped"}."""
+        result = self._engine().reconfigure(**fields)
+        self.config = self.engine.config
+        return result
+
     def compile_stats(self) -> dict:
         return self._engine().compile_stats()
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from runner_core.config import RunnerConfig
+from runner_core.config import RECONFIGURABLE, RunnerConfig
 from runner_core.engine.forward_pass import StepBatch
 from runner_core.engine.input_processor import InputProcessor
 from runner_core.engine.multimodal import MultiModalItem, MultiModalProcessor
@@ -22,7 +22,7 @@ from runner_core.engine.sequence import RequestOutput, Sequence
 from runner_core.engine.step_metrics import StepObserver, StepTimes
 from runner_core.engine.threads import ThreadTuner
 from runner_core.engine.worker import Executor, LocalExecutor, Worker
-from runner_core.errors import EngineBusyError, InvalidRequestError, WorkerError
+from runner_core.errors import ConfigError, EngineBusyError, InvalidRequestError, WorkerError
 from runner_core.kernels import kernel_info
 from runner_core.layers.sampler import Sampler, SamplingMetadata, nonfinite_rows
 from runner_core.layers.weight_storage import num_weights
@@ -215,6 +215,45 @@ class LLMEngine:
         RunnerConfig.coerce(self.config, **{k: v for k, v in options.items() if v is not None})
         return self.executor.call("set_compile_mode", enabled, backend, mode, scope)
 
+    def reconfigure(self, **fields) -> dict:
+        """Change RECONFIGURABLE fields without reloading a weight, on every rank (`Worker.reconfigure`);
+        refused while requests run. Returns {"changed": {field: [old, new]}, "rebuilt": "none",
+        "scheduler", "pool" or "compile" (the largest part rebuilt), "seconds", "kv_tokens"}; a pool
+        rebuild drops the prefix cache's contents ("prefix_cache_dropped")."""
+        start = time.perf_counter()
+        new, changed, rebuilt = plan_reconfigure(self.config, fields)
+        result = {"changed": changed, "rebuilt": rebuilt, "prefix_cache_dropped": False}
+        if changed:
+            self._check_idle("reconfigure the runner")
+            if "block_size" in changed or "kv_cache_memory" in changed:
+                self._check_pool_fits(new)
+            groups = tuple({group_of(name) for name in changed})
+            done = self.executor.call("reconfigure", new, groups)
+            if done["pool"] and rebuilt == "scheduler":
+                result["rebuilt"] = "pool"  # the new limits plan a larger pool (or, on CUDA, a smaller one)
+            self.config, worker = new, self.worker
+            self.memory = self.scheduler.memory = self.observer.memory = worker.memory
+            self.scheduler.max_num_seqs = new.max_num_seqs
+            self.scheduler.max_num_batched_tokens = new.effective_max_num_batched_tokens
+            if worker.encoder_cache is not None:
+                self.scheduler.encoder_cached = worker.encoder_cache.__contains__
+            if done["pool"]:
+                self.observer.on_pool_resized()
+            result["prefix_cache_dropped"] = done["pool"]
+        return {**result, "seconds": time.perf_counter() - start, "kv_tokens": self.worker.pool_plan.num_tokens}
+
+    def _check_pool_fits(self, config: RunnerConfig) -> None:
+        """Refuse a block size or KV budget whose pool holds less than one max_model_len sequence."""
+        if config.kv_cache_memory is None:
+            return
+        bs, per_token = config.block_size, self.worker.pool_plan.bytes_per_token
+        tokens = config.kv_cache_memory // (bs * per_token) * bs
+        if tokens < self.max_model_len:
+            raise ConfigError(
+                f"config field 'kv_cache_memory' got {config.kv_cache_memory!r}: with block_size={bs} the KV pool "
+                f"holds {tokens} tokens, fewer than one max_model_len={self.max_model_len} sequence needs; allowed: "
+                f"at least {-(-self.max_model_len // bs) * bs * per_token} bytes")
+
     def compile_stats(self) -> dict:
         return self.worker.compile_stats()
 
@@ -266,6 +305,29 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.executor.shutdown()
         self.threads.close()
+
+
+_REBUILDS = ("none", "scheduler", "pool", "compile")  # what a change rebuilds, least to most
+
+
+def group_of(field: str) -> str | None:
+    """The RECONFIGURABLE group of a config field, None for one that needs a reload."""
+    return next((group for group, names in RECONFIGURABLE.items() if field in names), None)
+
+
+def plan_reconfigure(config: RunnerConfig, fields: dict) -> tuple[RunnerConfig, dict, str]:
+    """(the new validated config, the changed fields {name: [old, new]}, what they rebuild) for a live
+    change of `fields`. A field that needs a reload is refused unless its value stays the same."""
+    new = config.replace(**fields)  # unknown fields and bad values: ConfigError naming them
+    changed = {name: [getattr(config, name), getattr(new, name)] for name in fields
+               if getattr(config, name) != getattr(new, name)}
+    reload = [name for name in changed if group_of(name) is None]
+    if reload:
+        given = ", ".join(f"{name!r}: {fields[name]!r}" for name in reload)
+        live = ", ".join(name for names in RECONFIGURABLE.values() for name in names)
+        raise ConfigError(f"config field {reload[0]!r} cannot change on a loaded runner: it needs a reload: "
+                          f"ModelRunner({{..., {given}}}) and load_model() again. Fields that change live: {live}")
+    return new, changed, max((group_of(name) for name in changed), key=_REBUILDS.index, default="none")
 
 
 def _dtype_reason(config: RunnerConfig) -> str:

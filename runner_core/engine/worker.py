@@ -17,6 +17,7 @@ from runner_core import faults
 from runner_core.compile import (
     WARMUP_SIZES,
     CompileOptimizer,
+    PackedDecodePrograms,
     build_decode_programs,
     cuda_capture_plan,
     cuda_graphs_status,
@@ -50,20 +51,29 @@ class Worker:
         text = self.hf_config.get_text_config()  # a multimodal config's text model
         self.vocab_size, self.hidden_size = text.vocab_size, text.hidden_size
         self.max_model_len = resolve_max_model_len(config.max_model_len, text.max_position_embeddings)
-        bs = config.block_size
-        self.forward_pass = ForwardPass(self.model, bs, self.device, max_tokens=config.effective_max_num_batched_tokens,
-                                        max_seqs=config.max_num_seqs, max_blocks_per_seq=-(-self.max_model_len // bs),
-                                        attention_backend=config.attention_backend)
-        self.pool_plan = self._plan_pool(loaded.weight_bytes + loaded.buffer_bytes)
-        self.memory = MemoryManager(self.pool_plan.num_blocks, bs, config.enable_prefix_caching)
-        self.memory.allocate_kv_cache(self.model, self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
-                                      self.dtype, self.device)
-        logger.info(self.pool_plan.describe())
+        self.forward_pass = self._make_forward_pass()
+        self.model_bytes = loaded.weight_bytes + loaded.buffer_bytes
+        self._allocate_pool(self._plan_pool(self.model_bytes))
         multimodal = loaded.adapter.kind == "multimodal"
         self.encoder_cache = EncoderCache(config.effective_encoder_cache_tokens) if multimodal else None
         self.compiler: CompileOptimizer | None = None
         if config.compile and not config.enforce_eager:
             self.set_compile_mode(True)
+
+    def _make_forward_pass(self) -> ForwardPass:
+        """A forward pass whose input buffers hold a step at this config's limits."""
+        config, bs = self.config, self.config.block_size
+        return ForwardPass(self.model, bs, self.device, max_tokens=config.effective_max_num_batched_tokens,
+                           max_seqs=config.max_num_seqs, max_blocks_per_seq=-(-self.max_model_len // bs),
+                           attention_backend=config.attention_backend)
+
+    def _allocate_pool(self, plan: PoolPlan) -> None:
+        """A MemoryManager with the planned pool, bound to the model's attention layers."""
+        self.pool_plan, model = plan, self.model
+        self.memory = MemoryManager(plan.num_blocks, plan.block_size, self.config.enable_prefix_caching)
+        self.memory.allocate_kv_cache(model, model.num_layers, model.num_kv_heads, model.head_dim, self.dtype,
+                                      self.device)
+        logger.info(plan.describe())
 
     def _plan_pool(self, model_bytes: int) -> PoolPlan:
         """The KV pool for what is left (sizing.py); every rank gets the smallest block count any rank
@@ -165,6 +175,53 @@ class Worker:
             optimizer.settings.reason = f"fell back to eager: {type(e).__name__}: {e}"
         self.compiler = optimizer
         return self.compile_stats()
+
+    def reconfigure(self, config: RunnerConfig, groups: tuple[str, ...]) -> dict:
+        """Run under `config`, a validated change of RECONFIGURABLE fields in `groups`, on an idle engine:
+        input buffers sized anew, the KV pool re-planned (rebuilt, prefix cache dropped, when its
+        settings changed or the new limits plan more blocks, or on CUDA fewer), the decode programs
+        kept where still valid, else rebuilt; a compile change goes through `set_compile_mode`.
+        Returns {"pool": rebuilt or not, "kv_tokens": the pool's tokens}. A plan that cannot hold one
+        sequence raises ConfigError with nothing changed."""
+        old, old_fp = self.config, self.forward_pass
+        self.config = config
+        try:
+            self.forward_pass = self._make_forward_pass()
+            plan = self._plan_pool(self.model_bytes)
+        except Exception:
+            self.config, self.forward_pass = old, old_fp
+            raise
+        blocks = self.memory.num_blocks
+        rebuild_pool = ("pool" in groups or plan.num_blocks > blocks
+                        or (self.device.type == "cuda" and plan.num_blocks < blocks))
+        programs = old_fp.decode_programs
+        had_programs = programs is not None
+        keep = (programs is not None and "compile" not in groups and not programs.holds_pool_address
+                and old.max_num_seqs == config.max_num_seqs)  # CPU packages take the pool and inputs per call
+        if programs is not None and not keep:
+            old_fp.decode_programs = None
+            if isinstance(programs, PackedDecodePrograms):
+                programs.release()
+            programs = None  # CUDA graphs: their memory goes before the new pool's
+        if rebuild_pool:
+            self.memory.release_kv_cache()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._allocate_pool(plan)
+        cache_tokens = config.effective_encoder_cache_tokens
+        if self.encoder_cache is not None and old.effective_encoder_cache_tokens != cache_tokens:
+            self.encoder_cache = EncoderCache(cache_tokens)
+        if "compile" in groups:
+            self.set_compile_mode(config.compile and not config.enforce_eager, config.compile_backend,
+                                  config.compile_mode, config.compile_scope)
+        elif keep:
+            self.forward_pass.decode_programs = old_fp.decode_programs
+        elif (self.compiler is not None and self.compiler.settings.enabled
+              and (had_programs or old.max_num_seqs != config.max_num_seqs)):
+            self.forward_pass.decode_programs, reason = build_decode_programs(
+                self.compiler, config, self.hf_config, self.model, self.forward_pass, self.memory, self.max_model_len)
+            self.compiler.decode_reason = reason
+        return {"pool": rebuild_pool, "kv_tokens": self.pool_plan.num_tokens}
 
     def move_kv_blocks(self, moves: dict[int, int], num_blocks: int) -> None:
         """Defragmentation on this rank: copy the K/V of each moved block, then cut the pool to

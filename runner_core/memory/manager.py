@@ -54,6 +54,13 @@ class MemoryManager:
         self.kv_cache = kv_cache
         bind_kv_cache(self._model, kv_cache)
 
+    def release_kv_cache(self) -> None:
+        """Drop the pool tensor and the layers' views of it (before another pool is allocated, so the
+        two never coexist); this manager is not to be used afterwards."""
+        if self.kv_cache is not None:
+            bind_kv_cache(self._model, self.kv_cache.new_empty(self.kv_cache.shape[0], 0))
+        self.kv_cache = None
+
     @property
     def kv_cache_bytes(self) -> int:
         return 0 if self.kv_cache is None else self.kv_cache.numel() * self.kv_cache.element_size()
