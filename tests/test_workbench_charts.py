@@ -251,3 +251,69 @@ def test_a_live_chart_drops_the_empty_note_once_data_comes():
     _update_figure(widget, charts.memory_breakdown(_full_rows(30)))
     assert widget.layout.annotations == () and widget.layout.xaxis.showticklabels is not False
     assert widget.layout.title.text == "Memory of the model (MiB)" and len(widget.data) == 5
+
+
+def _run(start: float, seconds: float, model: str = "m") -> list[dict]:
+    """Rows of a run of `seconds` busy seconds from `start` (a row per 0.1 s)."""
+    return [{**row, "t": start + row["t"] + 0.1, "model": model} for row in _full_rows(round(seconds * 10))]
+
+
+def test_the_window_shows_the_last_minutes_or_the_last_run():
+    load_row = {**_full_rows(1)[0], "t": 8e-5, "dt": 1e-9, "steps": 0}
+    rows = [load_row, *_run(0.2, 3.0), *_run(70.0, 2.0)]  # a run, a minute idle, another run
+    assert charts.window(rows, "minutes", 2.0) == rows
+    assert [r["t"] for r in charts.window(rows, "minutes", 0.5)] == [r["t"] for r in rows[31:]]
+    last = charts.window(rows, "run")
+    assert last == rows[31:] and last[0]["t"] == pytest.approx(70.1), "after the idle minute only"
+    # a run that starts without an idle gap (a workload fired right after another) starts at its event
+    assert charts.window(rows, "run", events=[{"kind": "workload", "t": 71.0}]) == [r for r in rows if r["t"] >= 71.0]
+    assert charts.window(rows, "run", events=[{"kind": "workload", "t": 80.0}]) == last, "no rows of it yet"
+    assert charts.window(rows, "run", events=[{"kind": "error", "t": 71.0}]) == last, "an error starts no run"
+    assert charts.window([], "run") == [] and charts.window([load_row], "run") == [load_row]
+    with pytest.raises(ValueError, match="use one of minutes, run"):
+        charts.window(rows, "forever")
+    with pytest.raises(ValueError, match="positive number of minutes"):
+        charts.window(rows, "minutes", 0)
+
+
+def test_a_short_history_gets_a_time_axis_of_seconds_not_microseconds():
+    load_row = {**_full_rows(1)[0], "t": 8e-5, "dt": 1e-9, "steps": 0}  # the only row after a load
+    for name in ("memory", "blocks", "waste"):
+        axis = charts.all_figures([load_row])[name].layout.xaxis
+        assert list(axis.autorangeoptions.include) == [0.0, charts.MIN_SPAN_S], name
+    axis = charts.throughput(_run(20.0, 0.3)).layout.xaxis  # a short run 20 s after the load
+    assert list(axis.autorangeoptions.include) == pytest.approx([20.3 - charts.MIN_SPAN_S, 20.3])
+    assert charts.throughput(_run(0.0, 30.0)).layout.xaxis.autorangeoptions.include is None, "a long run: autorange"
+
+
+class _Session:
+    """What ViewController.chart_figures reads of a Session: one model "m" loaded 10 s after the session began."""
+
+    def __init__(self, rows, events=()):
+        self.metrics = MetricsSeries()
+        for row in rows:
+            self.metrics.append(row)
+        self.metrics._events.extend(events)
+        self.active = "m"
+        self.active_model = type("Entry", (), {"acc": type("Acc", (), {"t0": self.metrics.t0 + 10.0})(),
+                                               "weights_storage": lambda self: None})()
+
+    def block_map(self):
+        return None
+
+
+def test_the_views_draw_the_chosen_window_with_events_on_the_rows_clock():
+    from workbench.controller import DEFAULT_WINDOW, ViewController
+
+    rows = [*_run(0.0, 3.0), *_run(70.0, 2.0)]
+    view = ViewController(_Session(rows, [{"kind": "load", "t": 10.0, "model": "m"},
+                                          {"kind": "workload", "t": 81.0, "model": "m"},  # row clock: 71 s
+                                          {"kind": "workload", "t": 85.0, "model": "other"}]))
+    assert DEFAULT_WINDOW == "last 2 minutes"
+    xs = [x for x in view.chart_figures()["throughput"].data[0].x if x is not None]
+    assert min(xs) < 1 and max(xs) > 71, "two minutes: both runs"
+    view.set_chart_window("last run")
+    xs = [x for x in view.chart_figures()["throughput"].data[0].x if x is not None]
+    assert min(xs) >= 71.0 and max(xs) == pytest.approx(72.0), "the last run: since the workload's event"
+    with pytest.raises(ValueError, match="use one of last minute"):
+        view.set_chart_window("all")

@@ -5,8 +5,10 @@ seconds since the model was loaded, `dt` the busy seconds a row covers), `events
 `kind`, `t`, ...) and a KV block-map snapshot ({"num_blocks", "owners": {request_id: [block
 ids]}, ...}). Every function returns a valid `go.Figure` for empty input too, with a note
 saying what will appear. Idle time (no row for more than `GAP_S` seconds) is drawn as a gap,
-never as a line across it. Every chart takes its colours from `PALETTE` (and `COLORS`, the
-colour of each quantity, the same in every chart); other views (workbench/timeline.py) do too.
+never as a line across it; `window` picks the rows of recent activity the live charts show (the
+last minutes or the last run), and a time axis spans at least `MIN_SPAN_S` seconds. Every chart
+takes its colours from `PALETTE` (and `COLORS`, the colour of each quantity, the same in every
+chart); other views (workbench/timeline.py) do too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ import plotly.graph_objects as go
 MIB = 2**20
 HEIGHT = 320
 GAP_S = 0.5  # idle seconds between rows drawn as a gap (rows are written every 0.1 s while busy)
+# The live charts' window on recent activity: the last N minutes up to the latest row, or the last run
+# (the rows after the latest idle stretch of RUN_GAP_S or more, or after the latest event starting a run).
+WINDOW_MODES = ("minutes", "run")
+WINDOW_MINUTES = 2.0
+RUN_GAP_S = 5.0
+RUN_EVENTS = ("load", "workload", "load_start", "tune", "compile")  # load_start: a tuning run (run_load)
+MIN_SPAN_S = 5.0  # a time axis spans at least this (a lone row at 80 µs would get µs ticks)
 TIME_AXIS = "seconds since the model was loaded"
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D",
            "#EECA3B", "#79706E")
@@ -69,6 +78,36 @@ def segments(rows: Rows, gap_s: float = GAP_S) -> list[list[Mapping[str, Any]]]:
             out.append([])
         out[-1].append(r)
     return out
+
+
+def window(rows: Rows, mode: str = "minutes", minutes: float = WINDOW_MINUTES,
+           events: Sequence[Mapping[str, Any]] = (), run_gap_s: float = RUN_GAP_S) -> list[Mapping[str, Any]]:
+    """The rows the live charts show: `mode` "minutes", those of the last `minutes` up to the latest
+    row; "run", those after the latest idle stretch of `run_gap_s` or more and after the latest
+    `events` entry (its `t` on the rows' clock) of a kind in RUN_EVENTS that came before the latest row."""
+    if mode not in WINDOW_MODES:
+        raise ValueError(f"chart window mode {mode!r}: use one of {', '.join(WINDOW_MODES)}")
+    if mode == "minutes" and not minutes > 0:
+        raise ValueError(f"chart window of {minutes} minutes: give a positive number of minutes")
+    if not rows:
+        return []
+    end = rows[-1]["t"]
+    if mode == "minutes":
+        start = end - 60.0 * minutes
+    else:
+        first = segments(rows, run_gap_s)[-1][0]
+        starts = [e["t"] for e in events if e.get("kind") in RUN_EVENTS and e["t"] <= end]
+        start = max([first["t"] - first.get("dt", 0.0), *starts])
+    return [r for r in rows if r["t"] >= start]
+
+
+def _time_axis(fig: go.Figure, rows: Rows) -> go.Figure:
+    """Autorange the time axis over at least MIN_SPAN_S seconds ending at the latest row (from 0 when
+    the rows start earlier than that), so a short run fills a readable axis in seconds."""
+    lo, hi = rows[0]["t"], rows[-1]["t"]
+    if hi - lo < MIN_SPAN_S:
+        fig.update_xaxes(autorangeoptions=dict(include=[max(0.0, hi - MIN_SPAN_S), max(hi, MIN_SPAN_S)]))
+    return fig
 
 
 def _broken(rows: Rows, y: Callable[[Mapping[str, Any]], Any], gap_s: float) -> tuple[list, list]:
@@ -121,7 +160,7 @@ def memory_breakdown(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
                ("KV cached", kv("blocks_cached"), COLORS["kv_cached"]),
                ("KV free", kv("blocks_free"), COLORS["kv_free"])]
     _stacked(fig, rows, series, "mem", gap_s, "MiB")
-    return fig
+    return _time_axis(fig, rows)
 
 
 def weights_storage(info: Mapping[str, Any] | None) -> go.Figure:
@@ -157,7 +196,7 @@ def kv_blocks(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
     _stacked(fig, rows, [("used", _get("blocks_used"), COLORS["kv_used"]),
                          ("cached", _get("blocks_cached"), COLORS["kv_cached"]),
                          ("free", _get("blocks_free"), COLORS["kv_free"])], "blocks", gap_s, "blocks")
-    return fig
+    return _time_axis(fig, rows)
 
 
 def waste(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
@@ -174,7 +213,7 @@ def waste(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
         fig.add_trace(go.Scatter(x=x, y=y, name=name, mode="lines+markers", marker=dict(size=4, color=color),
                                  line=dict(color=color), connectgaps=False,
                                  hovertemplate=f"{name}: %{{y:.1f}} %<extra>%{{x:.1f}} s</extra>"))
-    return fig
+    return _time_axis(fig, rows)
 
 
 def throughput(rows: Rows, window: float = 1.0, gap_s: float = GAP_S) -> go.Figure:
@@ -190,7 +229,7 @@ def throughput(rows: Rows, window: float = 1.0, gap_s: float = GAP_S) -> go.Figu
         x, y = _broken(rows, lambda r, rate=rate: rate[id(r)], gap_s)
         fig.add_trace(go.Scatter(x=x, y=y, name=name, mode="lines", line=dict(color=color, width=2),
                                  connectgaps=False, hovertemplate=f"{name}: %{{y:.0f}}<extra>%{{x:.1f}} s</extra>"))
-    return fig
+    return _time_axis(fig, rows)
 
 
 def rolling_rate(rows: Rows, key: str, window: float = 1.0) -> list[float]:

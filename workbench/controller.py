@@ -21,7 +21,12 @@ from workbench.session import Session
 # the block map readable and the load fast on a laptop CPU.
 DEFAULT_MODEL = "tiny-speaker"  # the trained preset: its text is words (the random presets are for benchmarks)
 DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 0}  # 0: the model's own limit
-CHART_HISTORY = 600  # rows (at 0.1 s each while work runs)
+CHART_HISTORY = 1200  # rows drawn at most, the latest of the window (0.1 s each while work runs: 2 busy minutes)
+# the live charts' window choices: label -> (charts.window mode, minutes)
+WINDOW_CHOICES = {"last minute": ("minutes", 1.0), "last 2 minutes": ("minutes", 2.0),
+                  "last 5 minutes": ("minutes", 5.0), "last 10 minutes": ("minutes", 10.0),
+                  "last run": ("run", charts.WINDOW_MINUTES)}
+DEFAULT_WINDOW = "last 2 minutes"
 STORAGE_NONE = "none"  # the load form's storage choice for weights kept in the compute dtype
 STORAGE_CHOICES = (STORAGE_NONE, *(q for q in QUANTIZATIONS if q))  # none, int8, int4
 IMAGE_PLACEHOLDER = "<image>"  # where a multimodal prompt's image goes (LLaVA's placeholder)
@@ -92,6 +97,7 @@ class ViewController:
         self._error_shown_for: RequestHandle | None = None
         self.image = None  # the uploaded image (PIL) the next generation sends, if any
         self._syncing = False  # set while the view copies the session's active model into its picker
+        self.chart_window = DEFAULT_WINDOW  # a WINDOW_CHOICES label
 
     # ---- supplied by the view ---------------------------------------------------------------
     def show_error(self, message: str) -> None:
@@ -203,6 +209,13 @@ class ViewController:
         handles = self.guard("Workload", lambda: self.session.run_workload(int(n)))
         if handles:
             self.workload = handles
+            self.session.metrics.add_event("workload", model=self.session.active, requests=len(handles))
+
+    def set_chart_window(self, label: str) -> None:
+        """Show the live charts over another window (a WINDOW_CHOICES label)."""
+        if label not in WINDOW_CHOICES:
+            raise ValueError(f"chart window {label!r}: use one of {', '.join(WINDOW_CHOICES)}")
+        self.chart_window = label
 
     def use(self, name: str) -> None:
         self.guard("Switch model", lambda: self.session.use(name))
@@ -235,11 +248,17 @@ class ViewController:
         return " · ".join(parts)
 
     def chart_figures(self) -> dict:
-        """Every chart of the active model's recent rows, the events and its block map."""
+        """Every chart of the active model's rows in the chosen window, the events and its block map."""
         s = self.session
-        rows = s.metrics.rows(model=s.active, last=CHART_HISTORY) if s.active else []
         entry = s.active_model
-        return charts.all_figures(rows, s.metrics.events(), s.block_map(),
+        events = s.metrics.events()
+        rows = s.metrics.rows(model=s.active) if entry is not None and entry.acc is not None else []
+        if rows:
+            shift = entry.acc.t0 - s.metrics.t0  # events count from the session's start, rows from the load
+            mine = [{**e, "t": e["t"] - shift} for e in events if e.get("model") == s.active]
+            mode, minutes = WINDOW_CHOICES[self.chart_window]
+            rows = charts.window(rows, mode, minutes, mine)[-CHART_HISTORY:]
+        return charts.all_figures(rows, events, s.block_map(),
                                   weights=entry.weights_storage() if entry is not None else None)
 
     def workload_summary(self) -> str:

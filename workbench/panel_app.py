@@ -21,8 +21,10 @@ from workbench import charts
 from workbench.controller import (
     DEFAULT_LOAD,
     DEFAULT_MODEL,
+    DEFAULT_WINDOW,
     STORAGE_CHOICES,
     STORAGE_NONE,
+    WINDOW_CHOICES,
     ViewController,
     default_device,
     load_config,
@@ -122,6 +124,8 @@ class SessionDashboard(ViewController):
                                    sizing_mode="stretch_width")
         self.info = pn.pane.Alert("", alert_type="info", visible=False, css_classes=["wb-info"],
                                   sizing_mode="stretch_width")
+        self.window_select = w.Select(name="the charts show", options=list(WINDOW_CHOICES), value=DEFAULT_WINDOW,
+                                      width=SIDEBAR_FIELD + 20, css_classes=["wb-chart-window"])
         self.charts = {name: pn.pane.Plotly(fig, height=charts.HEIGHT + 10, sizing_mode="stretch_width",
                                             css_classes=[f"wb-chart-{name.replace('_', '-')}"],
                                             config={"displaylogo": False, "responsive": True})
@@ -130,6 +134,7 @@ class SessionDashboard(ViewController):
         self.wire_buttons()
         self.active_select.param.watch(lambda event: self.on_active(event.new), "value")
         self.image_input.param.watch(lambda event: self.on_image(event.new), "value")
+        self.window_select.param.watch(lambda event: self.on_chart_window(event.new), "value")
 
         sidebar = pn.Column(
             "### Model", self.model_select, self.model_path, pn.Row(self.dtype, self.device),
@@ -149,7 +154,7 @@ class SessionDashboard(ViewController):
         grid = pn.GridBox(*(self.charts[n] for n in CHART_NAMES), ncols=2, sizing_mode="stretch_width")
         header = pn.Row(pn.pane.Markdown("## runner-workbench", margin=(0, 10)), self.spinner, self.status,
                         sizing_mode="stretch_width")
-        main = pn.Column(self.error, self.info, generation, grid, sizing_mode="stretch_width")
+        main = pn.Column(self.error, self.info, generation, self.window_select, grid, sizing_mode="stretch_width")
         self.layout = pn.Column(header, pn.Row(sidebar, main, sizing_mode="stretch_width"),
                                 sizing_mode="stretch_width", css_classes=["wb-dashboard"])
 
@@ -191,6 +196,11 @@ class SessionDashboard(ViewController):
                          ignore_eos=self.ignore_eos.value) is not None:
             self.answer.object = _pre("")
             self.answer_stats.object = "_generating…_"
+
+    def on_chart_window(self, label: str) -> None:
+        self.set_chart_window(label)
+        self._chart_version = -1  # redraw at the next refresh
+        self.refresh()
 
     def on_image(self, data: bytes | None) -> None:
         self.set_image(data)

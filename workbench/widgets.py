@@ -24,8 +24,10 @@ from workbench import charts
 from workbench.controller import (
     DEFAULT_LOAD,
     DEFAULT_MODEL,
+    DEFAULT_WINDOW,
     STORAGE_CHOICES,
     STORAGE_NONE,
+    WINDOW_CHOICES,
     ViewController,
     default_device,
     load_config,
@@ -81,12 +83,15 @@ class SessionWidgets(ViewController, W.VBox):
         self.workload_button = W.Button(description="Run workload", icon="bolt")
         self.status = W.HTML("")
         self.error = W.HTML("")
+        self.window = W.Dropdown(options=list(WINDOW_CHOICES), value=DEFAULT_WINDOW, description="the charts show",
+                                 style=LABEL, layout=W.Layout(width="260px"))
         empty = charts.all_figures([])
         self.figures = {name: go.FigureWidget(empty[name]) for name in figures}
 
         self.wire_buttons()
         self.active.observe(lambda change: self.on_active(change["new"]), names="value")
         self.image_upload.observe(lambda change: self.on_image(change["new"]), names="value")
+        self.window.observe(lambda change: self.on_chart_window(change["new"]), names="value")
 
         controls = W.VBox([
             W.HBox([self.model, self.model_path]),
@@ -99,7 +104,7 @@ class SessionWidgets(ViewController, W.VBox):
                              W.HBox([self.output, self.image_view]), self.stats,
                              W.HBox([self.workload_n, self.workload_button])])
         grid = W.GridBox(list(self.figures.values()), layout=W.Layout(**GRID))
-        W.VBox.__init__(self, [self.status, self.error, controls, generation, grid], layout=layout)
+        W.VBox.__init__(self, [self.status, self.error, controls, generation, self.window, grid], layout=layout)
         self.refresh()
         if auto_refresh:
             self._start_auto_refresh()
@@ -127,6 +132,11 @@ class SessionWidgets(ViewController, W.VBox):
         preview = self.image_preview()
         self.image_view.value = preview or b""
         self.image_view.layout.display = None if preview else "none"
+
+    def on_chart_window(self, label: str) -> None:
+        self.set_chart_window(label)
+        self._chart_version = -1  # redraw now
+        self.refresh()
 
     def on_generate(self) -> None:
         if self.generate(self.prompt.value, max_tokens=self.max_tokens.value,
