@@ -29,6 +29,24 @@ def tiny_llama_path() -> Path:
     return ensure_preset("tiny-llama")
 
 
+COMPILE_CACHE_DIR = REPO / "test-output" / "compile-cache"
+# tiny-llama compiled (inductor, per layer) with CPU decode programs of sizes 1 and 4, its cache shared by a run
+COMPILED = {"dtype": "float32", "kv_cache_memory": 1 << 22, "compile": True, "compile_backend": "inductor",
+            "compile_mode": "default", "compile_scope": "layer", "compile_cache_dir": str(COMPILE_CACHE_DIR),
+            "compile_sizes": [1, 4], "max_model_len": 256}
+
+
+@pytest.fixture(scope="session")
+def compiled_tiny_llama(tiny_llama_path):
+    """One compiled tiny-llama runner for every module that only reads it or generates with it (a compile
+    takes tens of seconds on these CPUs). A test that switches its compile mode switches it back."""
+    from runner_core import ModelRunner
+
+    runner = ModelRunner({"model": str(tiny_llama_path), **COMPILED}).load_model()
+    yield runner
+    runner.shutdown()
+
+
 def pytest_generate_tests(metafunc):
     """A test taking the `tier` fixture runs once per kernel tier this CPU runs, its id naming the tier
     (a test parametrizing its own `tier` argument keeps its values)."""

@@ -18,12 +18,9 @@ import torch
 from runner_core import CompileError, ConfigError, EngineBusyError, ModelRunner, SamplingParams
 from runner_core.compile import aoti_program, compile_cache
 from runner_core.compile import compile_optimizer as co
-from tests.conftest import REPO
+from tests.conftest import COMPILE_CACHE_DIR as CACHE_DIR
+from tests.conftest import COMPILED, REPO
 
-CACHE_DIR = REPO / "test-output" / "compile-cache"
-COMPILED = {"dtype": "float32", "kv_cache_memory": 1 << 22, "compile": True, "compile_backend": "inductor",
-            "compile_mode": "default", "compile_scope": "layer", "compile_cache_dir": str(CACHE_DIR),
-            "compile_sizes": [1, 4]}
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
@@ -33,8 +30,8 @@ def _prompts():
 
 
 @pytest.fixture(scope="module")
-def compiled(tiny_llama_path):
-    return ModelRunner({"model": str(tiny_llama_path), **COMPILED}).load_model()
+def compiled(compiled_tiny_llama):
+    return compiled_tiny_llama
 
 
 @pytest.fixture(scope="module")

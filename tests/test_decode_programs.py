@@ -15,7 +15,8 @@ from runner_core.compile import DecodePrograms, plan_sizes
 from runner_core.compile import decode_plan as dp
 from runner_core.engine import StepBatch
 from runner_core.layers.attention import Attention, set_forward_context
-from tests.test_compile import COMPILED, GREEDY, _prompts
+from tests.conftest import COMPILED
+from tests.test_compile import GREEDY, _prompts
 
 LOGPROBS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 
@@ -32,7 +33,7 @@ def _row_major(config: dict) -> ModelRunner:
 @pytest.fixture(scope="module")
 def compiled(tiny_llama_path):
     # a short max_model_len leaves room to shrink the pool (the compile key does not depend on it)
-    return _row_major({"model": str(tiny_llama_path), **COMPILED, "max_model_len": 256})
+    return _row_major({"model": str(tiny_llama_path), **COMPILED})
 
 
 @pytest.fixture(scope="module")
@@ -205,18 +206,16 @@ def test_plan_says_why_there_are_none(eager, monkeypatch):
     assert sizes == [] and "over half the available memory" in why
 
 
-def test_programs_over_weights_stored_once_take_no_copy(tiny_llama_path, eager):
+def test_programs_over_weights_stored_once_take_no_copy(compiled_tiny_llama, eager):
     """With the kernels on, each linear weight is held once, as panels: the programs multiply those (no MKL
     copy is made) and give eager's tokens."""
-    runner = ModelRunner({"model": str(tiny_llama_path), **COMPILED, "max_model_len": 256}).load_model()
-    try:
-        programs = runner.engine.worker.forward_pass.decode_programs
-        assert programs.sizes == [1, 4] and programs.kind.endswith("stored weights")
-        assert runner.memory_stats()["decode_programs_bytes"] == 0
-        assert not any(n.endswith("packed_weight") for n, _ in runner.engine.worker.model.named_buffers())
-        assert _run(runner, _prompts()[:3])[0] == _run(eager, _prompts()[:3])[0] and programs.runs[4] >= 11
-    finally:
-        runner.shutdown()
+    runner = compiled_tiny_llama
+    programs = runner.engine.worker.forward_pass.decode_programs
+    assert programs.sizes == [1, 4] and programs.kind.endswith("stored weights")
+    assert runner.memory_stats()["decode_programs_bytes"] == 0
+    assert not any(n.endswith("packed_weight") for n, _ in runner.engine.worker.model.named_buffers())
+    runs = programs.runs[4]
+    assert _run(runner, _prompts()[:3])[0] == _run(eager, _prompts()[:3])[0] and programs.runs[4] >= runs + 11
 
 
 def test_bad_compile_sizes_are_refused(tiny_llama_path):
