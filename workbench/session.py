@@ -193,6 +193,15 @@ class Session:
                                             when_idle=when_idle)
         return Stats(fut.result(), f"compile stats of {entry.name}") if wait else fut
 
+    def reconfigure(self, model: str | None = None, *, wait: bool = True, **fields):
+        """Change scheduler, KV-pool or compile settings of a loaded model without reloading its weights
+        (max_num_seqs, max_num_batched_tokens; block_size, kv_cache_memory, enable_prefix_caching; compile
+        settings), on the engine thread; refused while its generations run. Returns the runner's answer
+        ({"changed", "rebuilt", "seconds", "kv_tokens"}) as a `Stats` table (or a Future with wait=False)."""
+        entry = self._models.entry(model)
+        fut = self._models.reconfigure(entry, fields, running=len(self.inflight(entry.name)))
+        return Stats(fut.result(), f"reconfigured {entry.name}") if wait else fut
+
     def compile_stats(self, model: str | None = None) -> Stats:
         """The runner's `compile_stats()` (a dict that prints as a table, figures rounded)."""
         entry = self._models.entry(model)
