@@ -1,6 +1,7 @@
 """The models a session holds: `ModelEntry` per model, loading and unloading runners, which one
-is active (the one loading), and the compile switch (refused while generations run, or queued
-until they finish with when_idle=True). Runner calls go through the engine thread.
+is active (the one loading), the compile switch (refused while generations run, or queued
+until they finish with when_idle=True) and live reconfiguration of scheduler, pool and compile
+settings (refused while generations run). Runner calls go through the engine thread.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class ModelEntry:
     compile: dict = field(default_factory=dict)
     pending_compile: PendingCompile | None = None
     acc: StepAccumulator | None = None
+    sweeping: bool = False  # a sweep (session.tune) drives its settings: compile switch and reconfigure refused
 
     @property
     def weights_bytes(self) -> int:
@@ -230,6 +232,9 @@ class LoadedModels:
         generations in flight; `has_backlog()`: whether requests wait for it (engine thread)."""
         if entry.status == "compiling" or entry.pending_compile:
             raise SessionBusyError(f"a compile mode switch of {entry.name!r} is already in progress; wait for it")
+        if entry.sweeping:
+            raise SessionBusyError(f"a sweep (session.tune) is setting the compile mode of {entry.name!r}; cancel it "
+                                   "(job.cancel()) or wait for it (job.result()), then switch")
         if running and not when_idle:
             raise SessionBusyError(
                 f"cannot switch the compile mode of {entry.name!r} while {running} generation"
@@ -283,3 +288,39 @@ class LoadedModels:
                               mode=entry.compile["mode"], scope=entry.compile["scope"], seconds=seconds, ok=True,
                               stats=stats)
         return stats
+
+    # ---- live reconfiguration ------------------------------------------------------------------------
+    def reconfigure(self, entry: ModelEntry, fields: dict, *, running: int, by_sweep: bool = False) -> Future:
+        """Change RunnerConfig `fields` of a loaded model without reloading its weights, through
+        `runner.reconfigure` on the engine thread (runner_core.config.RECONFIGURABLE lists them; others raise
+        ConfigError saying they need a reload). `running`: its generations in flight: refused then, like the
+        compile switch; refused too while a sweep drives the model, unless `by_sweep` (the sweep's own
+        change). A Future of runner.reconfigure's answer ({"changed", "rebuilt", "seconds", ...})."""
+        if entry.sweeping and not by_sweep:
+            raise SessionBusyError(f"a sweep (session.tune) is setting {entry.name!r}; cancel it (job.cancel()) or "
+                                   "wait for it (job.result()), then reconfigure")
+        if entry.status == "compiling" or entry.pending_compile:
+            raise SessionBusyError(f"a compile mode switch of {entry.name!r} is in progress; wait for it, then "
+                                   "reconfigure")
+        if running:
+            raise SessionBusyError(
+                f"cannot reconfigure {entry.name!r} while {running} generation{'s are' if running > 1 else ' is'} "
+                "running on it; wait for them (session.wait_idle()) or cancel them")
+        return self._thread.call(lambda: self._apply_reconfigure(entry, dict(fields)))
+
+    def _apply_reconfigure(self, entry: ModelEntry, fields: dict) -> dict:
+        if entry.runner is None:
+            raise SessionError(f"model {entry.name!r} was unloaded")
+        try:
+            result = entry.runner.reconfigure(**fields)
+        except Exception as exc:
+            self._telemetry.note_error(f"reconfigure failed: {exc}")
+            self._telemetry.event("reconfigure", model=entry.name, fields=fields, ok=False, error=str(exc))
+            raise
+        cfg = entry.config = entry.runner.config
+        entry.compile = {"enabled": cfg.compile, "backend": cfg.compile_backend, "mode": cfg.compile_mode,
+                         "scope": cfg.compile_scope}
+        self._telemetry.record(entry)  # a fresh row: the pool's size and the settings as they are now
+        self._telemetry.event("reconfigure", model=entry.name, changed=result["changed"], rebuilt=result["rebuilt"],
+                              seconds=result["seconds"], ok=True)
+        return result
