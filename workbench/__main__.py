@@ -1,13 +1,20 @@
 """Command line: `python -m workbench serve [--port N] [--model NAME] [--address HOST --basic-auth PASSWORD]
-[--model-root DIR ...]`."""
+[--model-root DIR ...] [--api-port N [--api-key KEY]]` (the dashboard, and the OpenAI-compatible API beside it on
+the same session), and `python -m workbench api --model NAME [--port N] [--host HOST --api-key KEY]` (the API
+alone)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import threading
 
 from runner_core import RunnerError
+
+API_KEY_HELP = ("a key clients must send as 'Authorization: Bearer KEY' (default: the WORKBENCH_API_KEY environment "
+                "variable); needed off loopback")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,52 +24,93 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=5006, help="port (0 picks a free one); default 5006")
     srv.add_argument("--address", default="127.0.0.1",
                      help="interface to bind; default 127.0.0.1 (loopback only). Any other address (0.0.0.0 exposes "
-                          "it to the network) needs --basic-auth")
+                          "it to the network) needs --basic-auth (and --api-key for the API)")
     srv.add_argument("--basic-auth", default=None, metavar="PASSWORD",
                      help="a password, or a JSON file of {user: password}, asked at a login page")
     srv.add_argument("--model-root", action="append", default=[], metavar="DIR",
                      help="a folder the dashboard's path box may load models from (repeatable); the presets and "
                           "the Hugging Face cache are always allowed")
-    srv.add_argument("--model", default=None, help="load this preset or local directory before serving")
-    srv.add_argument("--dtype", default=None, help="dtype for --model (default float32)")
-    srv.add_argument("--device", default=None, help="device for --model (default: cuda when present, else cpu)")
+    srv.add_argument("--api-port", type=int, default=None, metavar="N",
+                     help="also serve the OpenAI-compatible API on this port (0 picks a free one), same session")
+    _model_args(srv, required=False)
     srv.add_argument("--show", action="store_true", help="open a browser tab")
+    api = sub.add_parser("api", help="serve the OpenAI-compatible API alone")
+    api.add_argument("--port", type=int, default=8000, help="port (0 picks a free one); default 8000")
+    api.add_argument("--host", default="127.0.0.1",
+                     help="interface to bind; default 127.0.0.1 (loopback only); any other needs --api-key")
+    _model_args(api, required=True)
+    api.add_argument("--kv-cache-mib", type=int, default=None, metavar="MIB",
+                     help="KV cache size in MiB (default: sized by the runner)")
+    api.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     return parser
+
+
+def _model_args(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("--model", default=None, required=required,
+                        help="load this preset or local directory before serving")
+    parser.add_argument("--dtype", default=None, help="dtype for --model (default float32)")
+    parser.add_argument("--device", default=None, help="device for --model (default: cuda when present, else cpu)")
+    parser.add_argument("--api-key", default=os.environ.get("WORKBENCH_API_KEY"), metavar="KEY", help=API_KEY_HELP)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("bokeh").setLevel(logging.WARNING)
-    from workbench.controller import DEFAULT_LOAD, default_device, load_config
-    from workbench.panel_app import serve
     from workbench.session import Session
 
     session = Session.current()
+    try:
+        return serve_api_alone(session, args) if args.command == "api" else serve_dashboard(session, args)
+    except RunnerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        session.close()
+
+
+def serve_dashboard(session, args) -> int:
+    from workbench.api import check_exposure, serve_api
+    from workbench.controller import DEFAULT_LOAD, default_device, load_config
+    from workbench.panel_app import serve
+
+    if args.api_port is not None:
+        check_exposure(args.address, args.api_key)  # before a model loads
     if args.model:
         config = load_config(args.dtype or DEFAULT_LOAD["dtype"], args.device or default_device(),
                              DEFAULT_LOAD["kv_cache_memory_mib"], DEFAULT_LOAD["max_model_len"])
-        try:
-            entry = session.load_model(args.model, **config)
-        except RunnerError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        entry = session.load_model(args.model, **config)
         print(f"loaded {entry.name} in {entry.load_seconds:.1f} s", flush=True)
-    try:
-        server = serve(session, port=args.port, address=args.address, show=args.show, basic_auth=args.basic_auth,
-                       model_roots=args.model_root)
-    except RunnerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        session.close()
-        return 2
+    server = serve(session, port=args.port, address=args.address, show=args.show, basic_auth=args.basic_auth,
+                   model_roots=args.model_root)
+    if args.api_port is not None:
+        api = serve_api(session, port=args.api_port, host=args.address, api_key=args.api_key)
+        print(f"OpenAI API: {api.url}/v1", flush=True)
     print(f"Workbench dashboard: {server.url}", flush=True)
     server.start()
-    try:
-        server.io_loop.start()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        session.close()
+    server.io_loop.start()
+    return 0
+
+
+def serve_api_alone(session, args) -> int:
+    import torch
+
+    from workbench.api import check_exposure, serve_api
+
+    check_exposure(args.host, args.api_key)
+    config = {"dtype": args.dtype or "float32", "device": args.device or ("cuda" if torch.cuda.is_available() else
+                                                                          "cpu")}
+    if args.kv_cache_mib:
+        config["kv_cache_memory"] = args.kv_cache_mib << 20
+    if args.max_model_len:
+        config["max_model_len"] = args.max_model_len
+    entry = session.load_model(args.model, **config)
+    print(f"loaded {entry.name} in {entry.load_seconds:.1f} s", flush=True)
+    api = serve_api(session, port=args.port, host=args.host, api_key=args.api_key)
+    print(f"OpenAI API: {api.url}/v1", flush=True)
+    threading.Event().wait()  # until Ctrl-C; the server runs in its thread
     return 0
 
 

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP API over a workbench Session (`Session.serve_api`, `python -m workbench api`):
 /v1/models, /v1/completions, /v1/chat/completions, /health and Prometheus /metrics."""
 
-from workbench.api.server import ApiServer, serve_api
+from workbench.api.server import ApiServer, check_exposure, serve_api
 
-__all__ = ["ApiServer", "serve_api"]
+__all__ = ["ApiServer", "check_exposure", "serve_api"]

@@ -23,10 +23,7 @@ class ApiServer:
 
     def __init__(self, session, *, port: int = 0, host: str = "127.0.0.1", api_key: str | None = None,
                  start_timeout: float = 30.0):
-        if host not in LOOPBACK and not api_key:
-            raise SessionError(f"serving the API on {host} lets anyone who can reach this machine run the loaded "
-                               "models; pass api_key=... (clients send it as Authorization: Bearer <key>), or "
-                               "bind 127.0.0.1 and reach it through an SSH tunnel")
+        check_exposure(host, api_key)
         self.host, self.session = host, session
         self.app = create_app(session, api_key=api_key)
         self._socket = _bind(host, port)
@@ -64,6 +61,15 @@ class ApiServer:
 
     def __repr__(self) -> str:
         return f"<ApiServer {self.url} {'running' if self.running else 'stopped'}>"
+
+
+def check_exposure(host: str, api_key: str | None) -> None:
+    """Refuse a host off loopback without an API key, saying how to pass one."""
+    if host not in LOOPBACK and not api_key:
+        raise SessionError(f"serving the API on {host} lets anyone who can reach this machine run the loaded "
+                           "models; pass api_key=... (clients send it as Authorization: Bearer <key>; on the command "
+                           "line --api-key KEY or WORKBENCH_API_KEY), or bind 127.0.0.1 and reach it through an SSH "
+                           "tunnel")
 
 
 def _bind(host: str, port: int) -> socket.socket:
