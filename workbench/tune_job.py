@@ -1,0 +1,203 @@
+"""`TuneJob`: a sweep (runner_core.tuning.tune) over a session's model, run in a background thread (not the
+engine thread: the sweep submits requests and waits, the engine thread runs them), with thread-safe progress
+for notebooks and dashboards, and cancel. One job per session at a time.
+
+While a job runs its model is marked `sweeping`: the compile switch (session.set_compile_mode, the
+dashboards' compile buttons) is refused with SessionBusyError. Other requests sent to the model (the
+dashboards' workload button, the API) are served but share the engine with the sweep and skew its figures;
+unloading the model fails the job ("not loaded"); loading another model beside it is allowed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+
+from workbench.handles import SessionBusyError
+
+_JOBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> its latest TuneJob
+_JOBS_LOCK = threading.Lock()
+
+
+class TuneJob:
+    """A sweep running in the background. Read from any thread: `progress`, `rows`, `points`, `status`,
+    `version` (bumped on every change, so a view redraws only when it moved), `done`, `cancelled`, `error`;
+    `result(timeout)` waits for the TuneResult; `cancel()` stops it (the run in progress is cancelled too)."""
+
+    def __init__(self, session, space, workload, target, *, model: str | None, repeats: int, warmup: int, results):
+        from workbench.tuning import SessionBackend
+
+        self.session = session
+        self.space, self.workload, self.target = space, workload, target
+        self.repeats, self.warmup, self.results_path = repeats, warmup, results
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self.backend = SessionBackend(session, model, stop=self._stop)
+        self.model = self.backend.model
+        self._progress = None
+        self._rows: list[dict] = []
+        self._result = None
+        self._error: BaseException | None = None
+        self.started = time.monotonic()
+        self.version = 0
+        self._thread = threading.Thread(target=self._run, name=f"workbench-tune-{self.model}", daemon=True)
+
+    @classmethod
+    def start(cls, session, space=None, workload=None, *, target=None, model: str | None = None, repeats: int = 3,
+              warmup: int = 1, results=None) -> TuneJob:
+        """Start a sweep of `space` (None, or concurrency=None: proposed from the model's KV capacity) with
+        `workload` (None: the
+        default run_load workload) under `target` (None: p99 TPOT <= 100 ms). Raises SessionBusyError while
+        another sweep of the session runs."""
+        from runner_core.tuning import Target
+        from workbench.tuning import DEFAULT_WORKLOAD
+
+        with _JOBS_LOCK:
+            running = _JOBS.get(session)
+            if running is not None and not running.done:
+                raise SessionBusyError(f"a sweep is already running on this session ({running.status}); cancel it "
+                                       "(job.cancel()) or wait for it (job.result()) before starting another")
+            job = cls(session, space, DEFAULT_WORKLOAD if workload is None else workload,
+                      Target() if target is None else target, model=model, repeats=repeats, warmup=warmup,
+                      results=results)
+            _JOBS[session] = job
+        job.backend._entry().sweeping = True
+        job._thread.start()
+        return job
+
+    # ---- the sweep's thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        from runner_core.tuning import tune
+
+        try:
+            result = tune(self.space, self.workload, self.target, backend=self.backend, repeats=self.repeats,
+                          warmup=self.warmup, results=self.results_path, on_progress=self._on_progress,
+                          stop=self._stop)
+        except BaseException as exc:  # noqa: BLE001 - delivered by result()
+            self._error = exc
+        else:
+            with self._lock:
+                self._result = result
+                self._rows = [dict(row) for row in result.rows]
+        finally:
+            entry = self.session.models.get(self.model)
+            if entry is not None:
+                entry.sweeping = False
+            self._done.set()
+            self._bump()
+
+    def _on_progress(self, progress) -> None:
+        with self._lock:
+            self._progress = progress
+            self._rows.append(dict(progress.last_row))  # one report per row measured (or resumed)
+            self.version += 1
+
+    def _bump(self) -> None:
+        with self._lock:
+            self.version += 1
+
+    # ---- read from anywhere ----------------------------------------------------------------------------
+    @property
+    def progress(self):
+        return self._progress
+
+    @property
+    def rows(self) -> list[dict]:
+        with self._lock:
+            return [dict(row) for row in self._rows]
+
+    @property
+    def points(self) -> list[dict]:
+        """The points measured so far (all their repeats), each aggregated over its repeats (median, min,
+        max) and judged against the target, as the sweep's result lists them."""
+        if self._result is not None:
+            return list(self._result.points)
+        from runner_core.tuning.results import judge, point_summary
+
+        groups: dict[str, list[dict]] = {}
+        for row in self.rows:
+            groups.setdefault(row["key"], []).append(row)
+        config_fields = set(self._config_fields())
+        points = []
+        for rows in groups.values():
+            if len(rows) < self.repeats:
+                continue  # still measuring it
+            fields = [k for k in rows[0] if k in config_fields]
+            point = point_summary(rows, {k: rows[0][k] for k in (*fields, "concurrency")}, fields)
+            judge(point, self.target)
+            points.append(point)
+        return points
+
+    def _config_fields(self) -> list[str]:
+        entry = self.session.models.get(self.model)
+        return list(entry.config.to_dict()) if entry is not None else []
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._stop.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def status(self) -> str:
+        """One line: what the sweep is doing and how long is left, or how it ended."""
+        if self._error is not None:
+            return f"failed: {type(self._error).__name__}: {self._error}"
+        if self.done:
+            n = len(self._rows)
+            if self.cancelled:
+                return f"cancelled after {n} run{'s' * (n != 1)}"
+            return f"done: {_best_line(self._result, self.target)}"
+        p = self._progress
+        if p is None:
+            return "starting: applying the first point and warming up"
+        eta = "" if p.eta_s is None else f", about {_duration(p.eta_s)} left"
+        return (f"sweeping: stage {p.stage}, point {p.point_index + 1}/{p.points_total}, "
+                f"repeat {p.repeat + 1}/{self.repeats}{eta}")
+
+    def result(self, timeout: float | None = None):
+        """The TuneResult (a cancelled sweep's covers the points it finished); raises the sweep's error, or
+        TimeoutError while it still runs."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the sweep is still running ({self.status}); wait again or cancel() it")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def cancel(self) -> None:
+        """Stop the sweep: the run in progress has its requests cancelled; no further point starts."""
+        self._stop.set()
+        self._bump()
+
+    def dataframe(self):
+        """The rows so far as a pandas DataFrame (one row per point and repeat)."""
+        if self._result is not None:
+            return self._result.dataframe()
+        import pandas as pd
+
+        return pd.DataFrame(self.rows)
+
+    def __repr__(self) -> str:
+        return f"<TuneJob on {self.model}: {self.status}>"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _best_line(result, target) -> str:
+    rec = None if result is None else result.recommendation
+    if rec is None:
+        return f"no recommendation ({result.why if result is not None else 'no result'})"
+    if not rec["met"]:
+        return f"no point met {target.label}; the closest, {rec['label']}, had {rec['value']:.1f} ms"
+    return (f"best {rec['label']}: {target.metric} {rec['value']:.1f} ms (margin {rec['margin']:.0%}), "
+            f"{rec['throughput']:.0f} tok/s")
