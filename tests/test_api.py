@@ -5,6 +5,7 @@ a client that leaves mid-stream frees its blocks; one bad request among good one
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 from contextlib import contextmanager
 
@@ -202,3 +203,17 @@ def test_no_model_loaded_is_a_503_saying_so():
     finally:
         s.close()
     assert not srv.running  # close() stopped the server it started
+
+
+def test_continuous_usage_counts_every_chunks_tokens(session, server):
+    expected = session.generate(PROMPT, max_tokens=16, temperature=0.0, ignore_eos=True)
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 16
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {len(expected.prompt_token_ids)}
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected.text

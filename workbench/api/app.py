@@ -127,6 +127,8 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
         entry = entry_for(body.model)
         params = _sampling(body, body.max_tokens)
         known = len(prompt) if isinstance(prompt, list) else None
+        if known is None and body.stream and body.continuous_usage:  # every chunk's usage names the prompt's size
+            known = len(entry.runner.tokenizer.encode(prompt))
         return await _serve(request, body, entry.name, prompt, params, known, _CompletionFormat())
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
