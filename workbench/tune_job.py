@@ -14,7 +14,10 @@ import threading
 import time
 import weakref
 
+from runner_core.tuning import Target, tune
+from runner_core.tuning.results import judge, point_summary
 from workbench.handles import SessionBusyError
+from workbench.tuning_backend import DEFAULT_WORKLOAD, SessionBackend
 
 _JOBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> its latest TuneJob
 _JOBS_LOCK = threading.Lock()
@@ -26,8 +29,6 @@ class TuneJob:
     `result(timeout)` waits for the TuneResult; `cancel()` stops it (the run in progress is cancelled too)."""
 
     def __init__(self, session, space, workload, target, *, model: str | None, repeats: int, warmup: int, results):
-        from workbench.tuning import SessionBackend
-
         self.session = session
         self.space, self.workload, self.target = space, workload, target
         self.repeats, self.warmup, self.results_path = repeats, warmup, results
@@ -51,9 +52,6 @@ class TuneJob:
         `workload` (None: the
         default run_load workload) under `target` (None: p99 TPOT <= 100 ms). Raises SessionBusyError while
         another sweep of the session runs."""
-        from runner_core.tuning import Target
-        from workbench.tuning import DEFAULT_WORKLOAD
-
         with _JOBS_LOCK:
             running = _JOBS.get(session)
             if running is not None and not running.done:
@@ -69,8 +67,6 @@ class TuneJob:
 
     # ---- the sweep's thread --------------------------------------------------------------------------
     def _run(self) -> None:
-        from runner_core.tuning import tune
-
         try:
             result = tune(self.space, self.workload, self.target, backend=self.backend, repeats=self.repeats,
                           warmup=self.warmup, results=self.results_path, on_progress=self._on_progress,
@@ -114,8 +110,6 @@ class TuneJob:
         max) and judged against the target, as the sweep's result lists them."""
         if self._result is not None:
             return list(self._result.points)
-        from runner_core.tuning.results import judge, point_summary
-
         groups: dict[str, list[dict]] = {}
         for row in self.rows:
             groups.setdefault(row["key"], []).append(row)

@@ -1,7 +1,7 @@
-"""Tuning from the session: `run_load` (a runner_core.tuning Workload against a loaded model, sent from the
-caller's thread at its arrival times, one RequestRecord per request, summarized as the in-process driver does)
-and `SessionBackend` (the TuneBackend a sweep drives: live knobs through the engine thread, the rest by
-reloading the model under the same name). `TuneJob` (tune_job.py) runs a sweep in the background.
+"""Load runs and the sweep's backend over a session: `run_load` (a runner_core.tuning Workload against a
+loaded model, sent from the caller's thread at its arrival times, one RequestRecord per request, summarized as
+the in-process driver does) and `SessionBackend` (the TuneBackend a sweep drives: live knobs through the engine
+thread, the rest by reloading the model under the same name).
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from runner_core import RunnerConfig, SamplingParams
 from runner_core.config import RECONFIGURABLE
 from runner_core.tuning import RequestRecord, RunResult, Target, Workload, summarize, vocab_and_tokenizer
 from workbench.handles import RequestHandle, SessionError
-from workbench.tune_job import TuneJob
 
-__all__ = ["DEFAULT_WORKLOAD", "SessionBackend", "TuneJob", "run_load"]
+__all__ = ["DEFAULT_WORKLOAD", "SessionBackend", "run_load"]
 
 DEFAULT_WORKLOAD = Workload(num_requests=16)
 LIVE_FIELDS = frozenset(f for group in RECONFIGURABLE.values() for f in group)  # changed without a reload
