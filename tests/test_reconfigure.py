@@ -11,6 +11,7 @@ import pytest
 
 from runner_core import ConfigError, EngineBusyError, ModelRunner, SamplingParams
 from runner_core.config import RECONFIGURABLE
+from runner_core.memory import MemoryManager
 
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4  # tiny-llama, fp32: layers x (K, V) x kv heads x head_dim x 4 bytes
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -80,12 +81,21 @@ def test_the_scheduler_honours_a_new_max_num_seqs(tiny_llama_path, expected):
     assert max(m.num_seqs for m in list(runner.step_metrics)[seen:]) == len(PROMPTS)
 
 
-def test_a_pool_rebuild_releases_the_old_pool_first(tiny_llama_path):
+def test_a_pool_rebuild_releases_the_old_pool_first(tiny_llama_path, monkeypatch):
     runner = ModelRunner(_config(tiny_llama_path, enable_prefix_caching=True)).load_model()
     runner.generate(PROMPTS[:2], GREEDY)
     assert runner.memory_stats()["blocks_cached"] > 0
     old = weakref.ref(runner.engine.memory.kv_cache)
+    old_alive_at_allocation = []
+    allocate = MemoryManager.allocate_kv_cache
+
+    def spy(self, *args):
+        old_alive_at_allocation.append(old() is not None)
+        return allocate(self, *args)
+
+    monkeypatch.setattr(MemoryManager, "allocate_kv_cache", spy)
     result = runner.reconfigure(kv_cache_memory=64 * 16 * BYTES_PER_TOKEN)
+    assert old_alive_at_allocation == [False]  # the two pools never coexist: memory does not double
     assert old() is None  # nothing (layers, manager, forward pass) holds the old tensor
     assert result["prefix_cache_dropped"] is True
     stats = runner.memory_stats()
@@ -148,3 +158,48 @@ def test_a_busy_engine_is_refused_and_keeps_its_requests(tiny_llama_path, expect
     assert tokens == [expected[0]]
     assert runner.reconfigure(block_size=8)["rebuilt"] == "pool"
     assert _tokens(runner) == expected
+
+
+def test_a_compiled_runner_keeps_its_decode_programs_across_a_pool_change(compiled_tiny_llama, tiny_llama_path):
+    """The session's compiled runner (its compile is shared; this test puts every setting back): the CPU
+    decode programs take the pool per call, so a block size change keeps them; a max_num_seqs below a
+    program's size rebuilds them from the compile cache; compile off and on again goes through the
+    compile switch. Tokens equal an eager runner's throughout, with no recompile."""
+    runner, prompts = compiled_tiny_llama, PROMPTS[:3]  # three decodes run at the size-4 program
+    eager = ModelRunner(_config(tiny_llama_path, block_size=8)).load_model()
+    want = [o.token_ids for o in eager.generate(prompts, GREEDY)]
+    programs = runner.engine.worker.forward_pass.decode_programs
+    before, recompiles = runner.config, runner.compile_stats()["recompiles_after_warmup"]
+    try:
+        assert runner.reconfigure(block_size=8)["rebuilt"] == "pool"
+        assert runner.engine.worker.forward_pass.decode_programs is programs and programs.sizes == [1, 4]
+        runs = programs.runs[4]
+        assert [o.token_ids for o in runner.generate(prompts, GREEDY)] == want
+        assert programs.runs[4] > runs
+        assert runner.reconfigure(max_num_seqs=2)["rebuilt"] == "scheduler"
+        assert runner.engine.worker.forward_pass.decode_programs.sizes == [1]
+        assert [o.token_ids for o in runner.generate(prompts, GREEDY)] == want
+        assert runner.reconfigure(compile=False)["rebuilt"] == "compile"
+        assert not runner.compile_stats()["enabled"] and runner.engine.worker.forward_pass.decode_programs is None
+        assert [o.token_ids for o in runner.generate(prompts, GREEDY)] == want
+    finally:
+        runner.reconfigure(**{k: getattr(before, k) for k in ("compile", "block_size", "max_num_seqs")})
+    assert runner.config == before and runner.engine.worker.forward_pass.decode_programs.sizes == [1, 4]
+    assert [o.token_ids for o in runner.generate(prompts, GREEDY)] == want
+    assert runner.compile_stats()["recompiles_after_warmup"] == recompiles
+
+
+def test_a_tensor_parallel_runner_reconfigures_every_rank(tiny_llama_path, expected):
+    """TP=2 over gloo: each rank attends over its own pool shard with its own block size, so a rank left
+    at the old block size or pool would read the wrong slots and change the tokens."""
+    runner = ModelRunner(_config(tiny_llama_path, device="cpu", tensor_parallel_size=2, kv_cache_memory=1 << 19,
+                                 parallel_timeout_s=60)).load_model()
+    try:
+        assert _tokens(runner) == expected
+        result = runner.reconfigure(block_size=8, kv_cache_memory=1 << 18, max_num_seqs=2)
+        assert result["rebuilt"] == "pool" and result["kv_tokens"] == 256  # 1 KiB per token on each rank
+        assert runner.kv_block_map()["block_size"] == 8
+        assert runner.memory_stats()["kv_pool_bytes"] == 1 << 18
+        assert _tokens(runner) == expected
+    finally:
+        runner.shutdown()
