@@ -1,9 +1,11 @@
 """workbench.tuning_charts: the Tuning tab's figures from a sweep's points (hand-built here, in the shape
 TuneJob.points and TuneResult.points give): valid and noted when empty, points labelled with the settings
-that differ, the target drawn where it applies, pass and fail told apart, and the progress fraction."""
+that differ, the target drawn where it applies, pass and fail told apart, and the progress fraction; then the
+Tuning tab of the ipywidgets view driven with .value and .click() through a tiny sweep on tiny-llama."""
 
 from __future__ import annotations
 
+import html
 import json
 from types import SimpleNamespace
 
@@ -12,6 +14,7 @@ import plotly.io as pio
 import pytest
 
 from runner_core.tuning import Target
+from workbench import Session
 from workbench import tuning_charts as tc
 
 TARGET = Target("tpot_p99_ms", 100.0)
@@ -98,3 +101,38 @@ def test_progress_fraction_and_the_recommendation_line():
     assert "margin 80%" in text and text.endswith("within noise of it: max_num_seqs=8")
     none = tc.recommendation_text(SimpleNamespace(recommendation=None, why="no point was measured"), TARGET)
     assert none == "**No recommendation**: no point was measured"
+
+
+def test_the_widgets_tuning_tab_proposes_values_runs_a_sweep_and_recommends(tiny_llama_path):
+    from runner_core.tuning import Workload, propose_space
+    from workbench.tuning import SessionBackend
+    from workbench.widgets import SessionWidgets
+
+    s = Session()
+    ui = SessionWidgets(s, auto_refresh=False)
+    try:
+        assert ui.tabs.titles == ("Live", "Tuning") and ui.tune_figures["pareto"].data == ()
+        s.load_model("tiny-llama", dtype="float32", kv_cache_memory=4 << 20, max_model_len=256)
+        ui.refresh()
+        proposed = propose_space(SessionBackend(s).capacity(), Workload(num_requests=ui.tune_requests.value))
+        assert ui.tune_concurrency.value == ", ".join(map(str, proposed.concurrency)), "from the KV capacity"
+        ui.window.value = "last run"
+        assert ui.chart_window == "last run"
+
+        ui.tune_concurrency.value = "1, x"
+        ui.tune_start.click()
+        assert "concurrency values: 'x' is not a whole number" in html.unescape(ui.error.value) and ui.tune_job is None
+        ui.tune_concurrency.value, ui.tune_seqs.value = "1, 2", ""
+        ui.tune_repeats.value, ui.tune_requests.value, ui.tune_limit.value = 1, 4, 1000.0
+        ui.tune_start.click()
+        assert ui.error.value == "" and ui.tune_job is not None
+        result = ui.tune_job.result(300)
+        ui.refresh()
+        assert ui.tune_progress.value == 100 and ui.tune_status.value.startswith("done")
+        met = next(t for t in ui.tune_figures["pareto"].data if t.name == "meets the target")
+        assert sorted(met.text) == ["c=1", "c=2"], "both points on the Pareto chart, labelled"
+        assert result.recommendation["label"] in ui.tune_recommendation.value
+        assert ui.tune_recommendation.value.startswith("Recommended: ")
+    finally:
+        ui.close()
+        s.close()

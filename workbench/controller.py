@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from runner_core.config import QUANTIZATIONS
-from workbench import charts
+from workbench import charts, tuning_charts
 from workbench.handles import RequestHandle
 from workbench.model_roots import ModelRoots
 from workbench.session import Session
@@ -27,6 +27,36 @@ WINDOW_CHOICES = {"last minute": ("minutes", 1.0), "last 2 minutes": ("minutes",
                   "last 5 minutes": ("minutes", 5.0), "last 10 minutes": ("minutes", 10.0),
                   "last run": ("run", charts.WINDOW_MINUTES)}
 DEFAULT_WINDOW = "last 2 minutes"
+# the Tuning form: the target metrics offered and the defaults before a model's KV capacity proposes values
+TUNE_METRICS = ("tpot_p99_ms", "ttft_p99_ms", "e2e_p99_ms", "itl_p99_ms", "tpot_p50_ms", "ttft_p50_ms")
+TUNE_DEFAULTS = {"concurrency": "1, 2, 4, 8", "max_num_seqs": "", "metric": "tpot_p99_ms", "limit": 100.0,
+                 "repeats": 3, "requests": 16}
+
+
+def parse_values(text: str, field: str) -> list[int]:
+    """"1, 2, 4" -> [1, 2, 4]; ValueError naming the field and the piece that is not a whole number >= 1."""
+    values = []
+    for piece in text.replace(";", ",").replace(" ", ",").split(","):
+        if piece:
+            if not piece.isdigit() or int(piece) < 1:
+                raise ValueError(f"{field}: {piece!r} is not a whole number >= 1; give a list such as 1, 2, 4, 8")
+            values.append(int(piece))
+    return values
+
+
+def tune_plan(concurrency: str, max_num_seqs: str, metric: str, limit: float, repeats: int, requests: int):
+    """(SweepSpace, Workload, Target, repeats) from the Tuning form's fields (lists as text: "1, 2, 4"; an
+    empty max_num_seqs list leaves it as loaded); ValueError naming the field at fault."""
+    from runner_core.tuning import SweepSpace, Target, Workload
+
+    levels = parse_values(concurrency, "concurrency values")
+    if not levels:
+        raise ValueError("concurrency values: give at least one, such as 1, 2, 4, 8")
+    seqs = parse_values(max_num_seqs, "max_num_seqs values")
+    if int(repeats) < 1 or int(requests) < 1:
+        raise ValueError(f"repeats {repeats} and requests per run {requests}: both must be at least 1")
+    space = SweepSpace(concurrency=levels, scheduler={"max_num_seqs": seqs} if seqs else {})
+    return space, Workload(num_requests=int(requests)), Target(metric, float(limit)), int(repeats)
 STORAGE_NONE = "none"  # the load form's storage choice for weights kept in the compute dtype
 STORAGE_CHOICES = (STORAGE_NONE, *(q for q in QUANTIZATIONS if q))  # none, int8, int4
 IMAGE_PLACEHOLDER = "<image>"  # where a multimodal prompt's image goes (LLaVA's placeholder)
@@ -98,6 +128,9 @@ class ViewController:
         self.image = None  # the uploaded image (PIL) the next generation sends, if any
         self._syncing = False  # set while the view copies the session's active model into its picker
         self.chart_window = DEFAULT_WINDOW  # a WINDOW_CHOICES label
+        self.tune_job = None  # the sweep the Tuning tab started (a workbench.tune_job.TuneJob)
+        self._tune_version = -1  # the job's version the tuning charts show
+        self._tune_model = None  # the model whose KV capacity proposed the Tuning form's values
 
     # ---- supplied by the view ---------------------------------------------------------------
     def show_error(self, message: str) -> None:
@@ -216,6 +249,65 @@ class ViewController:
         if label not in WINDOW_CHOICES:
             raise ValueError(f"chart window {label!r}: use one of {', '.join(WINDOW_CHOICES)}")
         self.chart_window = label
+
+    def proposed_tuning(self, requests: int = TUNE_DEFAULTS["requests"]) -> dict:
+        """The Tuning form's concurrency and max_num_seqs lists proposed from the active model's KV capacity
+        (runner_core.tuning's propose_space); TUNE_DEFAULTS' when no model is loaded."""
+        if self.session.active_model is None:
+            return dict(TUNE_DEFAULTS)
+        from runner_core.tuning import Workload, propose_space
+        from workbench.tuning import SessionBackend
+
+        space = propose_space(SessionBackend(self.session).capacity(), Workload(num_requests=int(requests)))
+        return {**TUNE_DEFAULTS, "requests": int(requests), "concurrency": ", ".join(map(str, space.concurrency)),
+                "max_num_seqs": ", ".join(map(str, space.scheduler.get("max_num_seqs", [])))}
+
+    def tuning_proposal(self, requests: int) -> dict | None:
+        """proposed_tuning's values when the active model changed since the last proposal and no sweep runs
+        (the form then shows them), else None."""
+        s, job = self.session, self.tune_job
+        if s.active == self._tune_model or s.active_model is None or not s.active_model.ready or (
+                job is not None and not job.done):
+            return None
+        self._tune_model = s.active
+        try:
+            return self.proposed_tuning(requests)
+        except Exception as exc:  # shown; the form keeps its values
+            self.show_error(f"Propose sweep values: {exc}")
+            return None
+
+    def start_tune(self, concurrency: str, max_num_seqs: str, metric: str, limit: float, repeats: int,
+                   requests: int):
+        """Start a sweep of the active model from the form's fields (see tune_plan); the job or None."""
+        def start():
+            space, workload, target, n = tune_plan(concurrency, max_num_seqs, metric, limit, repeats, requests)
+            return self.session.tune(space, workload, target=target, repeats=n)
+
+        job = self.guard("Tune", start)
+        if job is not None:
+            self.tune_job, self._tune_version = job, -1
+        return job
+
+    def cancel_tune(self) -> None:
+        if self.tune_job is not None:
+            self.tune_job.cancel()
+
+    def tune_state(self) -> tuple[str, float, dict | None, str]:
+        """(the sweep's status line, the fraction done, its charts when the job moved since the last call
+        else None, the recommendation once it finished)."""
+        job = self.tune_job
+        if job is None:
+            return "no sweep yet: set the values and press Start sweep", 0.0, None, ""
+        version = job.version
+        done = job.done and job.error is None
+        result = job.result(0) if done else None
+        figures = None
+        if version != self._tune_version:
+            self._tune_version = version
+            figures = tuning_charts.all_figures(job.points, job.target, result)
+        fraction = 1.0 if done and not job.cancelled else tuning_charts.progress_fraction(job.progress, job.repeats)
+        recommendation = tuning_charts.recommendation_text(result, job.target) if done else ""
+        return job.status, fraction, figures, recommendation
 
     def use(self, name: str) -> None:
         self.guard("Switch model", lambda: self.session.use(name))

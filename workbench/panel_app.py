@@ -17,13 +17,16 @@ import panel as pn
 
 from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, COMPILE_SCOPES, QUANT_GROUP_SIZES
 from runner_core.models import preset_names
-from workbench import charts
+from runner_core.tuning import Target
+from workbench import charts, tuning_charts
 from workbench.controller import (
     DEFAULT_LOAD,
     DEFAULT_MODEL,
     DEFAULT_WINDOW,
     STORAGE_CHOICES,
     STORAGE_NONE,
+    TUNE_DEFAULTS,
+    TUNE_METRICS,
     WINDOW_CHOICES,
     ViewController,
     default_device,
@@ -131,6 +134,7 @@ class SessionDashboard(ViewController):
                                             config={"displaylogo": False, "responsive": True})
                        for name, fig in charts.all_figures([]).items()}
 
+        self._build_tuning()
         self.wire_buttons()
         self.active_select.param.watch(lambda event: self.on_active(event.new), "value")
         self.image_input.param.watch(lambda event: self.on_image(event.new), "value")
@@ -155,8 +159,44 @@ class SessionDashboard(ViewController):
         header = pn.Row(pn.pane.Markdown("## runner-workbench", margin=(0, 10)), self.spinner, self.status,
                         sizing_mode="stretch_width")
         main = pn.Column(self.error, self.info, generation, self.window_select, grid, sizing_mode="stretch_width")
-        self.layout = pn.Column(header, pn.Row(sidebar, main, sizing_mode="stretch_width"),
-                                sizing_mode="stretch_width", css_classes=["wb-dashboard"])
+        tabs = pn.Tabs(("Live", pn.Row(sidebar, main, sizing_mode="stretch_width")), ("Tuning", self.tuning),
+                       sizing_mode="stretch_width", css_classes=["wb-tabs"])
+        self.layout = pn.Column(header, tabs, sizing_mode="stretch_width", css_classes=["wb-dashboard"])
+
+    def _build_tuning(self) -> None:
+        """The Tuning tab: the sweep's form, Start / Cancel, its progress and the three charts."""
+        w, d = pn.widgets, TUNE_DEFAULTS
+        self.tune_concurrency = w.TextInput(name="concurrency values", value=d["concurrency"],
+                                            css_classes=["wb-tune-concurrency"], width=2 * SAMPLING_FIELD)
+        self.tune_seqs = w.TextInput(name="max_num_seqs values", value=d["max_num_seqs"], placeholder="as loaded",
+                                     css_classes=["wb-tune-seqs"], width=2 * SAMPLING_FIELD)
+        self.tune_metric = w.Select(name="target metric", options=list(TUNE_METRICS), value=d["metric"],
+                                    width=SAMPLING_FIELD)
+        self.tune_limit = w.FloatInput(name="limit (ms)", value=d["limit"], start=0, width=SAMPLING_FIELD,
+                                       css_classes=["wb-tune-limit"])
+        self.tune_repeats = w.IntInput(name="repeats", value=d["repeats"], start=1, width=SAMPLING_FIELD,
+                                       css_classes=["wb-tune-repeats"])
+        self.tune_requests = w.IntInput(name="requests per run", value=d["requests"], start=1, width=SAMPLING_FIELD,
+                                        css_classes=["wb-tune-requests"])
+        self.tune_start = w.Button(name="Start sweep", button_type="primary", css_classes=["wb-tune-start"])
+        self.tune_cancel = w.Button(name="Cancel sweep", css_classes=["wb-tune-cancel"])
+        self.tune_progress = pn.indicators.Progress(value=0, max=100, width=300, css_classes=["wb-tune-progress"])
+        self.tune_status = pn.pane.Markdown("", css_classes=["wb-tune-status"])
+        self.tune_recommendation = pn.pane.Markdown("", css_classes=["wb-tune-recommendation"])
+        self.tune_charts = {name: pn.pane.Plotly(fig, height=charts.HEIGHT + 10, sizing_mode="stretch_width",
+                                                 css_classes=[f"wb-tune-{name.replace('_', '-')}"],
+                                                 config={"displaylogo": False, "responsive": True})
+                            for name, fig in tuning_charts.all_figures([], Target()).items()}
+        self.tune_start.on_click(lambda _event: self.on_tune())
+        self.tune_cancel.on_click(lambda _event: self.cancel_tune())
+        form = pn.Row(self.tune_concurrency, self.tune_seqs, self.tune_metric, self.tune_limit, self.tune_repeats,
+                      self.tune_requests, sizing_mode="stretch_width")
+        self.tuning = pn.Column(
+            pn.pane.Markdown("**Sweep** the loaded model's scheduler live (no reload): the most output tokens/s "
+                             "whose target metric stays under the limit. The values come from its KV capacity."),
+            form, pn.Row(self.tune_start, self.tune_cancel, self.tune_progress), self.tune_status,
+            self.tune_recommendation, pn.GridBox(*self.tune_charts.values(), ncols=2, sizing_mode="stretch_width"),
+            sizing_mode="stretch_width")
 
     # ---- messages -------------------------------------------------------------------------------
     def show_error(self, message: str) -> None:
@@ -197,6 +237,11 @@ class SessionDashboard(ViewController):
             self.answer.object = _pre("")
             self.answer_stats.object = "_generating…_"
 
+    def on_tune(self) -> None:
+        if self.start_tune(self.tune_concurrency.value, self.tune_seqs.value, self.tune_metric.value,
+                           self.tune_limit.value, self.tune_repeats.value, self.tune_requests.value) is not None:
+            self.tune_recommendation.object = ""
+
     def on_chart_window(self, label: str) -> None:
         self.set_chart_window(label)
         self._chart_version = -1  # redraw at the next refresh
@@ -234,11 +279,24 @@ class SessionDashboard(ViewController):
             self.answer_stats.object = self.answer_stats_text()
         if self.workload:
             self.workload_md.object = self.workload_summary()
+        self._refresh_tuning()
         version = s.metrics.version
         if version != self._chart_version or s.active != self._chart_model:
             self._chart_version, self._chart_model = version, s.active
             for name, fig in self.chart_figures().items():
                 self.charts[name].object = fig
+
+    def _refresh_tuning(self) -> None:
+        proposed = self.tuning_proposal(self.tune_requests.value)
+        if proposed:
+            self.tune_concurrency.value, self.tune_seqs.value = proposed["concurrency"], proposed["max_num_seqs"]
+        status, fraction, figures, recommendation = self.tune_state()
+        self.tune_status.object = html.escape(status)
+        self.tune_progress.value = round(100 * fraction)
+        for name, fig in (figures or {}).items():
+            self.tune_charts[name].object = fig
+        if recommendation:
+            self.tune_recommendation.object = recommendation
 
     def _status_line(self, s: Session) -> str:
         """The session's status; while it is busy on one thing (loading, compiling), for how long."""

@@ -20,13 +20,16 @@ import plotly.graph_objects as go
 
 from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, QUANT_GROUP_SIZES
 from runner_core.models import preset_names
-from workbench import charts
+from runner_core.tuning import Target
+from workbench import charts, tuning_charts
 from workbench.controller import (
     DEFAULT_LOAD,
     DEFAULT_MODEL,
     DEFAULT_WINDOW,
     STORAGE_CHOICES,
     STORAGE_NONE,
+    TUNE_DEFAULTS,
+    TUNE_METRICS,
     WINDOW_CHOICES,
     ViewController,
     default_device,
@@ -104,10 +107,39 @@ class SessionWidgets(ViewController, W.VBox):
                              W.HBox([self.output, self.image_view]), self.stats,
                              W.HBox([self.workload_n, self.workload_button])])
         grid = W.GridBox(list(self.figures.values()), layout=W.Layout(**GRID))
-        W.VBox.__init__(self, [self.status, self.error, controls, generation, self.window, grid], layout=layout)
+        self.tabs = W.Tab(children=[W.VBox([controls, generation, self.window, grid]), self._build_tuning()],
+                          titles=("Live", "Tuning"))
+        W.VBox.__init__(self, [self.status, self.error, self.tabs], layout=layout)
         self.refresh()
         if auto_refresh:
             self._start_auto_refresh()
+
+    def _build_tuning(self) -> W.VBox:
+        """The Tuning tab: the sweep's form, Start / Cancel, its progress and the three charts."""
+        d, field = TUNE_DEFAULTS, W.Layout(width="170px")
+        self.tune_concurrency = W.Text(value=d["concurrency"], description="concurrency values", style=LABEL)
+        self.tune_seqs = W.Text(value=d["max_num_seqs"], placeholder="as loaded", description="max_num_seqs values",
+                                style=LABEL)
+        self.tune_metric = W.Dropdown(options=TUNE_METRICS, value=d["metric"], description="target", style=LABEL,
+                                      layout=W.Layout(width="210px"))
+        self.tune_limit = W.FloatText(value=d["limit"], description="limit (ms)", style=LABEL, layout=field)
+        self.tune_repeats = W.BoundedIntText(value=d["repeats"], min=1, max=20, description="repeats", style=LABEL,
+                                             layout=field)
+        self.tune_requests = W.BoundedIntText(value=d["requests"], min=1, max=4096, description="requests per run",
+                                              style=LABEL, layout=W.Layout(width="200px"))
+        self.tune_start = W.Button(description="Start sweep", button_style="primary", icon="play")
+        self.tune_cancel = W.Button(description="Cancel sweep", icon="stop")
+        self.tune_progress = W.IntProgress(value=0, min=0, max=100)
+        self.tune_status = W.HTML("")
+        self.tune_recommendation = W.HTML("")
+        self.tune_figures = {name: go.FigureWidget(fig)
+                             for name, fig in tuning_charts.all_figures([], Target()).items()}
+        self.tune_start.on_click(lambda _button: self.on_tune())
+        self.tune_cancel.on_click(lambda _button: self.cancel_tune())
+        return W.VBox([W.HBox([self.tune_concurrency, self.tune_seqs]),
+                       W.HBox([self.tune_metric, self.tune_limit, self.tune_repeats, self.tune_requests]),
+                       W.HBox([self.tune_start, self.tune_cancel, self.tune_progress]), self.tune_status,
+                       self.tune_recommendation, W.GridBox(list(self.tune_figures.values()), layout=W.Layout(**GRID))])
 
     # ---- messages -----------------------------------------------------------------------------
     def show_error(self, message: str) -> None:
@@ -133,6 +165,11 @@ class SessionWidgets(ViewController, W.VBox):
         self.image_view.value = preview or b""
         self.image_view.layout.display = None if preview else "none"
 
+    def on_tune(self) -> None:
+        if self.start_tune(self.tune_concurrency.value, self.tune_seqs.value, self.tune_metric.value,
+                           self.tune_limit.value, self.tune_repeats.value, self.tune_requests.value) is not None:
+            self.tune_recommendation.value = ""
+
     def on_chart_window(self, label: str) -> None:
         self.set_chart_window(label)
         self._chart_version = -1  # redraw now
@@ -155,11 +192,24 @@ class SessionWidgets(ViewController, W.VBox):
         if self.handle is not None:
             self.output.value = self.handle.text
             self.stats.value = self.answer_stats_text()
+        self._refresh_tuning()
         if s.metrics.version != self._chart_version:
             self._chart_version = s.metrics.version
             new = self.chart_figures()
             for name, widget in self.figures.items():
                 _update_figure(widget, new[name])
+
+    def _refresh_tuning(self) -> None:
+        proposed = self.tuning_proposal(self.tune_requests.value)
+        if proposed:
+            self.tune_concurrency.value, self.tune_seqs.value = proposed["concurrency"], proposed["max_num_seqs"]
+        status, fraction, figures, recommendation = self.tune_state()
+        self.tune_status.value = html.escape(status)
+        self.tune_progress.value = round(100 * fraction)
+        for name, fig in (figures or {}).items():
+            _update_figure(self.tune_figures[name], fig)
+        if recommendation:
+            self.tune_recommendation.value = html.escape(recommendation.replace("**", ""))
 
     def wait(self, timeout: float = 120.0) -> SessionWidgets:
         """Wait for pending loads/unloads/compiles and running requests, then refresh."""
