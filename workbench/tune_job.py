@@ -3,9 +3,12 @@ engine thread: the sweep submits requests and waits, the engine thread runs them
 for notebooks and dashboards, and cancel. One job per session at a time.
 
 While a job runs its model is marked `sweeping`: the compile switch (session.set_compile_mode, the
-dashboards' compile buttons) is refused with SessionBusyError. Other requests sent to the model (the
-dashboards' workload button, the API) are served but share the engine with the sweep and skew its figures;
-unloading the model fails the job ("not loaded"); loading another model beside it is allowed.
+dashboards' compile buttons) and session.reconfigure are refused with SessionBusyError. Other requests sent
+to the model (the dashboards' workload button, the API) are served but share the engine with the sweep and
+skew its figures, and a change between points waits for them (up to a minute, then the job fails saying
+they run); unloading the model fails the job ("not loaded"); loading another model beside it is allowed.
+The session's telemetry gets a "tune" event at the start, "load_start"/"load_end" around each run and
+"tune_end" with the final status.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class TuneJob:
                       results=results)
             _JOBS[session] = job
         job.backend._entry().sweeping = True
+        session._telemetry.event("tune", model=job.model, workload=job.workload.label, target=job.target.label,
+                                 repeats=repeats, warmup=warmup)
         job._thread.start()
         return job
 
@@ -83,6 +88,7 @@ class TuneJob:
                 entry.sweeping = False
             self._done.set()
             self._bump()
+            self.session._telemetry.event("tune_end", model=self.model, status=self.status)
 
     def _on_progress(self, progress) -> None:
         with self._lock:

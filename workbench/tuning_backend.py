@@ -9,16 +9,17 @@ from __future__ import annotations
 import threading
 import time
 
-from runner_core import RunnerConfig, SamplingParams
+from runner_core import ConfigError, RunnerConfig, SamplingParams
 from runner_core.config import RECONFIGURABLE
 from runner_core.tuning import RequestRecord, RunResult, Target, Workload, summarize, vocab_and_tokenizer
-from workbench.handles import RequestHandle, SessionError
+from workbench.handles import RequestHandle
 
 __all__ = ["DEFAULT_WORKLOAD", "SessionBackend", "run_load"]
 
 DEFAULT_WORKLOAD = Workload(num_requests=16)
 LIVE_FIELDS = frozenset(f for group in RECONFIGURABLE.values() for f in group)  # changed without a reload
 _WAKE_S = 0.05  # how often a waiting run_load looks at its stop event
+OTHERS_WAIT_S = 60.0  # how long a sweep's change waits for requests others sent to the model
 
 
 def run_load(session, workload: Workload | None = None, *, target: Target | None = None, model: str | None = None,
@@ -151,9 +152,11 @@ class SessionBackend:
         current = entry.config.to_dict()
         unknown = sorted(set(settings) - set(current))
         if unknown:
-            raise SessionError(f"unknown setting{'s' * (len(unknown) > 1)} {', '.join(unknown)}: a sweep sets "
-                               "RunnerConfig fields (runner_core.config.RECONFIGURABLE lists the live ones)")
+            raise ConfigError(f"unknown setting{'s' * (len(unknown) > 1)} {', '.join(unknown)}: a sweep sets "
+                              "RunnerConfig fields (runner_core.config.RECONFIGURABLE lists the live ones)")
         changes = {k: v for k, v in settings.items() if current[k] != v}
+        if changes:
+            self._wait_for_others(entry.name)
         t0 = time.perf_counter()
         if any(k not in LIVE_FIELDS for k in changes):
             self._reload(entry, {**current, **changes})
@@ -165,6 +168,13 @@ class SessionBackend:
         else:
             rebuilt = "none"
         return {"seconds": time.perf_counter() - t0, "rebuilt": rebuilt}
+
+    def _wait_for_others(self, name: str) -> None:
+        """Let requests others sent to the model (the dashboards, the API) finish before a change, for up to
+        OTHERS_WAIT_S; past that the change is refused, saying they run."""
+        deadline = time.monotonic() + OTHERS_WAIT_S
+        for handle in self.session.inflight(name):
+            handle.wait(max(0.0, deadline - time.monotonic()))
 
     def _reload(self, entry, config: dict) -> None:
         """Load the model again with `config` under its name (validated first; the old config comes back if
