@@ -151,7 +151,7 @@ def test_against_the_sessions_api_it_sends_what_the_in_process_driver_sends(tiny
     try:
         session.load_model("tiny-llama", **config)
         server = session.serve_api()
-        over_http = run_http_workload(server.url, "tiny-llama", w, vocab_size=runner.engine.vocab_size)
+        over_http = run_http_workload(server.url, "tiny-llama", w, tokenizer=runner.tokenizer)  # its vocab
     finally:
         session.close()
     for a, b in zip(over_http.records, in_process.records, strict=True):

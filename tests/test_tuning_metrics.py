@@ -4,6 +4,7 @@ due, a concurrency cap that holds, a refused request that fails alone."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -148,3 +149,16 @@ def test_a_refused_request_is_a_failed_record_and_the_run_goes_on(runner, tmp_pa
     assert ok == [True, False, True] and str(vocab + 5) in result.records[1].error
     assert [r.output_tokens for r in result.records] == [4, 0, 3] and result.summary["failed"] == 1
     assert not runner.has_unfinished_requests()
+
+
+def test_a_sharegpt_file_runs_with_reply_lengths_counted_by_the_models_tokenizer(runner, tmp_path):
+    replies = ["a short answer", "a somewhat longer answer than the other one"]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"question {i}"},
+                                                   {"from": "gpt", "value": reply}]}
+                                for i, reply in enumerate(replies)]))
+    result = run_workload(runner, Workload(num_requests=2, dataset=str(path)))
+    hf = runner.tokenizer.hf
+    assert [r.output_tokens for r in result.records] == [len(hf(t, add_special_tokens=False).input_ids)
+                                                         for t in replies]
+    assert [r.prompt_tokens for r in result.records] == [len(hf(f"question {i}").input_ids) for i in range(2)]

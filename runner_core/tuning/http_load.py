@@ -19,7 +19,7 @@ import threading
 import time
 
 from runner_core.tuning.request_metrics import RequestRecord, RunResult, Target, summarize
-from runner_core.tuning.workload import Workload, WorkloadRequest
+from runner_core.tuning.workload import Workload, WorkloadRequest, tokenizer_vocab
 
 
 def run_http_workload(base_url: str, model: str, workload: Workload, *, api_key: str | None = None,
@@ -61,7 +61,7 @@ async def run_http_workload_async(base_url: str, model: str, workload: Workload,
     if not isinstance(workload, Workload):
         raise ValueError(f"workload must be a Workload, got {type(workload).__name__}")
     if vocab_size is None and tokenizer is not None:
-        vocab_size = len(tokenizer)
+        vocab_size = tokenizer_vocab(tokenizer)
     if vocab_size is None and workload.dataset is None:
         raise ValueError("synthetic prompts need vocab_size= (the model's vocabulary, e.g. runner.engine.vocab_size) "
                          "or a tokenizer")
@@ -100,7 +100,7 @@ def _body(model: str, req: WorkloadRequest, continuous_usage: bool) -> dict:
 def _prompt_tokens(req: WorkloadRequest, tokenizer) -> int:
     if isinstance(req.prompt, list):
         return len(req.prompt)
-    return len(tokenizer.encode(req.prompt)) if tokenizer is not None else 0
+    return len(tokenizer.encode(req.prompt)) if tokenizer is not None else 0  # with BOS, as the server counts
 
 
 def _error_message(status: int, body: bytes) -> str:

@@ -173,8 +173,8 @@ class Workload:
         SamplingParams(max_tokens=1, temperature=self.temperature, top_p=self.top_p, ignore_eos=self.ignore_eos)
 
     def requests(self, vocab_size: int, tokenizer=None) -> list[WorkloadRequest]:
-        """The requests in due order. `vocab_size` bounds synthetic token ids; `tokenizer` (one with
-        `encode`) counts a ShareGPT reply's tokens."""
+        """The requests in due order. `vocab_size` bounds synthetic token ids; `tokenizer` (runner_core's
+        or a Hugging Face one) counts a ShareGPT reply's tokens."""
         rng = random.Random(self.seed)
         due = self.arrivals.offsets(self.num_requests, random.Random(f"arrivals-{self.seed}"))
         if self.dataset is None:
@@ -238,8 +238,21 @@ class DatasetEntry:
         if self.max_tokens is not None:
             return self.max_tokens
         if self.reply is not None and tokenizer is not None:
-            return max(1, len(tokenizer.encode(self.reply, add_special_tokens=False)))
+            return max(1, count_tokens(tokenizer, self.reply))
         return default.sample(rng)
+
+
+def count_tokens(tokenizer, text: str) -> int:
+    """Tokens of `text` without special tokens, by runner_core's Tokenizer or a Hugging Face one."""
+    hf = getattr(tokenizer, "hf", tokenizer)
+    if hf is None:  # runner_core's byte-level fallback: one token per UTF-8 byte
+        return len(text.encode("utf-8"))
+    return len(hf.encode(text, add_special_tokens=False))
+
+
+def tokenizer_vocab(tokenizer) -> int:
+    """The number of token ids of runner_core's Tokenizer or a Hugging Face one."""
+    return tokenizer.vocab_size if hasattr(tokenizer, "hf") else len(tokenizer)
 
 
 def load_dataset(path) -> list[DatasetEntry]:
