@@ -69,10 +69,12 @@ def test_synthetic_requests_follow_lengths_vocab_and_sampling():
 
 def test_to_dict_round_trips_through_json(tmp_path):
     w = Workload(num_requests=9, arrivals=Arrivals.gamma(3.5, 0.5, concurrency=4), prompt_len=Lengths.fixed(12),
-                 dataset=str(tmp_path / "d.jsonl"), temperature=0.5, seed=2)
+                 dataset=tmp_path / "d.jsonl", temperature=0.5, seed=2)
     assert Workload.from_dict(json.loads(json.dumps(w.to_dict()))) == w
     with pytest.raises(ValueError, match="unknown keys \\['rate'\\]"):
         Workload.from_dict({**w.to_dict(), "rate": 3})
+    with pytest.raises(ValueError, match="bad arrivals .*unexpected keyword argument .speed."):
+        Workload.from_dict({**w.to_dict(), "arrivals": {"kind": "burst", "speed": 1}})
 
 
 def test_labels_name_the_arrivals():

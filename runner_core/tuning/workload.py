@@ -168,6 +168,8 @@ class Workload:
                 raise ValueError(f"Workload.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         if self.dataset is not None and not isinstance(self.dataset, (str, Path)):
             raise ValueError(f"Workload.dataset must be a file path or None, got {self.dataset!r}")
+        if isinstance(self.dataset, Path):
+            object.__setattr__(self, "dataset", str(self.dataset))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"Workload.seed must be an int >= 0, got {self.seed!r}")
         SamplingParams(max_tokens=1, temperature=self.temperature, top_p=self.top_p, ignore_eos=self.ignore_eos)
@@ -201,10 +203,7 @@ class Workload:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        if out["dataset"] is not None:
-            out["dataset"] = str(out["dataset"])
-        return out
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> Workload:
@@ -215,7 +214,10 @@ class Workload:
         d = dict(d)
         for name, kind in (("arrivals", Arrivals), ("prompt_len", Lengths), ("output_len", Lengths)):
             if isinstance(d.get(name), dict):
-                d[name] = kind(**d[name])
+                try:
+                    d[name] = kind(**d[name])
+                except TypeError as e:
+                    raise ValueError(f"Workload.from_dict: bad {name} {d[name]!r} ({e})") from None
         return cls(**d)
 
     @property
