@@ -1,4 +1,5 @@
-"""Command line: `python -m runner_core generate --model tiny-llama --prompt "..."`."""
+"""Command line: `python -m runner_core generate --model tiny-llama --prompt "..."`, and
+`python -m runner_core tune --model small-llama` (a sweep under a latency target: runner_core/tuning/cli.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import sys
 
 from runner_core import ModelRunner, RunnerError, SamplingParams
+from runner_core.tuning import cli as tuning_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,12 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    tuning_cli.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "tune":
+        try:
+            return tuning_cli.run(args)
+        except (RunnerError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         runner = ModelRunner(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                              tensor_parallel_size=args.tensor_parallel_size,
