@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 
 from runner_core import ConfigError, ModelRunner
-from runner_core.tuning import Arrivals, Lengths, SweepSpace, Target, Workload, run_workload
+from runner_core.tuning import Arrivals, Lengths, SweepSpace, Target, Workload, propose_space, run_workload
 from workbench import Session, SessionBusyError
 from workbench.tuning import SessionBackend, TuneJob, run_load
 
@@ -145,6 +145,22 @@ def test_backend_reloads_for_a_dtype_and_keeps_the_model_on_a_bad_value(session)
         assert session.generate("Once upon a time", max_tokens=4, timeout=60).token_ids
     finally:
         backend.apply({"dtype": "float32"})
+
+
+def test_backend_capacity_is_the_kv_pool_and_proposes_a_space(session):
+    capacity = SessionBackend(session).capacity()
+    memory = session.memory_stats()
+    assert capacity["kv_tokens"] == memory["blocks_total"] * memory["block_size"] > 0
+    assert capacity["max_model_len"] == 256 and capacity["block_size"] == memory["block_size"]
+    assert propose_space(capacity, SMALL).concurrency
+
+
+def test_tune_job_with_a_bad_space_fails_naming_the_field(session):
+    job = session.tune(SweepSpace(concurrency=[1], scheduler={"max_num_seq": [4]}), SMALL)
+    with pytest.raises(ValueError, match="max_num_seq"):
+        job.result(timeout=60)
+    assert job.status.startswith("failed:") and "max_num_seq" in job.status
+    assert not session.models["tiny-llama"].sweeping
 
 
 def _sweep_space(concurrency):
