@@ -152,3 +152,44 @@ def test_dashboard_loads_a_quantized_model_and_charts_what_it_saved(page):
     bars = chart.locator(".js-plotly-plot").evaluate("el => el.data[0].x")
     assert len(bars) == 2 and 0 < bars[0] < bars[1]
     page.screenshot(path=str(OUT / "dashboard-int8.png"), full_page=True)
+
+
+def test_dashboard_tuning_tab_runs_a_sweep_live(page):
+    """The Tuning tab: a tiny sweep of tiny-llama (two concurrency values, one repeat) started by clicking;
+    the progress bar moves, the Pareto chart gets the points and the recommendation is shown."""
+    import re
+
+    from playwright.sync_api import expect
+
+    # tiny-llama as the first test loads it (only the active model when that test ran before this one)
+    page.locator(".wb-model select").select_option("tiny-llama")
+    page.locator(".wb-storage select").select_option("none")
+    for field, value in ((".wb-model-path input", ""), (".wb-max-len input", "2048")):
+        page.locator(field).fill(value)
+        page.locator(field).press("Enter")
+    page.get_by_role("button", name="Load model").click()
+    expect(page.locator(".wb-info")).to_contain_text(re.compile("Load tiny-llama: done|tiny-llama is already loaded"),
+                                                     timeout=SLOW)
+    expect(page.locator(".wb-status")).to_contain_text("active model: tiny-llama", timeout=SLOW)
+
+    page.locator(".wb-tabs .bk-tab").filter(has_text="Tuning").click()
+    concurrency = page.locator(".wb-tune-concurrency input")
+    expect(concurrency).not_to_have_value("")  # proposed from the KV capacity
+    for field, value in ((".wb-tune-concurrency input", "1, 2"), (".wb-tune-seqs input", ""),
+                         (".wb-tune-limit input", "1000"), (".wb-tune-repeats input", "1"),
+                         (".wb-tune-requests input", "4")):
+        page.locator(field).fill(value)
+        page.locator(field).press("Enter")
+    assert _tune_points(page) == 0
+    page.get_by_role("button", name="Start sweep").click()
+    progress = page.locator(".wb-tune-progress progress").element_handle()
+    page.wait_for_function("el => Number(el.getAttribute('value')) > 0", arg=progress, timeout=SLOW)
+    expect(page.locator(".wb-tune-recommendation")).to_contain_text("Recommended: concurrency=", timeout=SLOW)
+    expect(page.locator(".wb-tune-status")).to_contain_text("done")
+    assert _tune_points(page) == 2, "both points on the Pareto chart"
+    page.screenshot(path=str(OUT / "dashboard-tuning.png"), full_page=True)
+
+
+def _tune_points(page) -> int:
+    return page.locator(".wb-tune-pareto .js-plotly-plot").evaluate(
+        "el => (el.data || []).filter(t => t.mode === 'markers+text').reduce((n, t) => n + t.x.length, 0)")

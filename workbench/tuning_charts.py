@@ -111,6 +111,7 @@ def latency_vs_concurrency(points: Sequence[Point], target) -> go.Figure:
     if not shown:
         return _empty(fig, EMPTY_NOTE)
     labels = short_labels(shown)
+    fig.update_xaxes(tickmode="array", tickvals=sorted({concurrency(p) for p in shown}))  # the levels measured
     for col, (column, color) in enumerate((("ttft_p99_ms", COLORS["prefill"]), ("tpot_p99_ms", COLORS["decode"])), 1):
         kept = [(p, lab) for p, lab in zip(shown, labels) if _stat(p, column) is not None]
         if not kept:
