@@ -157,3 +157,10 @@ def test_against_the_sessions_api_it_sends_what_the_in_process_driver_sends(tiny
     for a, b in zip(over_http.records, in_process.records, strict=True):
         assert a.ok and (a.index, a.prompt_tokens, a.output_tokens) == (b.index, b.prompt_tokens, b.output_tokens)
     assert over_http.summary["output_tokens"] == sum(q.max_tokens for q in w.requests(runner.engine.vocab_size))
+
+
+def test_it_runs_from_inside_an_event_loop_as_a_notebook_cell_does(stub, tmp_path):
+    async def cell():
+        return run_http_workload(stub[0], "stub", Workload(num_requests=1, dataset=_dataset(tmp_path, [[4]])))
+
+    assert asyncio.run(cell()).records[0].output_tokens == 4
