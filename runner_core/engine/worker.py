@@ -22,6 +22,7 @@ from runner_core.compile import (
     cuda_capture_plan,
     cuda_graphs_status,
 )
+from runner_core.compile.decode_plan import default_sizes
 from runner_core.config import RunnerConfig, resolve_max_model_len
 from runner_core.engine.encoder_cache import EncoderCache
 from runner_core.engine.forward_pass import ForwardPass, StepBatch
@@ -195,9 +196,9 @@ class Worker:
         rebuild_pool = ("pool" in groups or plan.num_blocks > blocks
                         or (self.device.type == "cuda" and plan.num_blocks < blocks))
         programs = old_fp.decode_programs
-        had_programs = programs is not None
-        keep = (programs is not None and "compile" not in groups and not programs.holds_pool_address
-                and old.max_num_seqs == config.max_num_seqs)  # CPU packages take the pool and inputs per call
+        had_programs, resized = programs is not None, self._decode_sizes(old) != self._decode_sizes(config)
+        # CPU packages take the pool and the inputs at every call: valid while their sizes are
+        keep = had_programs and "compile" not in groups and not programs.holds_pool_address and not resized
         if programs is not None and not keep:
             old_fp.decode_programs = None
             if isinstance(programs, PackedDecodePrograms):
@@ -217,11 +218,18 @@ class Worker:
         elif keep:
             self.forward_pass.decode_programs = old_fp.decode_programs
         elif (self.compiler is not None and self.compiler.settings.enabled
-              and (had_programs or old.max_num_seqs != config.max_num_seqs)):
+              and (had_programs or resized)):
             self.forward_pass.decode_programs, reason = build_decode_programs(
                 self.compiler, config, self.hf_config, self.model, self.forward_pass, self.memory, self.max_model_len)
             self.compiler.decode_reason = reason
         return {"pool": rebuild_pool, "kv_tokens": self.pool_plan.num_tokens}
+
+    def _decode_sizes(self, config: RunnerConfig) -> list[int]:
+        """The decode batch sizes `config` asks programs for (those up to max_num_seqs)."""
+        sizes = config.compile_sizes
+        if sizes is None:
+            sizes = default_sizes(self.device.type, config.max_num_seqs)
+        return [s for s in sizes if s <= config.max_num_seqs]
 
     def move_kv_blocks(self, moves: dict[int, int], num_blocks: int) -> None:
         """Defragmentation on this rank: copy the K/V of each moved block, then cut the pool to
