@@ -217,3 +217,16 @@ def test_continuous_usage_counts_every_chunks_tokens(session, server):
     assert counts == sorted(counts) and counts[-1] == 16
     assert {c["usage"]["prompt_tokens"] for c in chunks} == {len(expected.prompt_token_ids)}
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected.text
+
+
+def test_a_client_that_gives_up_on_a_non_streamed_request_aborts_it(session, server):
+    idle = session.memory_stats()["blocks_used"]
+    aborted = ("runner_workbench:request_success_total", (("finished_reason", "abort"), ("model_name", "tiny-llama")))
+    before = _samples(server).get(aborted, 0.0)
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with slow_steps(session):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+        assert wait_until(lambda: not session.inflight())
+    assert _samples(server).get(aborted, 0.0) == before + 1
+    assert wait_until(lambda: session.memory_stats()["blocks_used"] == idle)

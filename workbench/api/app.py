@@ -149,7 +149,7 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
             handle = session.submit(prompt, model=model, sampling_params=params)
         except Exception as exc:  # the model went away, or the session closed
             raise _request_error(exc) from exc
-        job = Job(handle, metrics, prompt_tokens)
+        job = Job(handle, metrics, prompt_tokens, stream=body.stream)
         jobs.add(job)
         try:
             first = await job.next(request)

@@ -9,13 +9,13 @@ import time
 
 
 class Job:
-    """One served request. `next()` waits for new text (every piece that arrived, joined) and says whether
-    the request finished; given the HTTP request, a client gone while it waits cancels the generation.
-    When the request ends the pump thread counts it in the server's metrics; `close()` cancels it if it
-    still runs (the client left)."""
+    """One served request (`stream`: its text pieces are wanted as they come). `next()` waits for new
+    text (every piece that arrived, joined; `finished` says whether the request ended); given the HTTP
+    request, a client gone while it waits cancels the generation. When the request ends the pump thread
+    counts it in the server's metrics; `close()` cancels it if it still runs (the client left)."""
 
-    def __init__(self, handle, metrics, prompt_tokens: int | None = None):
-        self.handle, self.metrics = handle, metrics
+    def __init__(self, handle, metrics, prompt_tokens: int | None = None, *, stream: bool = True):
+        self.handle, self.metrics, self.stream = handle, metrics, stream
         self.prompt_tokens = prompt_tokens  # known up front for token ids; else from the final output
         self.sent_tokens = 0
         self.finished = False
@@ -25,8 +25,11 @@ class Job:
 
     def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            for piece in self.handle.stream():
-                loop.call_soon_threadsafe(self._queue.put_nowait, piece)
+            if self.stream:
+                for piece in self.handle.stream():
+                    loop.call_soon_threadsafe(self._queue.put_nowait, piece)
+            else:  # only the end matters: no wake-up per token
+                self.handle.wait()
         except BaseException:  # noqa: BLE001 - the handle keeps its error; the reader looks there
             pass
         finally:
@@ -37,19 +40,23 @@ class Job:
                 pass
 
     async def next(self, request=None, poll_s: float = 0.5) -> str:
-        """The text produced since the last call ("" when the request finished with no new text)."""
-        while True:
-            try:
-                first = await asyncio.wait_for(self._queue.get(), poll_s)
-                break
-            except TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    self.handle.cancel()
+        """The text produced since the last call ("" when the request finished with no new text; with
+        stream=False, "" once it finished)."""
+        first = await (self._queue.get() if request is None else self._get_watching(request, poll_s))
         pieces = [first]
         while not self._queue.empty():
             pieces.append(self._queue.get_nowait())
         self.finished = self.finished or None in pieces
         return "".join(p for p in pieces if p is not None)
+
+    async def _get_watching(self, request, poll_s: float):
+        """The next queue item; every `poll_s` without one, a client gone cancels the generation."""
+        while True:
+            try:
+                return await asyncio.wait_for(self._queue.get(), poll_s)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    self.handle.cancel()
 
     def new_tokens(self) -> int:
         """Tokens produced since the previous call."""
