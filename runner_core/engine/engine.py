@@ -227,7 +227,7 @@ class LLMEngine:
             self._check_idle("reconfigure the runner")
             if "block_size" in changed or "kv_cache_memory" in changed:
                 self._check_pool_fits(new)
-            groups = tuple({group_of(name) for name in changed})
+            groups = tuple(sorted({group_of(name) for name in changed}))
             done = self.executor.call("reconfigure", new, groups)
             if done["pool"] and rebuilt == "scheduler":
                 result["rebuilt"] = "pool"  # the new limits plan a larger pool (or, on CUDA, a smaller one)
