@@ -135,6 +135,12 @@ def test_chat_applies_the_template_streamed_and_not(session, client, chat_templa
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_chat_without_max_tokens_may_fill_the_context(client, chat_template):
+    got = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "go on"}],
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].finish_reason == "length" and got.usage.total_tokens == TINY["max_model_len"]
+
+
 def _samples(server) -> dict:
     resp = httpx.get(server.url + "/metrics")
     assert resp.status_code == 200

@@ -160,6 +160,8 @@ def test_the_api_command_serves_a_model_with_the_key_from_the_environment(tiny_l
         client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
         assert client.completions.create(model="tiny-llama", prompt="hi", max_tokens=5).usage.completion_tokens
         assert httpx.get(base + "/models").status_code == 401
+        (model,) = httpx.get(base + "/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
+        assert model["id"] == "tiny-llama" and model["max_model_len"] == 2048  # the model's own limit
 
 
 def test_serve_with_an_api_port_serves_the_api_beside_the_dashboard(tiny_llama_path):

@@ -107,7 +107,7 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
     async def list_models():
         data = [{"id": name, "object": "model", "created": now(), "owned_by": "runner-workbench",
                  "root": str(session.models[name].config.model),
-                 "max_model_len": session.models[name].config.max_model_len} for name in _ordered(session)]
+                 "max_model_len": _max_model_len(session.models[name])} for name in _ordered(session)]
         return {"object": "list", "data": data}
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
@@ -140,7 +140,7 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
         ids = _chat_prompt(entry, body)
         limit = body.max_completion_tokens or body.max_tokens
         if limit is None:
-            limit = max(1, entry.config.max_model_len - len(ids))
+            limit = max(1, _max_model_len(entry) - len(ids))  # the rest of the context, as OpenAI does
         params = _sampling(body, limit)
         return await _serve(request, body, entry.name, ids, params, len(ids), _ChatFormat())
 
@@ -213,6 +213,12 @@ def _ordered(session) -> list[str]:
     names = list(session.models)
     active = session.active
     return ([active] if active in names else []) + [n for n in names if n != active]
+
+
+def _max_model_len(entry) -> int | None:
+    """The model's context limit in effect (the engine's: the config may leave it to the model)."""
+    engine = entry.runner.engine if entry.runner is not None else None
+    return engine.max_model_len if engine is not None else entry.config.max_model_len
 
 
 def _refuse_unsupported(body) -> None:
