@@ -200,6 +200,22 @@ def check_quantization(nb) -> None:
     assert len(stored["y"]) == 2
 
 
+def check_tuning(nb) -> None:
+    text = _stream_text(nb)
+    assert "16/16 requests" in text and re.search(r"tpot +p50 +[\d.]+ ms +p90 +[\d.]+ ms +p99 +[\d.]+ ms", text)
+    assert "models: ['tiny-llama']" in text and re.search(r"streamed in \d+ chunks, same text: True", text)
+    assert "chat refused: 400" in text  # tiny-llama's tokenizer has no chat template
+    assert re.search(r"^in process +\d+", text, re.M) and re.search(r"^over HTTP +\d+", text, re.M)
+    points, runs, redraws = map(int, re.search(r"(\d+) points, (\d+) measured runs; the chart was redrawn (\d+) "
+                                               r"times while the sweep ran", text).groups())
+    assert points == 5 and runs == 15 and redraws >= 3  # drawn live: once per measured point at least
+    assert "'reload'" not in re.search(r"rebuilt between points: (.*)", text).group(1)
+    assert "Recommended: concurrency=" in text
+    assert re.search(r"re-run: [\d.]+, [\d.]+, [\d.]+ ms; all under the target: True", text)
+    for words in ("Pareto", "Latency against concurrency", "points pass"):
+        _figure_titled(nb, words)
+
+
 CHECKS = {
     "01-quickstart.ipynb": check_quickstart,
     "02-compile-tuning.ipynb": check_compile_tuning,
@@ -210,6 +226,7 @@ CHECKS = {
     "07-model-adapters.ipynb": check_model_adapters,
     "08-performance.ipynb": check_performance,
     "09-quantization.ipynb": check_quantization,
+    "10-tuning.ipynb": check_tuning,
 }
 
 
