@@ -16,7 +16,6 @@ from pathlib import Path
 THROUGHPUT = "output_throughput"
 PER_USER = "tokens_per_s_per_user"
 ROW_META = ("key", "stage", "label", "repeat")
-ROW_TIMES = ("apply_seconds", "rebuilt", "run_seconds")
 
 
 def settings_label(settings: dict) -> str:

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field, replace
 
 from runner_core.tuning.workload import Arrivals, Workload
 
-STAGES = ("layout", "concurrency", "scheduler", "engine")
 GRID_LIMIT = 8  # a stage whose knobs' value product is at most this runs as a grid, else one knob at a time
 MAX_CONCURRENCY_POINTS = 6
 
