@@ -229,6 +229,9 @@ class LLMEngine:
                 self._check_pool_fits(new)
             groups = tuple(sorted({group_of(name) for name in changed}))
             done = self.executor.call("reconfigure", new, groups)
+            if "compile" in groups:  # its own call: a parallel runner does not time a compile as a hang
+                self.executor.call("set_compile_mode", new.compile and not new.enforce_eager, new.compile_backend,
+                                   new.compile_mode, new.compile_scope)
             if done["pool"] and rebuilt == "scheduler":
                 result["rebuilt"] = "pool"  # the new limits plan a larger pool (or, on CUDA, a smaller one)
             self.config, worker = new, self.worker

@@ -181,8 +181,8 @@ class Worker:
         """Run under `config`, a validated change of RECONFIGURABLE fields in `groups`, on an idle engine:
         input buffers sized anew, the KV pool re-planned (rebuilt, prefix cache dropped, when its
         settings changed or the new limits plan more blocks, or on CUDA fewer), the decode programs
-        kept where still valid, else rebuilt; a compile change goes through `set_compile_mode`.
-        Returns {"pool": rebuilt or not, "kv_tokens": the pool's tokens}. A plan that cannot hold one
+        kept where still valid, else rebuilt (with a compile change: left to `set_compile_mode`, called next).
+        Returns {"pool": whether the pool was rebuilt}. A plan that cannot hold one
         sequence raises ConfigError with nothing changed."""
         old, old_fp = self.config, self.forward_pass
         self.config = config
@@ -212,17 +212,14 @@ class Worker:
         cache_tokens = config.effective_encoder_cache_tokens
         if self.encoder_cache is not None and old.effective_encoder_cache_tokens != cache_tokens:
             self.encoder_cache = EncoderCache(cache_tokens)
-        if "compile" in groups:
-            self.set_compile_mode(config.compile and not config.enforce_eager, config.compile_backend,
-                                  config.compile_mode, config.compile_scope)
-        elif keep:
+        compiled = self.compiler is not None and self.compiler.settings.enabled
+        if keep:
             self.forward_pass.decode_programs = old_fp.decode_programs
-        elif (self.compiler is not None and self.compiler.settings.enabled
-              and (had_programs or resized)):
+        elif compiled and "compile" not in groups and (had_programs or resized):
             self.forward_pass.decode_programs, reason = build_decode_programs(
                 self.compiler, config, self.hf_config, self.model, self.forward_pass, self.memory, self.max_model_len)
             self.compiler.decode_reason = reason
-        return {"pool": rebuild_pool, "kv_tokens": self.pool_plan.num_tokens}
+        return {"pool": rebuild_pool}
 
     def _decode_sizes(self, config: RunnerConfig) -> list[int]:
         """The decode batch sizes `config` asks programs for (those up to max_num_seqs)."""
