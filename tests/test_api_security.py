@@ -56,10 +56,12 @@ GOOD = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}
     ({**GOOD, "logprobs": 2}, 400, "logprobs", "not supported"),
     ({**GOOD, "model": "gpt-4"}, 404, "model", "loaded: tiny-llama"),
     ({**GOOD, "prompt": "word " * 400}, 400, "prompt", "max_model_len is 256"),
+    ({**GOOD, "prompt": "word " * 400, "stream": True}, 400, "prompt", "max_model_len is 256"),
     ({**GOOD, "prompt": [1, 10**6]}, 400, "prompt", "outside the vocabulary"),
     ({**GOOD, "stop": [""]}, 400, "stop", "non-empty"),
 ], ids=["missing-prompt", "negative-max-tokens", "text-temperature", "zero-top-p", "n-2", "two-prompts", "logprobs",
-        "unknown-model", "too-long-prompt", "token-out-of-vocab", "empty-stop"])
+        "unknown-model", "too-long-prompt", "too-long-prompt-streamed",
+        "token-out-of-vocab", "empty-stop"])
 def test_a_bad_completion_field_is_a_json_error_naming_it(url, body, status, param, words):
     resp = _post(url, "/v1/completions", body)
     assert resp.status_code == status, resp.text
