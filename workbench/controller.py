@@ -115,8 +115,10 @@ def model_choice(preset: str, path: str) -> str:
 class ViewController:
     """The base of a view over `session` (default: `Session.current()`). The view's widgets
     include the buttons `load_button`, `unload_button`, `compile_button`, `generate_button`,
-    `cancel_button`, `workload_button` (each with `.on_click(callback(event))`) and the
-    `workload_n` number input."""
+    `cancel_button`, `workload_button`, `tune_start`, `tune_cancel` (each with
+    `.on_click(callback(event))`), the `workload_n` number input and the Tuning form's fields
+    (`tune_concurrency`, `tune_seqs`, `tune_metric`, `tune_limit`, `tune_repeats`, `tune_requests`:
+    each with `.value`) and `tune_progress` (0 to 100)."""
 
     def __init__(self, session: Session | None = None, model_roots: ModelRoots | None = None):
         self.session = session or Session.current()
@@ -153,7 +155,8 @@ class ViewController:
         """Each button's click runs its action (Panel and ipywidgets buttons alike)."""
         for button, action in ((self.load_button, self.on_load), (self.unload_button, self.on_unload),
                                (self.compile_button, self.on_compile), (self.generate_button, self.on_generate),
-                               (self.cancel_button, self.on_cancel), (self.workload_button, self.on_workload)):
+                               (self.cancel_button, self.on_cancel), (self.workload_button, self.on_workload),
+                               (self.tune_start, self.on_tune), (self.tune_cancel, self.cancel_tune)):
             button.on_click(lambda _event, action=action: action())
 
     def on_unload(self) -> None:
@@ -164,6 +167,10 @@ class ViewController:
 
     def on_workload(self) -> None:
         self.start_workload(self.workload_n.value)
+
+    def on_tune(self) -> None:
+        self.start_tune(self.tune_concurrency.value, self.tune_seqs.value, self.tune_metric.value,
+                        self.tune_limit.value, self.tune_repeats.value, self.tune_requests.value)
 
     def on_active(self, name: str | None) -> None:
         """The user picked another active model (ignored while the view syncs the picker)."""
@@ -262,19 +269,21 @@ class ViewController:
         return {**TUNE_DEFAULTS, "requests": int(requests), "concurrency": ", ".join(map(str, space.concurrency)),
                 "max_num_seqs": ", ".join(map(str, space.scheduler.get("max_num_seqs", [])))}
 
-    def tuning_proposal(self, requests: int) -> dict | None:
-        """proposed_tuning's values when the active model changed since the last proposal and no sweep runs
-        (the form then shows them), else None."""
+    def refresh_tuning(self) -> tuple[str, dict | None, str]:
+        """Fill the Tuning form with proposed values when the active model changed since the last proposal
+        (and no sweep runs), move the progress bar; returns tune_state's status, figures and recommendation."""
         s, job = self.session, self.tune_job
-        if s.active == self._tune_model or s.active_model is None or not s.active_model.ready or (
-                job is not None and not job.done):
-            return None
-        self._tune_model = s.active
-        try:
-            return self.proposed_tuning(requests)
-        except Exception as exc:  # shown; the form keeps its values
-            self.show_error(f"Propose sweep values: {exc}")
-            return None
+        if s.active != self._tune_model and s.active_model is not None and s.active_model.ready and (
+                job is None or job.done):
+            self._tune_model = s.active
+            try:
+                proposed = self.proposed_tuning(self.tune_requests.value)
+                self.tune_concurrency.value, self.tune_seqs.value = proposed["concurrency"], proposed["max_num_seqs"]
+            except Exception as exc:  # shown; the form keeps its values
+                self.show_error(f"Propose sweep values: {exc}")
+        status, fraction, figures, recommendation = self.tune_state()
+        self.tune_progress.value = round(100 * fraction)
+        return status, figures, recommendation
 
     def start_tune(self, concurrency: str, max_num_seqs: str, metric: str, limit: float, repeats: int,
                    requests: int):

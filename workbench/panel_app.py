@@ -187,8 +187,6 @@ class SessionDashboard(ViewController):
                                                  css_classes=[f"wb-tune-{name.replace('_', '-')}"],
                                                  config={"displaylogo": False, "responsive": True})
                             for name, fig in tuning_charts.all_figures([], Target()).items()}
-        self.tune_start.on_click(lambda _event: self.on_tune())
-        self.tune_cancel.on_click(lambda _event: self.cancel_tune())
         form = pn.Row(self.tune_concurrency, self.tune_seqs, self.tune_metric, self.tune_limit, self.tune_repeats,
                       self.tune_requests, sizing_mode="stretch_width")
         self.tuning = pn.Column(
@@ -237,11 +235,6 @@ class SessionDashboard(ViewController):
             self.answer.object = _pre("")
             self.answer_stats.object = "_generating…_"
 
-    def on_tune(self) -> None:
-        if self.start_tune(self.tune_concurrency.value, self.tune_seqs.value, self.tune_metric.value,
-                           self.tune_limit.value, self.tune_repeats.value, self.tune_requests.value) is not None:
-            self.tune_recommendation.object = ""
-
     def on_chart_window(self, label: str) -> None:
         self.set_chart_window(label)
         self._chart_version = -1  # redraw at the next refresh
@@ -287,16 +280,10 @@ class SessionDashboard(ViewController):
                 self.charts[name].object = fig
 
     def _refresh_tuning(self) -> None:
-        proposed = self.tuning_proposal(self.tune_requests.value)
-        if proposed:
-            self.tune_concurrency.value, self.tune_seqs.value = proposed["concurrency"], proposed["max_num_seqs"]
-        status, fraction, figures, recommendation = self.tune_state()
+        status, figures, self.tune_recommendation.object = self.refresh_tuning()
         self.tune_status.object = html.escape(status)
-        self.tune_progress.value = round(100 * fraction)
         for name, fig in (figures or {}).items():
             self.tune_charts[name].object = fig
-        if recommendation:
-            self.tune_recommendation.object = recommendation
 
     def _status_line(self, s: Session) -> str:
         """The session's status; while it is busy on one thing (loading, compiling), for how long."""

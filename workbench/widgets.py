@@ -90,6 +90,7 @@ class SessionWidgets(ViewController, W.VBox):
                                  style=LABEL, layout=W.Layout(width="260px"))
         empty = charts.all_figures([])
         self.figures = {name: go.FigureWidget(empty[name]) for name in figures}
+        tuning = self._build_tuning()
 
         self.wire_buttons()
         self.active.observe(lambda change: self.on_active(change["new"]), names="value")
@@ -107,7 +108,7 @@ class SessionWidgets(ViewController, W.VBox):
                              W.HBox([self.output, self.image_view]), self.stats,
                              W.HBox([self.workload_n, self.workload_button])])
         grid = W.GridBox(list(self.figures.values()), layout=W.Layout(**GRID))
-        self.tabs = W.Tab(children=[W.VBox([controls, generation, self.window, grid]), self._build_tuning()],
+        self.tabs = W.Tab(children=[W.VBox([controls, generation, self.window, grid]), tuning],
                           titles=("Live", "Tuning"))
         W.VBox.__init__(self, [self.status, self.error, self.tabs], layout=layout)
         self.refresh()
@@ -134,8 +135,6 @@ class SessionWidgets(ViewController, W.VBox):
         self.tune_recommendation = W.HTML("")
         self.tune_figures = {name: go.FigureWidget(fig)
                              for name, fig in tuning_charts.all_figures([], Target()).items()}
-        self.tune_start.on_click(lambda _button: self.on_tune())
-        self.tune_cancel.on_click(lambda _button: self.cancel_tune())
         return W.VBox([W.HBox([self.tune_concurrency, self.tune_seqs]),
                        W.HBox([self.tune_metric, self.tune_limit, self.tune_repeats, self.tune_requests]),
                        W.HBox([self.tune_start, self.tune_cancel, self.tune_progress]), self.tune_status,
@@ -164,11 +163,6 @@ class SessionWidgets(ViewController, W.VBox):
         preview = self.image_preview()
         self.image_view.value = preview or b""
         self.image_view.layout.display = None if preview else "none"
-
-    def on_tune(self) -> None:
-        if self.start_tune(self.tune_concurrency.value, self.tune_seqs.value, self.tune_metric.value,
-                           self.tune_limit.value, self.tune_repeats.value, self.tune_requests.value) is not None:
-            self.tune_recommendation.value = ""
 
     def on_chart_window(self, label: str) -> None:
         self.set_chart_window(label)
@@ -200,16 +194,11 @@ class SessionWidgets(ViewController, W.VBox):
                 _update_figure(widget, new[name])
 
     def _refresh_tuning(self) -> None:
-        proposed = self.tuning_proposal(self.tune_requests.value)
-        if proposed:
-            self.tune_concurrency.value, self.tune_seqs.value = proposed["concurrency"], proposed["max_num_seqs"]
-        status, fraction, figures, recommendation = self.tune_state()
+        status, figures, recommendation = self.refresh_tuning()
         self.tune_status.value = html.escape(status)
-        self.tune_progress.value = round(100 * fraction)
+        self.tune_recommendation.value = html.escape(recommendation.replace("**", ""))
         for name, fig in (figures or {}).items():
             _update_figure(self.tune_figures[name], fig)
-        if recommendation:
-            self.tune_recommendation.value = html.escape(recommendation.replace("**", ""))
 
     def wait(self, timeout: float = 120.0) -> SessionWidgets:
         """Wait for pending loads/unloads/compiles and running requests, then refresh."""
