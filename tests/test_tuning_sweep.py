@@ -92,6 +92,10 @@ def test_stages_build_on_the_best_point_and_the_recommendation_names_it():
     # each row holds the settings as applied: the scheduler rows ran with their max_num_seqs
     assert {(r["max_num_seqs"], r["block_size"]) for r in result.rows if r["stage"] == "scheduler"} == {
         (4, 16), (4, 32), (8, 16), (8, 32)}
+    frame = result.dataframe()
+    assert len(frame) == len(result.rows)
+    assert {"stage", "repeat", "concurrency", "max_num_seqs", "output_throughput", "apply_seconds"} <= set(frame)
+    assert list(result.points_dataframe()["label"]) == [p["label"] for p in result.points]
 
 
 def test_ties_are_the_points_within_the_best_ones_repeat_range():
