@@ -94,12 +94,12 @@ def run_client(spec: str) -> None:
     from runner_core.tuning.http_load import run_http_workload
 
     s = json.loads(spec)
-    result = run_http_workload(s["url"], s["model"], Workload.from_dict(s["workload"]))
+    result = run_http_workload(s["url"], s["model"], Workload.from_dict(s["workload"]), vocab_size=s["vocab_size"])
     print(json.dumps(result.summary))
 
 
-def http_ours(url: str, model: str, workload) -> dict:
-    spec = json.dumps({"url": url, "model": model, "workload": workload.to_dict()})
+def http_ours(url: str, model: str, workload, vocab_size: int) -> dict:
+    spec = json.dumps({"url": url, "model": model, "workload": workload.to_dict(), "vocab_size": vocab_size})
     res = subprocess.run([sys.executable, __file__, "--client", spec], capture_output=True, text=True, timeout=1800)
     if res.returncode:
         raise RuntimeError(f"the HTTP client failed: {res.stderr[-2000:]}")
@@ -133,10 +133,11 @@ def serving(session, args, url: str, tokenizer: Path) -> dict:
     """The three clients in turns; per client each figure's median and range."""
     workload = serving_workload(args)
     warm = workload.replace(num_requests=min(8, args.num_prompts), seed=99)
+    vocab = session.active_model.runner.engine.vocab_size  # the in-process driver's token ids, sent over HTTP
     session.run_load(warm)
-    http_ours(url, session.active, warm)
+    http_ours(url, session.active, warm, vocab)
     clients = {"in process": lambda r: session.run_load(workload).summary,
-               "http (ours)": lambda r: http_ours(url, session.active, workload)}
+               "http (ours)": lambda r: http_ours(url, session.active, workload, vocab)}
     peer_note = None
     if args.no_peer:
         peer_note = "skipped (--no-peer)"
