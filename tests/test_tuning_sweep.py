@@ -266,3 +266,37 @@ def test_a_real_sweep_on_tiny_llama_applies_scheduler_knobs_live(tiny_llama_path
     assert all(r is runner for r, _ in backend.seen)
     assert {r["rebuilt"] for r in scheduler} == {"scheduler"}
     assert result.recommendation["met"] and result.recommendation["settings"]["concurrency"] in (1, 4)
+
+
+def test_a_run_cut_short_by_cancel_is_not_recorded_nor_resumed(tmp_path):
+    """Cancelling stops the run in flight (its requests are aborted): what it measured is not a
+    repeat, so it is neither a row nor a line of the results file a resumed sweep would reuse."""
+    path, stop = tmp_path / "sweep.csv", threading.Event()
+
+    class CancelledMidRun(FakeBackend):
+        def run(self, workload, target):
+            result = super().run(workload, target)
+            if workload.seed < sweep_module.WARMUP_SEED_OFFSET and sum(self.measured.values()) == 4:
+                stop.set()  # the user pressed Cancel while the 4th repeat ran
+            return result
+
+    cut = tune(SPACE, WORKLOAD, TARGET, backend=CancelledMidRun(), repeats=3, warmup=0, results=path, stop=stop)
+    assert cut.cancelled and len(cut.rows) == 3
+    assert len(path.read_text().splitlines()) == 1 + 3
+    resumed = tune(SPACE, WORKLOAD, TARGET, backend=FakeBackend(), repeats=3, warmup=0, results=path)
+    assert resumed.timings["resumed_repeats"] == 3
+    assert len(path.read_text().splitlines()) == 1 + len(resumed.rows)  # the cut repeat measured once, in full
+
+
+def test_csv_keys_that_look_like_numbers_are_read_back_as_written(tmp_path):
+    from runner_core.tuning.results import ResultsFile
+
+    path = tmp_path / "rows.csv"
+    rows = [{"key": key, "repeat": 0, "label": "concurrency=1", "stage": "concurrency", "rebuilt": "none",
+             "output_throughput": 1.5} for key in ("1234567890123456", "12e4567890123456", "0000000000000001")]
+    file = ResultsFile(path)
+    for row in rows:
+        file.append(row)
+    loaded = ResultsFile(path).load()
+    assert sorted(k for k, _ in loaded) == sorted(r["key"] for r in rows)
+    assert loaded[("12e4567890123456", 0)]["output_throughput"] == 1.5

@@ -35,6 +35,9 @@ def point_key(settings: dict, base: dict, workload, target) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+TEXT_COLUMNS = ("key", "label", "stage", "rebuilt")  # read back as written (a hex key can look like 1e5...)
+
+
 def _cell(text: str):
     """A CSV cell back to its value: "" -> None, True/False, int, float, else the string."""
     if text == "":
@@ -79,8 +82,8 @@ class ResultsFile:
         if self.csv:
             reader = csv.reader(io.StringIO(text))
             self.columns = next(reader)
-            return [{c: _cell(v) for c, v in zip(self.columns, cells)} for cells in reader
-                    if len(cells) == len(self.columns)]
+            return [{c: v if c in TEXT_COLUMNS else _cell(v) for c, v in zip(self.columns, cells)}
+                    for cells in reader if len(cells) == len(self.columns)]
         rows = []
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():

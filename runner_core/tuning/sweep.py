@@ -255,6 +255,8 @@ class _Sweep:
         result = self.backend.run(workload.replace(seed=workload.seed + repeat), self.target)
         seconds = time.perf_counter() - t0
         self.times["run_s"] += seconds
+        if self.stop is not None and self.stop.is_set():  # cut short: not a measurement (nor a row to resume)
+            raise _Cancelled
         self.measured += 1
         current = self.backend.settings()
         row = {"key": key, "stage": stage, "label": label, "repeat": repeat,
