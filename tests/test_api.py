@@ -6,29 +6,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.sessions import TINY, slow_steps, tiny_session, wait_until
 from workbench import Session
-
-TINY = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 4 << 20, "max_model_len": 256}
-PROMPT = "Once upon a time"
-# a template of the usual shape (role markers, then the assistant's turn opened), for a tokenizer without one
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def session(tiny_llama_path):
-    s = Session()
-    s.load_model("tiny-llama", **TINY)
-    yield s
-    s.close()
+    yield from tiny_session()
+
+
+PROMPT = "Once upon a time"
+# a template of the usual shape (role markers, then the assistant's turn opened), for a tokenizer without one
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -49,32 +45,6 @@ def chat_template(session):
     hf.chat_template = TEMPLATE
     yield hf
     hf.chat_template = None
-
-
-def wait_until(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
-@contextmanager
-def slow_steps(session, delay=0.05):
-    """Every engine step of tiny-llama takes at least `delay` s, so a request stays in flight while a test acts."""
-    runner = session.models["tiny-llama"].runner
-    real_step = runner.step
-
-    def step():
-        time.sleep(delay)
-        return real_step()
-
-    runner.step = step
-    try:
-        yield
-    finally:
-        del runner.step
 
 
 def test_a_completion_equals_the_sessions_greedy_generation_with_its_usage(session, client):
@@ -187,7 +157,7 @@ def test_a_bad_request_among_good_concurrent_ones_harms_none(session, server):
     good = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     too_long = {**good, "prompt": "word " * 400}
     expected = session.generate(PROMPT, max_tokens=16, temperature=0.0, ignore_eos=True).text
-    with slow_steps(session, 0.01), concurrent.futures.ThreadPoolExecutor(3) as pool:
+    with slow_steps(session, delay=0.01), concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(httpx.post, server.url + "/v1/completions", json=b, timeout=60)
                    for b in (good, too_long, good)]
         first, bad, last = (f.result() for f in futures)

@@ -17,19 +17,17 @@ import openai
 import pytest
 
 from tests.processes import stop
-from workbench import Session, SessionError
-
-REPO = Path(__file__).resolve().parents[1]
-TINY = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 4 << 20, "max_model_len": 256}
-KEY = "test-key-1234"
+from tests.sessions import tiny_session
+from workbench import SessionError
 
 
 @pytest.fixture(scope="module")
 def session(tiny_llama_path):
-    s = Session()
-    s.load_model("tiny-llama", **TINY)
-    yield s
-    s.close()
+    yield from tiny_session()
+
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "test-key-1234"
 
 
 @pytest.fixture(scope="module")

@@ -8,42 +8,22 @@ import json
 import math
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 
 from runner_core import ConfigError, ModelRunner
 from runner_core.tuning import Arrivals, Lengths, SweepSpace, Target, Workload, propose_space, run_workload
-from workbench import Session, SessionBusyError
+from tests.sessions import TINY, slow_steps, tiny_session
+from workbench import SessionBusyError
 from workbench.tuning import SessionBackend, TuneJob, run_load
-
-TINY = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 4 << 20, "max_model_len": 256}
-SMALL = Workload(num_requests=6, prompt_len=Lengths.uniform(4, 16), output_len=Lengths.uniform(4, 10), seed=3)
 
 
 @pytest.fixture(scope="module")
 def session(tiny_llama_path):
-    s = Session()
-    s.load_model("tiny-llama", **TINY)
-    yield s
-    s.close()
+    yield from tiny_session()
 
 
-@contextmanager
-def slow_steps(session, delay=0.01):
-    """Every engine step of tiny-llama takes at least `delay` s (it is otherwise done in moments)."""
-    runner = session.models["tiny-llama"].runner
-    real_step = runner.step
-
-    def step():
-        time.sleep(delay)
-        return real_step()
-
-    runner.step = step
-    try:
-        yield
-    finally:
-        del runner.step
+SMALL = Workload(num_requests=6, prompt_len=Lengths.uniform(4, 16), output_len=Lengths.uniform(4, 10), seed=3)
 
 
 def _percentile(values, q):
@@ -119,7 +99,7 @@ def test_reconfigure_changes_max_num_seqs_live(session):
         assert backend.settings()["max_num_seqs"] == 3
         assert session.metrics.events("reconfigure")[-1]["changed"]["max_num_seqs"][1] == 3
         assert len(session.metrics.events("load")) == loads
-        with slow_steps(session):
+        with slow_steps(session, delay=0.01):
             h = session.submit("a long story", max_tokens=40, ignore_eos=True)
             next(h.stream(timeout=60))
             with pytest.raises(SessionBusyError, match="running"):
@@ -208,7 +188,7 @@ def test_tune_job_cancel_stops_early_and_one_job_at_a_time(session, monkeypatch)
 
     monkeypatch.setattr(SessionBackend, "run", run)
     workload = SMALL.replace(num_requests=3, output_len=Lengths.fixed(30))
-    with slow_steps(session):
+    with slow_steps(session, delay=0.01):
         job = session.tune(_sweep_space([2, 3, 4]), workload, target=Target("tpot_p99_ms", 60_000.0), repeats=3,
                            warmup=1)
         holder.append(job)

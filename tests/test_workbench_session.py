@@ -6,45 +6,22 @@ from __future__ import annotations
 import gc
 import time
 import weakref
-from contextlib import contextmanager
 
 import pytest
 
 from runner_core import ConfigError, InvalidRequestError, ModelLoadError
+from tests.sessions import TINY, slow_steps, tiny_session
 from workbench import GenerationError, NoModelError, Session, SessionBusyError, SessionError
-
-TINY = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 4 << 20, "max_model_len": 256}
 
 
 @pytest.fixture(scope="module")
 def session(tiny_llama_path):
-    s = Session()
-    s.load_model("tiny-llama", **TINY)
-    yield s
-    s.close()
+    yield from tiny_session()
 
 
 def _long(session, **kw):
     """A request that runs until cancelled (or ~200 tokens)."""
     return session.submit("a long story", max_tokens=200, ignore_eos=True, temperature=0.0, **kw)
-
-
-@contextmanager
-def slow_steps(session, model="tiny-llama", delay=0.05):
-    """Make every engine step of `model` take at least `delay` s, so a request stays busy
-    for as long as a test needs (tiny-llama is otherwise done in a fraction of a second)."""
-    runner = session.models[model].runner
-    real_step = runner.step
-
-    def step():
-        time.sleep(delay)
-        return real_step()
-
-    runner.step = step
-    try:
-        yield
-    finally:
-        del runner.step
 
 
 def test_current_is_one_per_process():
