@@ -10,12 +10,14 @@ LLAMACPP ?= .venv-llamacpp
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
 GGUF_SPEC ?= gguf==0.19.0
 MODEL ?= tiny-speaker
+SWEEP_MODEL ?= small-llama
+SWEEP_RESULTS ?= build/sweep-$(SWEEP_MODEL).csv
 PROMPT ?= Once upon a time
 PORT ?= 5006
 BINDER_VENV ?= build/binder-venv
 BINDER_CACHE ?= build/binder-cache
 
-.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-poll bench-contention bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-kernels bench-peers bench-llamacpp-peer bench-quant soak fuzz lesson-screenshots clean
+.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-poll bench-contention bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-kernels bench-peers bench-llamacpp-peer bench-quant bench-serve sweep soak fuzz lesson-screenshots clean
 
 setup: $(STAMP)
 
@@ -104,6 +106,15 @@ bench: setup
 # beside when .venv-llamacpp exists (make bench-llamacpp-peer)
 bench-quant: setup
 	$(PY) benchmarks/quant.py $(BENCH_MODELS:%=--model %)
+
+# serving and tuning on small-llama: HTTP against in process and against vLLM's `vllm bench serve` (from
+# $(PEERS), when installed: make bench-peers), knob changes, a full default sweep and its recommendation re-run
+bench-serve: setup
+	$(PY) benchmarks/serve.py --model $(SWEEP_MODEL) --results $(SWEEP_RESULTS)
+
+# a full sweep from the command line (no workbench): the space proposed from the KV capacity, resumable
+sweep: setup
+	$(PY) -m runner_core tune --model $(SWEEP_MODEL) --dtype float32 --requests 32 --results $(SWEEP_RESULTS)
 
 # vLLM for CPUs in its own venv (it pins an older transformers); benchmarks/throughput.py runs it as a peer
 bench-peers: $(PEERS)/.installed
