@@ -110,7 +110,7 @@ bench-quant: setup
 # serving and tuning on small-llama: HTTP against in process and against vLLM's `vllm bench serve` (from
 # $(PEERS), when installed: make bench-peers), knob changes, a full default sweep and its recommendation re-run
 bench-serve: setup
-	$(PY) benchmarks/serve.py --model $(SWEEP_MODEL) --results $(SWEEP_RESULTS)
+	$(PY) benchmarks/serve.py --model $(SWEEP_MODEL) --results $(SWEEP_RESULTS) --chart build/pareto-$(SWEEP_MODEL).png
 
 # a full sweep from the command line (no workbench): the space proposed from the KV capacity, resumable
 sweep: setup

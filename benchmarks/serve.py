@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--results", default=None, help="the sweep's rows (CSV; a re-run resumes); default: a temp file")
     ap.add_argument("--no-peer", action="store_true", help="skip vllm bench serve")
     ap.add_argument("--no-sweep", action="store_true", help="serving and knob figures only")
+    ap.add_argument("--chart", default=None, help="write the sweep's Pareto chart here as a PNG (Chromium draws it)")
     ap.add_argument("--quick", action="store_true", help="a small run: 16 prompts, 2 repeats, an 8-request sweep")
     ap.add_argument("--client", help=argparse.SUPPRESS)  # internal: run the HTTP client (a JSON spec) and exit
     args = ap.parse_args(argv)
@@ -201,6 +202,8 @@ def sweep(session, args) -> dict:
     result = job.result()
     wall = time.perf_counter() - t
     rec = result.recommendation
+    if args.chart:
+        pareto_png(result, target, args.chart)
     out = {"points": len(result.points), "rows": len(result.rows), "wall_s": wall, "overhead": result.overhead,
            "timings": result.timings, "recommendation": rec, "why": result.why, "results": results,
            "frontier": [{k: p.get(k) for k in ("label", "output_throughput", "tokens_per_s_per_user")}
@@ -226,6 +229,28 @@ def sweep(session, args) -> dict:
                         "within_margin": all(abs(v - rec["value"]) <= margin_ms for v in values),
                         "meets_target": all(v <= target.limit for v in values)}
     return out
+
+
+def pareto_png(result, target, path: str) -> None:
+    """The sweep's Pareto chart (workbench.tuning_charts.pareto) as a PNG, drawn by Debian's Chromium."""
+    from playwright.sync_api import sync_playwright
+
+    from workbench import tuning_charts
+
+    fig = tuning_charts.pareto(result.points, result.frontier, result.recommendation, target)
+    fig.update_layout(width=900, height=480)
+    with tempfile.TemporaryDirectory() as tmp:
+        page_file = Path(tmp) / "pareto.html"
+        fig.write_html(page_file, include_plotlyjs=True, full_html=True)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 920, "height": 500})
+            page.goto(page_file.as_uri())
+            page.wait_for_selector(".main-svg")
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            page.locator(".js-plotly-plot").screenshot(path=path)
+            browser.close()
+    print(f"# the Pareto chart: {path}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
