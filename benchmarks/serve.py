@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import runner_core  # noqa: F401  (before torch: runner_core sets OpenMP's wait policy as torch loads)
+
 try:  # run as a script: benchmarks/ is on sys.path
     import machine
 except ImportError:  # run as `python -m benchmarks.serve`
@@ -95,8 +97,9 @@ def run_client(spec: str) -> None:
     from runner_core.tuning.http_load import run_http_workload
 
     s = json.loads(spec)
+    cpu = time.process_time()
     result = run_http_workload(s["url"], s["model"], Workload.from_dict(s["workload"]), vocab_size=s["vocab_size"])
-    print(json.dumps(result.summary))
+    print(json.dumps({**result.summary, "client_cpu_s": time.process_time() - cpu}))
 
 
 def http_ours(url: str, model: str, workload, vocab_size: int) -> dict:

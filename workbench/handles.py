@@ -47,6 +47,7 @@ class RequestHandle:
         self.token_times: list[float] = []  # time.perf_counter() at which each output token arrived
         self.end_time: float | None = None  # when it finished (any finish reason, or failed)
         self._done_callbacks: list[Callable[[RequestHandle], None]] = []
+        self._update_callbacks: list[Callable[[RequestHandle], None]] = []
 
     # ---- written by the engine thread -------------------------------------------------------
     def _push(self, out) -> None:
@@ -63,6 +64,8 @@ class RequestHandle:
                 if out.finish_reason == "error":
                     self.exception = GenerationError(out.error or "the generation failed")
             self._cond.notify_all()
+        for fn in self._update_callbacks:
+            fn(self)
         if out.finished:
             self._run_done_callbacks()
 
@@ -101,6 +104,17 @@ class RequestHandle:
                 self._done_callbacks.append(fn)
                 return
         fn(self)
+
+    def add_update_callback(self, fn: Callable[[RequestHandle], None]) -> None:
+        """Call `fn(handle)` on the engine thread after each output it receives (new tokens, new text, the
+        end): a reader woken this way needs no thread of its own. `fn` must be quick and must not raise."""
+        self._update_callbacks.append(fn)
+
+    def text_since(self, start: int) -> tuple[str, int]:
+        """The text pieces from the `start`-th on, joined, and the index to read from next time."""
+        with self._cond:
+            pieces = self._pieces[start:]
+        return "".join(pieces), start + len(pieces)
 
     @property
     def text(self) -> str:

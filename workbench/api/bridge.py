@@ -1,53 +1,51 @@
 """From a session's RequestHandle (filled by the engine thread) to the API's event loop, without blocking
-it: a thread per request iterates `handle.stream()` and hands each text piece to an asyncio.Queue."""
+it and without a thread per request: the handle's update callback wakes the loop, which reads the new
+text from the handle."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 
 class Job:
     """One served request (`stream`: its text pieces are wanted as they come). `next()` waits for new
     text (every piece that arrived, joined; `finished` says whether the request ended); given the HTTP
-    request, a client gone while it waits cancels the generation. When the request ends the pump thread
-    counts it in the server's metrics; `close()` cancels it if it still runs (the client left)."""
+    request, a client gone while it waits cancels the generation. When the request ends it is counted in
+    the server's metrics; `close()` cancels it if it still runs (the client left)."""
 
     def __init__(self, handle, metrics, prompt_tokens: int | None = None, *, stream: bool = True):
         self.handle, self.metrics, self.stream = handle, metrics, stream
         self.prompt_tokens = prompt_tokens  # known up front for token ids; else from the final output
         self.sent_tokens = 0
         self.finished = False
-        self._queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        threading.Thread(target=self._pump, args=(loop,), daemon=True, name=f"api-{handle.request_id}").start()
+        self._read = 0  # text pieces of the handle already returned by next()
+        self._queue: asyncio.Queue = asyncio.Queue()  # wake-ups: True (new output) or None (the end)
+        self._loop = asyncio.get_running_loop()
+        if stream:  # only the end matters otherwise: no wake-up per token
+            handle.add_update_callback(lambda h: self._wake(True))
+        handle.add_done_callback(self._done)
 
-    def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _wake(self, item) -> None:
+        """On the engine thread: hand a wake-up to the server's loop (gone once the server stopped)."""
         try:
-            if self.stream:
-                for piece in self.handle.stream():
-                    loop.call_soon_threadsafe(self._queue.put_nowait, piece)
-            else:  # only the end matters: no wake-up per token
-                self.handle.wait()
-        except BaseException:  # noqa: BLE001 - the handle keeps its error; the reader looks there
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
             pass
-        finally:
-            self.metrics.observe(self.handle, self.usage_prompt_tokens(), time.perf_counter())
-            try:
-                loop.call_soon_threadsafe(self._queue.put_nowait, None)
-            except RuntimeError:  # the server's loop is gone (it stopped): nobody reads any more
-                pass
+
+    def _done(self, handle) -> None:
+        self.metrics.observe(handle, self.usage_prompt_tokens(), time.perf_counter())
+        self._wake(None)
 
     async def next(self, request=None, poll_s: float = 0.5) -> str:
         """The text produced since the last call ("" when the request finished with no new text; with
         stream=False, "" once it finished)."""
-        first = await (self._queue.get() if request is None else self._get_watching(request, poll_s))
-        pieces = [first]
+        wakes = [await (self._queue.get() if request is None else self._get_watching(request, poll_s))]
         while not self._queue.empty():
-            pieces.append(self._queue.get_nowait())
-        self.finished = self.finished or None in pieces
-        return "".join(p for p in pieces if p is not None)
+            wakes.append(self._queue.get_nowait())
+        self.finished = self.finished or None in wakes
+        text, self._read = self.handle.text_since(self._read)
+        return text
 
     async def _get_watching(self, request, poll_s: float):
         """The next queue item; every `poll_s` without one, a client gone cancels the generation."""

@@ -28,7 +28,7 @@ class ApiServer:
         self.app = create_app(session, api_key=api_key)
         self._socket = _bind(host, port)
         self.port = self._socket.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", loop="asyncio", lifespan="off",
+        config = uvicorn.Config(self.app, log_level="warning", loop="auto", lifespan="off",
                                 timeout_graceful_shutdown=3)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True,
