@@ -209,6 +209,7 @@ def check_tuning(nb) -> None:
     points, runs, redraws = map(int, re.search(r"(\d+) points, (\d+) measured runs; the chart was redrawn (\d+) "
                                                r"times while the sweep ran", text).groups())
     assert points == 5 and runs == 15 and redraws >= 3  # drawn live: once per measured point at least
+    assert "resumed: 15 runs read back, 0 measured; same recommendation: True" in text
     assert "'reload'" not in re.search(r"rebuilt between points: (.*)", text).group(1)
     assert "Recommended: concurrency=" in text
     assert re.search(r"re-run: [\d.]+, [\d.]+, [\d.]+ ms; all under the target: True", text)

@@ -47,6 +47,8 @@ def test_no_points_give_a_valid_figure_with_a_note(name):
 
 def test_labels_name_only_the_settings_that_differ():
     assert tc.short_labels(POINTS) == ["c=8 seqs=16", "c=1 seqs=16", "c=4 seqs=16", "c=4 seqs=8"]
+    staged = [{"settings": {"concurrency": 1}}, {"settings": {"concurrency": 16, "max_num_batched_tokens": 576}}]
+    assert tc.short_labels(staged) == ["c=1", "c=16 tokens=576"], "a setting a point leaves alone is not None"
     assert tc.short_labels(POINTS[:1]) == ["concurrency=8 max_num_seqs=16"], "one point: its own label"
 
 
@@ -56,7 +58,9 @@ def test_pareto_labels_points_greys_misses_draws_the_frontier_and_rings_the_reco
     _spec(fig)
     traces = {t.name: t for t in fig.data}
     met, missed = traces["meets the target"], traces["misses the target"]
-    assert list(met.text) == ["c=1 seqs=16", "c=4 seqs=16", "c=4 seqs=8"] and list(missed.text) == ["c=8 seqs=16"]
+    # the frontier's points are labelled; the dominated one names its settings on hover only
+    assert list(met.text) == ["c=1 seqs=16", "c=4 seqs=16", ""] and list(missed.text) == ["c=8 seqs=16"]
+    assert "c=4 seqs=8" in met.hovertext[2]
     assert missed.marker.symbol == "x" and missed.marker.color == tc.MISSED != met.marker.color
     assert "misses tpot_p99_ms ≤ 100" in missed.hovertext[0]
     frontier = traces["Pareto frontier"]

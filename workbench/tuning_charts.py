@@ -37,13 +37,13 @@ def concurrency(point: Point) -> Any:
 
 
 def short_labels(points: Sequence[Point]) -> list[str]:
-    """Each point's settings that differ between the points, short ("c=8 seqs=16"); its own label when
-    nothing differs."""
+    """Each point's settings that differ between the points, short ("c=8 seqs=16"), leaving out the ones a
+    point does not set (it runs with the loaded value); its own label when nothing differs."""
     settings = [{"concurrency": concurrency(p), **(p.get("settings") or {})} for p in points]
     keys = [k for k in dict.fromkeys(k for s in settings for k in s)
             if len({repr(s.get(k)) for s in settings}) > 1]
-    return [" ".join(f"{SHORT.get(k, k)}={s.get(k)}" for k in keys) or str(p.get("label", "")) for p, s in
-            zip(points, settings)]
+    return [" ".join(f"{SHORT.get(k, k)}={s[k]}" for k in keys if s.get(k) is not None) or str(p.get("label", ""))
+            for p, s in zip(points, settings)]
 
 
 def _hover(point: Point, label: str, target) -> str:
@@ -58,26 +58,29 @@ def _hover(point: Point, label: str, target) -> str:
 
 def pareto(points: Sequence[Point], frontier: Sequence[Mapping] | None = None,
            recommendation: Mapping | None = None, target=None) -> go.Figure:
-    """Tokens/s per user against output tokens/s of the device (vLLM's Pareto plot): every point labelled
-    with the settings that differ, those missing the target grey crosses, the frontier (default: from the
-    points) as a line, the recommended point ringed."""
+    """Tokens/s per user against output tokens/s of the device (vLLM's Pareto plot): the frontier's points
+    labelled with the settings that differ (every point names them on hover, so many points stay readable),
+    those missing the target grey crosses, the frontier (default: from the points) as a line, the
+    recommended point ringed."""
     fig = go.Figure(layout=_layout("Pareto: per-user speed against device throughput", "tokens/s per user"))
     fig.update_xaxes(title_text="output tokens/s (device)")
     scored = [p for p in points if _stat(p, THROUGHPUT) is not None and _stat(p, PER_USER) is not None]
     if not scored:
         return _empty(fig, EMPTY_NOTE)
     labels = dict(zip(map(id, scored), short_labels(scored)))
+    line = sorted(frontier if frontier is not None else pareto_frontier(list(scored)), key=lambda f: f[THROUGHPUT])
+    on_line = {(f[THROUGHPUT], f[PER_USER]) for f in line}
+    shown = {id(p): labels[id(p)] if (_stat(p, THROUGHPUT), _stat(p, PER_USER)) in on_line else "" for p in scored}
     for name, met, color, symbol in (("meets the target", True, PASS, "circle"),
                                      ("misses the target", False, MISSED, "x")):
         group = [p for p in scored if bool(p.get("met")) is met]
         if group:
             fig.add_trace(go.Scatter(
                 x=[_stat(p, THROUGHPUT) for p in group], y=[_stat(p, PER_USER) for p in group], name=name,
-                mode="markers+text", text=[labels[id(p)] for p in group], textposition="top center",
+                mode="markers+text", text=[shown[id(p)] for p in group], textposition="top center",
                 textfont=dict(size=10), marker=dict(color=color, size=10, symbol=symbol),
                 hovertext=[_hover(p, labels[id(p)], target) if target else labels[id(p)] for p in group],
                 hoverinfo="text"))
-    line = sorted(frontier if frontier is not None else pareto_frontier(list(scored)), key=lambda f: f[THROUGHPUT])
     if line:
         fig.add_trace(go.Scatter(x=[f[THROUGHPUT] for f in line], y=[f[PER_USER] for f in line],
                                  name="Pareto frontier", mode="lines", line=dict(color=PALETTE[0], dash="dot"),
