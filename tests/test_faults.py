@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from runner_core import ModelLoadError, ModelRunner, SamplingParams, faults
+from tests.sessions import slow_steps
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["one two three", "four five", "six seven eight nine", "ten"]
@@ -112,8 +113,10 @@ def test_interrupt_during_session_generate_aborts_the_request(tiny_llama_path):
         expected = session.generate("a b c", sampling_params=GREEDY).token_ids
         # Jupyter's stop button raises KeyboardInterrupt in the kernel's main thread while it waits
         timer = threading.Timer(0.5, _thread.interrupt_main)
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
+        # steps of at least 10 ms: the request is still running when the interrupt comes (tiny-llama alone on
+        # a quiet machine makes 480 tokens in under 0.5 s)
+        with slow_steps(session, str(tiny_llama_path), delay=0.01), pytest.raises(KeyboardInterrupt):
+            timer.start()
             session.generate("a b c", sampling_params=SamplingParams(max_tokens=480, ignore_eos=True))
         timer.cancel()
         assert session.wait_idle(timeout=60) and not session.inflight()
