@@ -8,6 +8,7 @@ import errno
 import gc
 import logging
 import shutil
+import signal
 import threading
 import warnings
 
@@ -107,23 +108,31 @@ def test_interrupt_during_generate_aborts_that_call_and_the_runner_stays_usable(
 def test_interrupt_during_session_generate_aborts_the_request(tiny_llama_path):
     from workbench import Session
 
+    # Python's own SIGINT handler, as a Jupyter kernel has one: in the fresh-clone run something earlier in the
+    # process left another one (interrupt_main then raises nothing), which a run of the files before never showed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     session = Session()
     try:
         session.load_model(str(tiny_llama_path), dtype="float32", max_model_len=512)
         expected = session.generate("a b c", sampling_params=GREEDY).token_ids
         # Jupyter's stop button raises KeyboardInterrupt in the kernel's main thread while it waits
         timer = threading.Timer(0.5, _thread.interrupt_main)
+        handles, submit = [], session.submit
+        session.submit = lambda *a, **kw: handles.append(submit(*a, **kw)) or handles[-1]
         # steps of at least 10 ms: the request is still running when the interrupt comes (tiny-llama alone on
         # a quiet machine makes 480 tokens in under 0.5 s)
         with slow_steps(session, str(tiny_llama_path), delay=0.01), pytest.raises(KeyboardInterrupt):
             timer.start()
             session.generate("a b c", sampling_params=SamplingParams(max_tokens=480, ignore_eos=True))
         timer.cancel()
+        # the interrupt acted while the request ran (a waiter blocked in one long lock wait saw it only at the end)
+        assert handles[0].result(timeout=60).finish_reason == "abort" and handles[0].num_tokens < 480
         assert session.wait_idle(timeout=60) and not session.inflight()
         assert session.memory_stats()["blocks_used"] == 0
         assert session.generate("a b c", sampling_params=GREEDY).token_ids == expected
     finally:
         session.close()
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_compile_failure_in_a_session_switch_keeps_eager_serving(tiny_llama_path):

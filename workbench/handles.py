@@ -26,6 +26,9 @@ class GenerationError(RunnerError):
     """A generation failed inside the engine; the session and other requests are unaffected."""
 
 
+WAIT_SLICE_S = 0.1  # the longest a waiting reader goes without running pending signal handlers
+
+
 class RequestHandle:
     """One submitted generation. Filled by the engine thread; read from any thread.
 
@@ -82,6 +85,18 @@ class RequestHandle:
             callbacks, self._done_callbacks = self._done_callbacks, []
         for fn in callbacks:
             fn(self)
+
+    def _wait(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """`self._cond.wait_for` (the caller holds the condition) in slices of at most WAIT_SLICE_S: a
+        thread blocked in one long lock wait does not run Python's signal handlers, so Jupyter's stop
+        button (a KeyboardInterrupt in the waiting main thread) would only act once the request ended."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+            if self._cond.wait_for(predicate, max(0.0, left)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     # ---- read from anywhere -------------------------------------------------------------------
     @property
@@ -152,7 +167,7 @@ class RequestHandle:
         i = 0
         while True:
             with self._cond:
-                if not self._cond.wait_for(lambda i=i: len(self._pieces) > i or self.done, timeout):
+                if not self._wait(lambda i=i: len(self._pieces) > i or self.done, timeout):
                     raise TimeoutError(f"no new text from {self.request_id} within {timeout} s")
                 pieces, finished = self._pieces[i:], self.done
             i += len(pieces)
@@ -166,7 +181,7 @@ class RequestHandle:
         """The final RequestOutput (finish_reason "stop", "length" or "abort"); raises the
         request's error (InvalidRequestError, GenerationError, ...) or TimeoutError."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self.done, timeout):
+            if not self._wait(lambda: self.done, timeout):
                 raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s "
                                    f"({len(self.token_ids)} tokens so far); it is still running — "
                                    "wait again or cancel() it")
@@ -181,7 +196,7 @@ class RequestHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: self.done, timeout)
+            return self._wait(lambda: self.done, timeout)
 
     def __repr__(self) -> str:
         state = self.finish_reason or "running"
