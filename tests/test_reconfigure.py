@@ -169,7 +169,7 @@ def test_a_compiled_runner_keeps_its_decode_programs_across_a_pool_change(compil
     eager = ModelRunner(_config(tiny_llama_path, block_size=8)).load_model()
     want = [o.token_ids for o in eager.generate(prompts, GREEDY)]
     programs = runner.engine.worker.forward_pass.decode_programs
-    before, recompiles = runner.config, runner.compile_stats()["recompiles_after_warmup"]
+    before = runner.config
     try:
         assert runner.reconfigure(block_size=8)["rebuilt"] == "pool"
         assert runner.engine.worker.forward_pass.decode_programs is programs and programs.sizes == [1, 4]
@@ -186,7 +186,9 @@ def test_a_compiled_runner_keeps_its_decode_programs_across_a_pool_change(compil
         runner.reconfigure(**{k: getattr(before, k) for k in ("compile", "block_size", "max_num_seqs")})
     assert runner.config == before and runner.engine.worker.forward_pass.decode_programs.sizes == [1, 4]
     assert [o.token_ids for o in runner.generate(prompts, GREEDY)] == want
-    assert runner.compile_stats()["recompiles_after_warmup"] == recompiles
+    # compile back on warmed up anew (the count restarts there; the shared runner's earlier users may have
+    # left some): the generation after it recompiled nothing
+    assert runner.compile_stats()["recompiles_after_warmup"] == 0
 
 
 def test_a_tensor_parallel_runner_reconfigures_every_rank(tiny_llama_path, expected):
