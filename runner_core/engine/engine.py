@@ -13,12 +13,13 @@ import time
 import torch
 
 from runner_core.config import RECONFIGURABLE, RunnerConfig
+from runner_core.engine.clock import WallClock
 from runner_core.engine.forward_pass import StepBatch
 from runner_core.engine.input_processor import InputProcessor
 from runner_core.engine.multimodal import MultiModalItem, MultiModalProcessor
 from runner_core.engine.output_processor import OutputProcessor
 from runner_core.engine.scheduler import Scheduler
-from runner_core.engine.sequence import RequestOutput, Sequence
+from runner_core.engine.sequence import RequestMetrics, RequestOutput, Sequence
 from runner_core.engine.step_metrics import StepObserver, StepTimes
 from runner_core.engine.threads import ThreadTuner
 from runner_core.engine.worker import Executor, LocalExecutor, Worker
@@ -41,25 +42,13 @@ class LLMEngine:
     def __init__(self, config: RunnerConfig, loaded: LoadedModel, worker: Worker, executor: Executor | None = None):
         """`worker`: this process's (rank 0's) worker, whose MemoryManager the scheduler hands blocks
         out of; `executor` runs worker methods on every rank (default: this process only)."""
-        self.config, self.worker = config, worker
-        self.executor = executor or LocalExecutor(worker)
-        self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
-        self.device, self.vocab_size, self.max_model_len = worker.device, worker.vocab_size, worker.max_model_len
-        self.memory = worker.memory
-        cache = worker.encoder_cache
-        self.scheduler = Scheduler(self.memory, config.max_num_seqs, config.effective_max_num_batched_tokens,
-                                   encoder_cached=cache.__contains__ if cache is not None else lambda digest: False)
+        self._setup(config, worker, executor or LocalExecutor(worker), loaded.tokenizer, loaded.hf_config,
+                    WallClock(), getattr(worker.model, "moe_spec", None))
         multimodal = None
         if loaded.processor is not None:
             multimodal = MultiModalProcessor(loaded.processor, worker.model.image_token_id,
                                              worker.model.tokens_per_image)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, loaded.adapter.architecture, multimodal)
-        self.sampler = Sampler()
-        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.observer = StepObserver(self.memory, self.scheduler, self.max_model_len,
-                                     moe_spec=getattr(worker.model, "moe_spec", None))
-        self.requests: dict[str, Sequence] = {}
-        self._ids = itertools.count()
         adapter = loaded.adapter
         self.model_info = {
             "architecture": adapter.architecture, "model_impl": adapter.impl, "kind": adapter.kind,
@@ -76,6 +65,24 @@ class LLMEngine:
         self.threads = ThreadTuner.for_engine(config.cpu_threads, worker.device, config.world_size)
         self.model_info["threads"] = self.threads.info()
         torch.manual_seed(config.seed)
+
+    def _setup(self, config: RunnerConfig, worker, executor: Executor, tokenizer, hf_config, clock,
+               moe_spec) -> None:
+        """The state every engine has, a simulated one too (runner_core/simulator): the scheduler over the
+        worker's MemoryManager, the sampler, the output processor and the step observer, all on `clock`."""
+        self.config, self.worker, self.executor, self.clock = config, worker, executor, clock
+        self.tokenizer, self.hf_config = tokenizer, hf_config
+        self.device, self.vocab_size, self.max_model_len = worker.device, worker.vocab_size, worker.max_model_len
+        self.memory = worker.memory
+        cache = worker.encoder_cache
+        self.scheduler = Scheduler(self.memory, config.max_num_seqs, config.effective_max_num_batched_tokens,
+                                   encoder_cached=cache.__contains__ if cache is not None else lambda digest: False,
+                                   clock=clock)
+        self.sampler = Sampler()
+        self.output_processor = OutputProcessor(tokenizer, self.max_model_len, clock)
+        self.observer = StepObserver(self.memory, self.scheduler, self.max_model_len, moe_spec=moe_spec, clock=clock)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
 
     @property
     def step_metrics(self):
@@ -111,7 +118,7 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         seq = Sequence(request_id=request_id, prompt=text, token_ids=ids, num_prompt_tokens=len(ids), params=params,
-                       generator=generator, mm_items=tuple(images))
+                       generator=generator, mm_items=tuple(images), metrics=RequestMetrics(self.clock.now()))
         if stream or params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         if params.logprobs is not None:
@@ -125,7 +132,7 @@ class LLMEngine:
         if seq is None:
             return None
         self._release(seq)
-        seq.finish("abort")
+        seq.finish("abort", self.clock.now())
         return self.output_processor.output(seq, [], "")
 
     def has_unfinished_requests(self) -> bool:
@@ -139,7 +146,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward + sampling round. Returns outputs of streaming requests that
         advanced and of every request that finished."""
-        start = time.perf_counter()
+        clock = self.clock
+        start = clock.now()
         sched = self.scheduler.schedule()
         outputs = [self._fail(s, f"request needs {self.memory.blocks_for(s.num_tokens)} KV blocks but the "
                                  f"pool has {self.memory.num_blocks}; raise kv_cache_memory")
@@ -149,16 +157,9 @@ class LLMEngine:
         self.threads.before_step()
         batch, ordered = StepBatch.build(sched.scheduled)
         seqs = [ordered[i] for i in batch.sample_rows]
-        scheduled = time.perf_counter()
+        scheduled = clock.now()
         try:
-            logits, prepare_s, expert_counts = self.executor.call("execute_model", batch)
-            executed = time.perf_counter()
-            sampled, broken = None, []
-            if seqs:
-                logits, broken = nonfinite_rows(logits)
-                meta = SamplingMetadata.build([s.params for s in seqs], [s.generator for s in seqs],
-                                              self.vocab_size, self.device)
-                sampled = self.sampler(logits, meta)
+            sampled, broken, prepare_s, expert_counts, executed = self._run_model(batch, seqs)
         except WorkerError:  # a parallel runner lost a worker: the runner is over, tell the caller
             raise
         except Exception as e:  # the batch is lost, not the engine
@@ -174,13 +175,27 @@ class LLMEngine:
         if sampled is not None:
             outputs += self._append_tokens(seqs, sampled)
         num_finished = sum(o.finished for o in outputs)  # a request's final output comes once
-        end = time.perf_counter()
+        end = clock.now()
         if self.threads.after_step(len(batch.token_ids), batch.num_prefill_tokens > 0, end - start):
             self.model_info["threads"] = self.threads.info()
         self.observer.on_step(sched, batch, len(seqs), num_finished,
                               StepTimes(start=start, scheduled=scheduled, executed=executed, end=end,
                                         prepare_s=prepare_s), expert_counts)
         return outputs
+
+    def _run_model(self, batch: StepBatch, seqs: list[Sequence]):
+        """Run the model on `batch` on every rank and sample a token for `seqs` (the batch's sampling rows):
+        (the SamplerOutput or None, rows whose logits were not finite, seconds preparing inputs, the MoE
+        expert counts or None, the clock when the model had run). A simulated engine replaces this."""
+        logits, prepare_s, expert_counts = self.executor.call("execute_model", batch)
+        executed = self.clock.now()
+        sampled, broken = None, []
+        if seqs:
+            logits, broken = nonfinite_rows(logits)
+            meta = SamplingMetadata.build([s.params for s in seqs], [s.generator for s in seqs],
+                                          self.vocab_size, self.device)
+            sampled = self.sampler(logits, meta)
+        return sampled, broken, prepare_s, expert_counts, executed
 
     def _append_tokens(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
         outputs = []
@@ -197,7 +212,7 @@ class LLMEngine:
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         self._release(seq)
-        seq.finish("error", error=message)
+        seq.finish("error", self.clock.now(), error=message)
         return self.output_processor.output(seq, [], "")
 
     # ---- operations on every rank -----------------------------------------------------------

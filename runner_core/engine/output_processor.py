@@ -4,20 +4,19 @@ EOS, stop strings, max_tokens, max_model_len) — and the RequestOutput handed t
 
 from __future__ import annotations
 
-import time
-
+from runner_core.engine.clock import WallClock
 from runner_core.engine.sequence import RequestOutput, Sequence
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, max_model_len: int):
-        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+    def __init__(self, tokenizer, max_model_len: int, clock=None):
+        self.tokenizer, self.max_model_len, self.clock = tokenizer, max_model_len, clock or WallClock()
 
     def append(self, seqs: list[Sequence], sampled) -> list[tuple[Sequence, list[int], str]]:
         """Append one sampled token per sequence; returns (sequence, new ids, new text) for the
         sequences that finished or stream."""
         updates = []
-        now = time.perf_counter()
+        now = self.clock.now()
         token_ids = sampled.sampled_token_ids.tolist()
         lp_ids = sampled.logprob_token_ids.tolist() if sampled.logprob_token_ids is not None else None
         lp_vals = sampled.logprobs.tolist() if sampled.logprobs is not None else None
@@ -30,7 +29,7 @@ class OutputProcessor:
                 seq.logprobs.append(dict(zip(lp_ids[i][:k], lp_vals[i][:k])))
             prev_len = len(seq.detokenizer.text) if seq.detokenizer is not None else 0
             delta = seq.detokenizer.add([tok]) if seq.detokenizer is not None else ""
-            self.check_stop(seq, tok)
+            self.check_stop(seq, tok, now)
             if seq.is_finished and seq.detokenizer is not None:
                 # final text: cut at a stop string, else the full decode (flushes held-back bytes)
                 if seq.text is None:
@@ -41,23 +40,23 @@ class OutputProcessor:
                 updates.append((seq, [tok], delta))
         return updates
 
-    def check_stop(self, seq: Sequence, tok: int) -> None:
+    def check_stop(self, seq: Sequence, tok: int, now: float) -> None:
         p = seq.params
         n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
             if tok in p.stop_token_ids:
-                return seq.finish("stop", tok)
+                return seq.finish("stop", now, tok)
             if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
-                return seq.finish("stop")
+                return seq.finish("stop", now)
             if p.stop:
                 text = seq.detokenizer.text
                 hits = [(text.find(s), s) for s in p.stop if s in text]
                 if hits:
                     cut, s = min(hits)
                     seq.text = text[:cut]
-                    return seq.finish("stop", s)
+                    return seq.finish("stop", now, s)
         if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish("length")
+            seq.finish("length", now)
 
     def output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
         if seq.is_finished and seq.text is None:

@@ -10,11 +10,11 @@ chunk never ends inside an image's placeholder tokens unless the image's feature
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from runner_core.engine.clock import WallClock
 from runner_core.engine.sequence import Sequence, SequenceStatus
 from runner_core.memory import MemoryManager
 
@@ -33,8 +33,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, memory: MemoryManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 encoder_cached: Callable[[str], bool] = lambda digest: False):
-        self.memory = memory
+                 encoder_cached: Callable[[str], bool] = lambda digest: False, clock=None):
+        self.memory, self.clock = memory, clock or WallClock()
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.encoder_cached = encoder_cached
         self.waiting: deque[Sequence] = deque()
@@ -110,7 +110,7 @@ class Scheduler:
             self.memory.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = time.perf_counter()
+                seq.metrics.first_scheduled_time = self.clock.now()
             self.running.append(seq)
             out.scheduled.append((seq, n))
             out.admitted.append(seq)

@@ -96,10 +96,11 @@ class Sequence:
         images = tuple((m.hash, start - m.offset) for m in self.mm_items if m.overlap(start, start + block_size))
         return (tokens, images) if images else tokens
 
-    def finish(self, reason: str, stop_reason: int | str | None = None, error: str | None = None) -> None:
+    def finish(self, reason: str, now: float, stop_reason: int | str | None = None, error: str | None = None) -> None:
+        """End the request at `now` (the engine's clock)."""
         self.status = SequenceStatus.FINISHED
         self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
-        self.metrics.finished_time = time.perf_counter()
+        self.metrics.finished_time = now
 
 
 @dataclass

@@ -17,13 +17,13 @@ total: `moe_stats()`.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from runner_core.engine.clock import WallClock
 from runner_core.errors import InvalidRequestError
 from runner_core.memory import FragmentationTracker, MemoryManager
 from runner_core.memory.fragmentation import static_reservation_waste
@@ -65,6 +65,8 @@ class StepMetrics:
     firstfit_external_fragmentation: float  # ... and the holes between those reservations
     prefix_cache_hit_rate: float
     expert_counts: torch.Tensor | None = None  # MoE: tokens per expert [MoE layers, experts] (int64, CPU)
+    # the step's shape, decodes first: tokens already in the pool and tokens run, per sequence (the cost model's input)
+    batch_shape: tuple[list[int], list[int]] = ((), ())
 
 
 @dataclass(slots=True)
@@ -81,8 +83,9 @@ class StepTimes:
 
 class StepObserver:
     def __init__(self, memory: MemoryManager, scheduler: Scheduler, max_model_len: int, history: int = 4096,
-                 moe_spec: MoESpec | None = None):
+                 moe_spec: MoESpec | None = None, clock=None):
         self.memory, self.scheduler, self.max_model_len = memory, scheduler, max_model_len
+        self.clock = clock or WallClock()
         self.records: deque[StepMetrics] = deque(maxlen=history)
         self.moe_spec = moe_spec
         self.expert_totals = (torch.zeros(len(moe_spec.sparse_layers), moe_spec.num_experts, dtype=torch.int64)
@@ -93,7 +96,7 @@ class StepObserver:
 
     def on_step(self, sched: SchedulerOutput, batch: StepBatch, num_sampled: int, num_finished: int,
                 times: StepTimes, expert_counts: torch.Tensor | None = None) -> None:
-        t = time.perf_counter()
+        t = self.clock.now()
         if expert_counts is not None:
             expert_counts = expert_counts.cpu()
             self.expert_totals += expert_counts
@@ -118,9 +121,10 @@ class StepObserver:
             internal_fragmentation=mem["internal_fragmentation"],
             static_reservation_waste=static_reservation_waste(list(tokens.values()), self.max_model_len),
             firstfit_reserved_waste=alloc.waste(tokens), firstfit_external_fragmentation=alloc.external_fragmentation(),
-            prefix_cache_hit_rate=mem["prefix_cache_hit_rate"], expert_counts=expert_counts)
+            prefix_cache_hit_rate=mem["prefix_cache_hit_rate"], expert_counts=expert_counts,
+            batch_shape=(batch.starts, batch.num_new_tokens))
         self.records.append(record)
-        done = time.perf_counter()
+        done = self.clock.now()
         record.observe_s, record.total_s = done - times.end, done - times.start
         self.seconds += done - t
 

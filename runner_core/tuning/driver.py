@@ -1,11 +1,11 @@
 """The in-process load driver: sends a Workload's requests to a ModelRunner when they are due and
-timestamps every streamed token, on the caller's thread, with the real clock. It is the reference
+timestamps every streamed token, on the caller's thread, with the engine's clock (the wall clock; a
+simulated runner's virtual clock, where waiting for the next arrival takes no time). It is the reference
 definition of a run's RequestRecords; the session and HTTP drivers produce the same records.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 from runner_core.errors import InvalidRequestError
@@ -35,24 +35,25 @@ def run_workload(runner, workload: Workload, *, target: Target | None = None) ->
     limit = workload.arrivals.concurrency
     records: list[RequestRecord] = []
     inflight: dict[str, RequestRecord] = {}
-    start = time.perf_counter()
+    clock = runner.engine.clock
+    start = clock.now()
     try:
         while pending or inflight:
-            now = time.perf_counter()
+            now = clock.now()
             while pending and start + pending[0].arrival_s <= now and (limit is None or len(inflight) < limit):
                 req = pending.popleft()
-                record = RequestRecord(req.index, time.perf_counter(),
+                record = RequestRecord(req.index, clock.now(),
                                        len(req.prompt) if isinstance(req.prompt, list) else 0)
                 records.append(record)
                 try:
                     inflight[runner.add_request(req.prompt, req.sampling_params(), stream=True)] = record
                 except InvalidRequestError as e:
-                    record.error, record.end = str(e), time.perf_counter()
+                    record.error, record.end = str(e), clock.now()
             if inflight:
                 if not runner.has_unfinished_requests():
                     raise RuntimeError(f"engine went idle with {len(inflight)} requests of the run unanswered")
                 outputs = runner.step()
-                now = time.perf_counter()
+                now = clock.now()
                 for out in outputs:
                     record = inflight.get(out.request_id)
                     if record is None:
@@ -65,9 +66,9 @@ def run_workload(runner, workload: Workload, *, target: Target | None = None) ->
                         if out.finish_reason in ("error", "abort"):
                             record.error = out.error or f"request ended with finish_reason {out.finish_reason!r}"
             elif pending:
-                time.sleep(max(0.0, start + pending[0].arrival_s - time.perf_counter()))
+                clock.sleep_until(start + pending[0].arrival_s)
     finally:
         for rid in inflight:
             runner.abort_request(rid)
-    duration = time.perf_counter() - start
+    duration = clock.now() - start
     return RunResult(records, summarize(records, duration, target), workload, {})
