@@ -40,8 +40,11 @@ class StreamDelta:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig | dict | None = None, **overrides):
+    def __init__(self, config: RunnerConfig | dict | None = None, *, simulate=None, **overrides):
+        """`simulate` (a runner_core.simulator Simulation, a HardwareSpec or a device name such as "h200"):
+        load_model() builds a simulated engine instead, the real scheduler on a virtual clock, no weights."""
         self.config = RunnerConfig.coerce(config, **overrides)
+        self.simulate = simulate
         self.engine: LLMEngine | None = None
         self.memory_estimate: MemoryEstimate | None = None
 
@@ -52,6 +55,12 @@ class ModelRunner:
         With tensor_parallel_size x pipeline_parallel_size > 1 the ranks are spawned here (or joined
         under torchrun, where ranks > 0 serve rank 0 inside this call and exit with it)."""
         self.shutdown()
+        if self.simulate is not None:
+            from runner_core.simulator.engine import build_simulated_engine
+
+            self.engine = build_simulated_engine(self.config, self.simulate)
+            self.config, self.memory_estimate = self.engine.config, self.engine.worker.estimate
+            return self
         config = self.config
         stages = None
         if config.world_size > 1:

@@ -1,6 +1,8 @@
 """OutputProcessor: what happens to a sampled token — append it, record logprobs and first-token
 time, detokenize incrementally for streams and stop strings, apply the stop conditions (stop ids,
-EOS, stop strings, max_tokens, max_model_len) — and the RequestOutput handed to callers."""
+EOS, stop strings, max_tokens, max_model_len) — and the RequestOutput handed to callers. An engine
+without a tokenizer (a simulated one whose model is its config alone) has no EOS check by tokenizer
+and no text: outputs carry token ids and text "", streams included."""
 
 from __future__ import annotations
 
@@ -28,13 +30,12 @@ class OutputProcessor:
                 k = seq.params.logprobs + 1
                 seq.logprobs.append(dict(zip(lp_ids[i][:k], lp_vals[i][:k])))
             prev_len = len(seq.detokenizer.text) if seq.detokenizer is not None else 0
-            delta = seq.detokenizer.add([tok]) if seq.detokenizer is not None else ""
+            delta = seq.detokenizer.add([tok]) if seq.detokenizer is not None and self.tokenizer is not None else ""
             self.check_stop(seq, tok, now)
             if seq.is_finished and seq.detokenizer is not None:
                 # final text: cut at a stop string, else the full decode (flushes held-back bytes)
                 if seq.text is None:
-                    seq.text = self.tokenizer.decode(seq.output_token_ids,
-                                                     skip_special_tokens=seq.params.skip_special_tokens)
+                    seq.text = self._decode(seq)
                 delta = seq.text[prev_len:]
             if seq.is_finished or seq.detokenizer is not None:
                 updates.append((seq, [tok], delta))
@@ -46,7 +47,7 @@ class OutputProcessor:
         if n_out >= p.min_tokens:
             if tok in p.stop_token_ids:
                 return seq.finish("stop", now, tok)
-            if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
+            if not p.ignore_eos and self.tokenizer is not None and tok in self.tokenizer.eos_token_ids:
                 return seq.finish("stop", now)
             if p.stop:
                 text = seq.detokenizer.text
@@ -58,13 +59,18 @@ class OutputProcessor:
         if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish("length", now)
 
+    def _decode(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
     def output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
         if seq.is_finished and seq.text is None:
-            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            seq.text = self._decode(seq)
         text = seq.text if seq.is_finished else seq.detokenizer.text
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-            token_ids=list(seq.output_token_ids), text=text, delta_token_ids=delta_ids, delta_text=delta_text,
+            token_ids=seq.output_token_ids, text=text, delta_token_ids=delta_ids, delta_text=delta_text,
             finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             error=seq.error, logprobs=seq.logprobs,
             metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_cached_tokens))
