@@ -80,7 +80,8 @@ def fit_coefficients(rows: list[tuple[dict[str, float], float]]) -> Coefficients
         raise ValueError(f"no row has {', '.join(missing)}: the rows cannot determine "
                          f"{', '.join(FEATURES[n][0] for n in missing)}; add {_SHAPES_HINT}")
     a, b = x / t[:, None], (t - comm) / t
-    if np.linalg.matrix_rank(a) < len(names):
+    unit = a / np.linalg.norm(a, axis=0)
+    if np.linalg.matrix_rank(unit, tol=1e-9 * np.linalg.norm(unit, 2)) < len(names):
         raise ValueError(f"the rows determine fewer than the {len(names)} coefficients (some regressors move "
                          f"together, e.g. seqs and tokens in decode-only steps); add {_SHAPES_HINT}")
     solution = dict(zip(names, nnls(a, b)))
@@ -90,5 +91,5 @@ def fit_coefficients(rows: list[tuple[dict[str, float], float]]) -> Coefficients
         if reciprocal and weight <= 0:
             raise ValueError(f"the fit gives {name} no weight, so {coefficient} is undetermined (its time explains "
                              f"none of the measured one): add steps where it dominates ({_SHAPES_HINT})")
-        values[coefficient] = 1.0 / weight if reciprocal else float(weight)
+        values[coefficient] = float(1.0 / weight if reciprocal else weight)
     return Coefficients(**values)

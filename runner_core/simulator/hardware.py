@@ -81,10 +81,8 @@ class HardwareSpec:
                          "efficiency=Coefficients(...) (a CPU: runner_core.simulator.calibrate)")
 
     def as_dict(self) -> dict:
-        out = asdict(self)
-        out["efficiency"] = self.efficiency.as_dict() if self.efficiency else None
-        out["band"] = {k: c.as_dict() for k, c in self.band.items()}
-        return out
+        """Plain values (the coefficients as dicts): JSON-ready."""
+        return asdict(self)
 
 
 def _band(compute: tuple, memory: tuple, attention: tuple, *, layer_s: tuple = (30e-6, 15e-6, 5e-6)) -> dict:
