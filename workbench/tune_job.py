@@ -1,6 +1,7 @@
 """`TuneJob`: a sweep (runner_core.tuning.tune) over a session's model, run in a background thread (not the
 engine thread: the sweep submits requests and waits, the engine thread runs them), with thread-safe progress
-for notebooks and dashboards, and cancel. One job per session at a time.
+for notebooks and dashboards, and cancel. One job per session at a time. `SweepJob` is what it shares with
+workbench.whatif_job.WhatifJob (a simulated sweep: the same thread, progress, rows, points and cancel).
 
 While a job runs its model is marked `sweeping`: the compile switch (session.set_compile_mode, the
 dashboards' compile buttons) and session.reconfigure are refused with SessionBusyError. Other requests sent
@@ -22,60 +23,67 @@ from runner_core.tuning.results import judge, point_summary
 from workbench.handles import SessionBusyError
 from workbench.tuning_backend import DEFAULT_WORKLOAD, SessionBackend
 
-_JOBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> its latest TuneJob
 _JOBS_LOCK = threading.Lock()
 
 
-class TuneJob:
-    """A sweep running in the background. Read from any thread: `progress`, `rows`, `points`, `status`,
-    `version` (bumped on every change, so a view redraws only when it moved), `done`, `cancelled`, `error`;
-    `result(timeout)` waits for the TuneResult; `cancel()` stops it (the run in progress is cancelled too)."""
+class SweepJob:
+    """A sweep running in the background (the base of TuneJob and workbench.whatif_job.WhatifJob; a subclass
+    says what it runs: `_sweep()` on the job's thread, returning the TuneResult, and `_finish()` after it).
+    Read from any thread: `progress`, `rows`, `points`, `status`, `version` (bumped on every change, so a view
+    redraws only when it moved), `done`, `cancelled`, `error`; `result(timeout)` waits for the TuneResult;
+    `cancel()` stops it (the run in progress is cancelled too). One job of a kind per session at a time."""
 
-    def __init__(self, session, space, workload, target, *, model: str | None, repeats: int, warmup: int, results):
-        self.session = session
-        self.space, self.workload, self.target = space, workload, target
-        self.repeats, self.warmup, self.results_path = repeats, warmup, results
+    noun = "sweep"  # in status lines and messages
+    _jobs: weakref.WeakKeyDictionary  # each kind's own: session -> its latest job
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._jobs = weakref.WeakKeyDictionary()
+
+    def __init__(self, session, workload, target, *, thread_name: str, repeats: int):
+        self.session, self.workload, self.target, self.repeats = session, workload, target, repeats
         self._stop = threading.Event()
         self._done = threading.Event()
         self._lock = threading.Lock()
-        self.backend = SessionBackend(session, model, stop=self._stop)
-        self.model = self.backend.model
         self._progress = None
         self._rows: list[dict] = []
         self._result = None
         self._error: BaseException | None = None
         self.started = time.monotonic()
         self.version = 0
-        self._thread = threading.Thread(target=self._run, name=f"workbench-tune-{self.model}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
 
     @classmethod
-    def start(cls, session, space=None, workload=None, *, target=None, model: str | None = None, repeats: int = 3,
-              warmup: int = 1, results=None) -> TuneJob:
-        """Start a sweep of `space` (None, or concurrency=None: proposed from the model's KV capacity) with
-        `workload` (None: the
-        default run_load workload) under `target` (None: p99 TPOT <= 100 ms). Raises SessionBusyError while
-        another sweep of the session runs."""
+    def latest(cls, session):
+        """The session's latest job of this kind (running or finished), or None."""
+        return cls._jobs.get(session)
+
+    @classmethod
+    def _register(cls, session, make):
+        """`make()`'s job as the session's latest of this kind; SessionBusyError while another one runs."""
         with _JOBS_LOCK:
-            running = _JOBS.get(session)
+            running = cls._jobs.get(session)
             if running is not None and not running.done:
-                raise SessionBusyError(f"a sweep is already running on this session ({running.status}); cancel it "
-                                       "(job.cancel()) or wait for it (job.result()) before starting another")
-            job = cls(session, space, DEFAULT_WORKLOAD if workload is None else workload,
-                      Target() if target is None else target, model=model, repeats=repeats, warmup=warmup,
-                      results=results)
-            _JOBS[session] = job
-        job.backend._entry().sweeping = True
-        session._telemetry.event("tune", model=job.model, workload=job.workload.label, target=job.target.label,
-                                 repeats=repeats, warmup=warmup)
-        job._thread.start()
+                raise SessionBusyError(f"a {cls.noun} is already running on this session ({running.status}); "
+                                       "cancel it (job.cancel()) or wait for it (job.result()) before starting "
+                                       "another")
+            job = cls._jobs[session] = make()
         return job
 
     # ---- the sweep's thread --------------------------------------------------------------------------
+    def _sweep(self):
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        """After the sweep ended (any way), before `done` is set."""
+
+    def _fields(self) -> list[str]:
+        """The settings a row of this sweep holds (what `points` groups by)."""
+        raise NotImplementedError
+
     def _run(self) -> None:
         try:
-            result = tune(self.space, self.workload, self.target, backend=self.backend, repeats=self.repeats,
-                          warmup=self.warmup, results=self.results_path, on_progress=self._on_progress,
-                          stop=self._stop)
+            result = self._sweep()
         except BaseException as exc:  # noqa: BLE001 - delivered by result()
             self._error = exc
         else:
@@ -83,12 +91,9 @@ class TuneJob:
                 self._result = result
                 self._rows = [dict(row) for row in result.rows]
         finally:
-            entry = self.session.models.get(self.model)
-            if entry is not None:
-                entry.sweeping = False
+            self._finish()
             self._done.set()
             self._bump()
-            self.session._telemetry.event("tune_end", model=self.model, status=self.status)
 
     def _on_progress(self, progress) -> None:
         with self._lock:
@@ -119,7 +124,7 @@ class TuneJob:
         groups: dict[str, list[dict]] = {}
         for row in self.rows:
             groups.setdefault(row["key"], []).append(row)
-        config_fields = set(self._config_fields())
+        config_fields = set(self._fields())
         points = []
         for rows in groups.values():
             if len(rows) < self.repeats:
@@ -129,10 +134,6 @@ class TuneJob:
             judge(point, self.target)
             points.append(point)
         return points
-
-    def _config_fields(self) -> list[str]:
-        entry = self.session.models.get(self.model)
-        return list(entry.config.to_dict()) if entry is not None else []
 
     @property
     def done(self) -> bool:
@@ -167,7 +168,7 @@ class TuneJob:
         """The TuneResult (a cancelled sweep's covers the points it finished); raises the sweep's error, or
         TimeoutError while it still runs."""
         if not self._done.wait(timeout):
-            raise TimeoutError(f"the sweep is still running ({self.status}); wait again or cancel() it")
+            raise TimeoutError(f"the {self.noun} is still running ({self.status}); wait again or cancel() it")
         if self._error is not None:
             raise self._error
         return self._result
@@ -184,6 +185,50 @@ class TuneJob:
         import pandas as pd
 
         return pd.DataFrame(self.rows)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}: {self.status}>"
+
+
+class TuneJob(SweepJob):
+    """A sweep of a model loaded in the session (runner_core.tuning.tune over a SessionBackend)."""
+
+    def __init__(self, session, space, workload, target, *, model: str | None, repeats: int, warmup: int, results):
+        self.backend = SessionBackend(session, model)
+        self.model = self.backend.model
+        super().__init__(session, workload, target, thread_name=f"workbench-tune-{self.model}", repeats=repeats)
+        self.backend.stop = self._stop
+        self.space, self.warmup, self.results_path = space, warmup, results
+
+    @classmethod
+    def start(cls, session, space=None, workload=None, *, target=None, model: str | None = None, repeats: int = 3,
+              warmup: int = 1, results=None) -> TuneJob:
+        """Start a sweep of `space` (None, or concurrency=None: proposed from the model's KV capacity) with
+        `workload` (None: the
+        default run_load workload) under `target` (None: p99 TPOT <= 100 ms). Raises SessionBusyError while
+        another sweep of the session runs."""
+        job = cls._register(session, lambda: cls(
+            session, space, DEFAULT_WORKLOAD if workload is None else workload, Target() if target is None else target,
+            model=model, repeats=repeats, warmup=warmup, results=results))
+        job.backend._entry().sweeping = True
+        session._telemetry.event("tune", model=job.model, workload=job.workload.label, target=job.target.label,
+                                 repeats=repeats, warmup=warmup)
+        job._thread.start()
+        return job
+
+    def _sweep(self):
+        return tune(self.space, self.workload, self.target, backend=self.backend, repeats=self.repeats,
+                    warmup=self.warmup, results=self.results_path, on_progress=self._on_progress, stop=self._stop)
+
+    def _finish(self) -> None:
+        entry = self.session.models.get(self.model)
+        if entry is not None:
+            entry.sweeping = False
+        self.session._telemetry.event("tune_end", model=self.model, status=self.status)
+
+    def _fields(self) -> list[str]:
+        entry = self.session.models.get(self.model)
+        return list(entry.config.to_dict()) if entry is not None else []
 
     def __repr__(self) -> str:
         return f"<TuneJob on {self.model}: {self.status}>"
