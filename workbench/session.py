@@ -271,6 +271,17 @@ class Session:
 
         return TuneJob.start(self, space, workload, target=target, model=model, **options)
 
+    def whatif(self, model: str, layouts, workload=None, *, target=None, band: bool = True, **options):
+        """Simulate `model` (a runner_core.simulator.model_configs name such as "llama-3-70b", a preset, a
+        directory with config.json, or a loaded model's name) serving `workload` on each of `layouts` (e.g.
+        [{"hardware": "h200", "tensor_parallel_size": 8}]): the engine's scheduler on a virtual clock, no
+        weights loaded, this session's engine and models untouched. In the background like tune(): returns a
+        WhatifJob (progress, rows, points with "band_low"/"band_high", skipped layouts, result(), cancel()).
+        `options`: space, repeats, results, and RunnerConfig fields of the simulated runners (dtype, ...)."""
+        from workbench.whatif_job import WhatifJob
+
+        return WhatifJob.start(self, model, layouts, workload, target=target, band=band, **options)
+
     def serve_api(self, port: int = 0, *, host: str = "127.0.0.1", api_key: str | None = None):
         """Serve an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions, /health,
         /metrics) over this session's models from a background thread; the notebook stays free and the
