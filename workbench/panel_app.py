@@ -18,7 +18,7 @@ import panel as pn
 from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, COMPILE_SCOPES, QUANT_GROUP_SIZES
 from runner_core.models import preset_names
 from runner_core.tuning import Target
-from workbench import charts, tuning_charts
+from workbench import charts, tuning_charts, whatif_view
 from workbench.controller import (
     DEFAULT_LOAD,
     DEFAULT_MODEL,
@@ -135,6 +135,7 @@ class SessionDashboard(ViewController):
                        for name, fig in charts.all_figures([]).items()}
 
         self._build_tuning()
+        whatif = whatif_view.panel_tab(self)
         self.wire_buttons()
         self.active_select.param.watch(lambda event: self.on_active(event.new), "value")
         self.image_input.param.watch(lambda event: self.on_image(event.new), "value")
@@ -160,7 +161,7 @@ class SessionDashboard(ViewController):
                         sizing_mode="stretch_width")
         main = pn.Column(self.error, self.info, generation, self.window_select, grid, sizing_mode="stretch_width")
         tabs = pn.Tabs(("Live", pn.Row(sidebar, main, sizing_mode="stretch_width")), ("Tuning", self.tuning),
-                       sizing_mode="stretch_width", css_classes=["wb-tabs"])
+                       ("What-if", whatif), sizing_mode="stretch_width", css_classes=["wb-tabs"])
         self.layout = pn.Column(header, tabs, sizing_mode="stretch_width", css_classes=["wb-dashboard"])
 
     def _build_tuning(self) -> None:
@@ -273,6 +274,7 @@ class SessionDashboard(ViewController):
         if self.workload:
             self.workload_md.object = self.workload_summary()
         self._refresh_tuning()
+        self._refresh_whatif()
         version = s.metrics.version
         if version != self._chart_version or s.active != self._chart_model:
             self._chart_version, self._chart_model = version, s.active
@@ -284,6 +286,12 @@ class SessionDashboard(ViewController):
         self.tune_status.object = html.escape(status)
         for name, fig in (figures or {}).items():
             self.tune_charts[name].object = fig
+
+    def _refresh_whatif(self) -> None:
+        status, figures = self.refresh_whatif()
+        self.whatif_status.object = html.escape(status)
+        for name, fig in (figures or {}).items():
+            self.whatif_charts[name].object = fig
 
     def _status_line(self, s: Session) -> str:
         """The session's status; while it is busy on one thing (loading, compiling), for how long."""

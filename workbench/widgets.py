@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, QUANT_GROUP_SIZES
 from runner_core.models import preset_names
 from runner_core.tuning import Target
-from workbench import charts, tuning_charts
+from workbench import charts, tuning_charts, whatif_view
 from workbench.controller import (
     DEFAULT_LOAD,
     DEFAULT_MODEL,
@@ -91,6 +91,7 @@ class SessionWidgets(ViewController, W.VBox):
         empty = charts.all_figures([])
         self.figures = {name: go.FigureWidget(empty[name]) for name in figures}
         tuning = self._build_tuning()
+        whatif = whatif_view.widgets_tab(self, GRID, LABEL)
 
         self.wire_buttons()
         self.active.observe(lambda change: self.on_active(change["new"]), names="value")
@@ -108,8 +109,8 @@ class SessionWidgets(ViewController, W.VBox):
                              W.HBox([self.output, self.image_view]), self.stats,
                              W.HBox([self.workload_n, self.workload_button])])
         grid = W.GridBox(list(self.figures.values()), layout=W.Layout(**GRID))
-        self.tabs = W.Tab(children=[W.VBox([controls, generation, self.window, grid]), tuning],
-                          titles=("Live", "Tuning"))
+        self.tabs = W.Tab(children=[W.VBox([controls, generation, self.window, grid]), tuning, whatif],
+                          titles=("Live", "Tuning", "What-if"))
         W.VBox.__init__(self, [self.status, self.error, self.tabs], layout=layout)
         self.refresh()
         if auto_refresh:
@@ -187,6 +188,7 @@ class SessionWidgets(ViewController, W.VBox):
             self.output.value = self.handle.text
             self.stats.value = self.answer_stats_text()
         self._refresh_tuning()
+        self._refresh_whatif()
         if s.metrics.version != self._chart_version:
             self._chart_version = s.metrics.version
             new = self.chart_figures()
@@ -199,6 +201,12 @@ class SessionWidgets(ViewController, W.VBox):
         self.tune_recommendation.value = html.escape(recommendation.replace("**", ""))
         for name, fig in (figures or {}).items():
             _update_figure(self.tune_figures[name], fig)
+
+    def _refresh_whatif(self) -> None:
+        status, figures = self.refresh_whatif()
+        self.whatif_status.value = html.escape(status)
+        for name, fig in (figures or {}).items():
+            _update_figure(self.whatif_figures[name], fig)
 
     def wait(self, timeout: float = 120.0) -> SessionWidgets:
         """Wait for pending loads/unloads/compiles and running requests, then refresh."""
