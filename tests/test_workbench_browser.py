@@ -52,6 +52,13 @@ def page(server_url):
         browser.close()
 
 
+def _fill(page, *fields: tuple[str, str]) -> None:
+    """Type each (selector, value) into its field and press Enter (Panel reads a field's value then)."""
+    for field, value in fields:
+        page.locator(field).fill(value)
+        page.locator(field).press("Enter")
+
+
 def _points(page, chart: str) -> int:
     return page.locator(f".wb-chart-{chart} .js-plotly-plot").evaluate(
         "el => (el.data && el.data[0] && el.data[0].x) ? el.data[0].x.length : 0")
@@ -139,9 +146,7 @@ def test_dashboard_loads_a_quantized_model_and_charts_what_it_saved(page):
     weights chart draws two bars, the int8 bytes below the float32 ones."""
     from playwright.sync_api import expect
 
-    for field, value in ((".wb-model-path input", ""), (".wb-max-len input", "0")):  # as the first test left them
-        page.locator(field).fill(value)
-        page.locator(field).press("Enter")
+    _fill(page, (".wb-model-path input", ""), (".wb-max-len input", "0"))  # as the first test left them
     page.locator(".wb-model select").select_option("tiny-speaker")
     page.locator(".wb-storage select").select_option("int8")
     page.get_by_role("button", name="Load model").click()
@@ -164,9 +169,7 @@ def test_dashboard_tuning_tab_runs_a_sweep_live(page):
     # tiny-llama as the first test loads it (only the active model when that test ran before this one)
     page.locator(".wb-model select").select_option("tiny-llama")
     page.locator(".wb-storage select").select_option("none")
-    for field, value in ((".wb-model-path input", ""), (".wb-max-len input", "2048")):
-        page.locator(field).fill(value)
-        page.locator(field).press("Enter")
+    _fill(page, (".wb-model-path input", ""), (".wb-max-len input", "2048"))
     page.get_by_role("button", name="Load model").click()
     expect(page.locator(".wb-info")).to_contain_text(re.compile("Load tiny-llama: done|tiny-llama is already loaded"),
                                                      timeout=SLOW)
@@ -175,11 +178,8 @@ def test_dashboard_tuning_tab_runs_a_sweep_live(page):
     page.locator(".wb-tabs .bk-tab").filter(has_text="Tuning").click()
     concurrency = page.locator(".wb-tune-concurrency input")
     expect(concurrency).not_to_have_value("")  # proposed from the KV capacity
-    for field, value in ((".wb-tune-concurrency input", "1, 2"), (".wb-tune-seqs input", ""),
-                         (".wb-tune-limit input", "1000"), (".wb-tune-repeats input", "1"),
-                         (".wb-tune-requests input", "4")):
-        page.locator(field).fill(value)
-        page.locator(field).press("Enter")
+    _fill(page, (".wb-tune-concurrency input", "1, 2"), (".wb-tune-seqs input", ""), (".wb-tune-limit input", "1000"),
+          (".wb-tune-repeats input", "1"), (".wb-tune-requests input", "4"))
     assert _tune_points(page) == 0
     page.get_by_role("button", name="Start sweep").click()
     progress = page.locator(".wb-tune-progress progress").element_handle()
@@ -193,3 +193,26 @@ def test_dashboard_tuning_tab_runs_a_sweep_live(page):
 def _tune_points(page) -> int:
     return page.locator(".wb-tune-pareto .js-plotly-plot").evaluate(
         "el => (el.data || []).filter(t => t.mode === 'markers+text').reduce((n, t) => n + t.x.length, 0)")
+
+
+def test_dashboard_whatif_tab_simulates_and_draws_the_memory_picture(page):
+    """The What-if tab: Llama-3-70B on H100s (one device and eight), its memory picture at once (one device
+    does not fit, eight do), then a small simulation whose points reach the Pareto chart."""
+    from playwright.sync_api import expect
+
+    page.locator(".wb-tabs .bk-tab").filter(has_text="What-if").click()
+    page.locator(".wb-whatif-model select").select_option("llama-3-70b")
+    page.locator(".wb-whatif-hardware select").select_option("h100-sxm")
+    _fill(page, (".wb-whatif-tp input", "1, 8"), (".wb-whatif-requests input", "2"))
+    page.get_by_role("button", name="Memory picture").click()
+    memory = page.locator(".wb-whatif-memory")
+    expect(memory).to_contain_text("does not fit: needs", timeout=SLOW)
+    expect(memory).to_contain_text("fits")
+    page.get_by_role("button", name="Simulate").click()
+    expect(page.locator(".wb-whatif-status")).to_contain_text("done", timeout=SLOW)
+    expect(page.locator(".wb-whatif-status")).to_contain_text("skipped")  # the single H100: not enough memory
+    pareto = page.locator(".wb-whatif-pareto .js-plotly-plot")
+    simulated = pareto.evaluate("el => (el.data || []).filter(t => t.name === 'simulated h100-sxm x8')"
+                                ".reduce((n, t) => n + t.x.length, 0)")
+    assert simulated >= 1, "the simulated points on the Pareto chart"
+    page.screenshot(path=str(OUT / "dashboard-whatif.png"), full_page=True)
