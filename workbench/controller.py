@@ -16,7 +16,6 @@ from workbench import charts, tuning_charts
 from workbench.handles import RequestHandle
 from workbench.model_roots import ModelRoots
 from workbench.session import Session
-from workbench.whatif_view import WhatifControls
 
 # What the views (and `serve --model`) load with unless told otherwise: a small KV pool keeps
 # the block map readable and the load fast on a laptop CPU.
@@ -113,13 +112,13 @@ def model_choice(preset: str, path: str) -> str:
     return str(Path(path).expanduser().resolve()) if path else preset
 
 
-class ViewController(WhatifControls):
+class ViewController:
     """The base of a view over `session` (default: `Session.current()`). The view's widgets
     include the buttons `load_button`, `unload_button`, `compile_button`, `generate_button`,
     `cancel_button`, `workload_button`, `tune_start`, `tune_cancel` (each with
     `.on_click(callback(event))`), the `workload_n` number input and the Tuning form's fields
     (`tune_concurrency`, `tune_seqs`, `tune_metric`, `tune_limit`, `tune_repeats`, `tune_requests`:
-    each with `.value`) and `tune_progress` (0 to 100), and the What-if tab's (workbench/whatif_view.py)."""
+    each with `.value`) and `tune_progress` (0 to 100)."""
 
     def __init__(self, session: Session | None = None, model_roots: ModelRoots | None = None):
         self.session = session or Session.current()
@@ -134,7 +133,6 @@ class ViewController(WhatifControls):
         self.tune_job = None  # the sweep the Tuning tab started (a workbench.tune_job.TuneJob)
         self._tune_version = -1  # the job's version the tuning charts show
         self._tune_model = None  # the model whose KV capacity proposed the Tuning form's values
-        self.init_whatif()
 
     # ---- supplied by the view ---------------------------------------------------------------
     def show_error(self, message: str) -> None:
@@ -158,9 +156,7 @@ class ViewController(WhatifControls):
         for button, action in ((self.load_button, self.on_load), (self.unload_button, self.on_unload),
                                (self.compile_button, self.on_compile), (self.generate_button, self.on_generate),
                                (self.cancel_button, self.on_cancel), (self.workload_button, self.on_workload),
-                               (self.tune_start, self.on_tune), (self.tune_cancel, self.cancel_tune),
-                               (self.whatif_memory_button, self.on_whatif_memory),
-                               (self.whatif_start, self.on_whatif), (self.whatif_cancel, self.cancel_whatif)):
+                               (self.tune_start, self.on_tune), (self.tune_cancel, self.cancel_tune)):
             button.on_click(lambda _event, action=action: action())
 
     def on_unload(self) -> None:

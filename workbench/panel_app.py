@@ -48,7 +48,7 @@ SAMPLING_FIELD = 120
 CHART_NAMES = ("throughput", "memory", "weights", "blocks", "waste", "block_map", "compile", "expert_load")
 
 
-class SessionDashboard(ViewController):
+class SessionDashboard(ViewController, whatif_view.WhatifControls):
     """One dashboard per browser session (or notebook cell) over a shared Session."""
 
     def __init__(self, session: Session | None = None, refresh_ms: int = REFRESH_MS,

@@ -1,6 +1,7 @@
-"""The What-if tab of both dashboards: `WhatifControls` (the part of ViewController both views share: the
-form's plan, the Memory picture and Simulate actions, the job's state and charts) and the tab's layout in
-Panel (`panel_tab`) and in ipywidgets (`widgets_tab`). The layouts create the widgets the controls read:
+"""The What-if tab of both dashboards: `WhatifControls` (what both views add to their ViewController for it:
+the form's plan, the Memory picture and Simulate actions, the job's state and charts) and the tab's layout in
+Panel (`panel_tab`) and in ipywidgets (`widgets_tab`), which also wire its buttons. The layouts create the
+widgets the controls read:
 `whatif_model`, `whatif_hardware`, `whatif_tp`, `whatif_pp` (lists as text: "4, 8"), `whatif_format`,
 `whatif_requests` (each with `.value`), the buttons `whatif_memory_button`, `whatif_start`, `whatif_cancel` and
 `whatif_progress` (0 to 100). No engine logic here: the job and the memory figures come from
@@ -14,6 +15,7 @@ from runner_core.simulator.model_configs import config_model_names
 from runner_core.simulator.simulation import WEIGHT_FORMATS
 from runner_core.tuning import Target, Workload
 from workbench import charts, tuning_charts, whatif_charts
+from workbench.controller import parse_values
 from workbench.tune_job import TuneJob
 from workbench.whatif_job import layout_label, memory_layouts, model_source
 
@@ -30,8 +32,6 @@ INTRO = ("**What-if**: the engine's real scheduler on a virtual clock, each step
 
 def whatif_plan(hardware: str, tp: str, pp: str, weight_format: str, requests: int) -> tuple[list[dict], Workload]:
     """(layouts, workload) from the form: one layout per TP x PP size on `hardware`; ValueError naming the field."""
-    from workbench.controller import parse_values  # here: the controller imports this module
-
     tps, pps = parse_values(tp, "TP sizes") or [1], parse_values(pp, "PP sizes") or [1]
     if int(requests) < 1:
         raise ValueError(f"requests per run {requests}: must be at least 1")
@@ -42,12 +42,16 @@ def whatif_plan(hardware: str, tp: str, pp: str, weight_format: str, requests: i
 
 
 class WhatifControls:
-    """The What-if tab's state and actions (a base of ViewController: `session`, `guard`, `show_error`)."""
+    """The What-if tab's state and actions, beside a ViewController (its `session` and `guard`)."""
 
-    def init_whatif(self) -> None:
-        self.whatif_job = None  # the what-if the tab started (a workbench.whatif_job.WhatifJob)
-        self.whatif_memory = []  # the memory picture's layouts (whatif_job.memory_layouts)
-        self._whatif_drawn = None  # (job version, measured sweep's version, memory picture) the charts show
+    whatif_job = None  # the what-if the tab started (a workbench.whatif_job.WhatifJob)
+    whatif_memory: list[dict] = []  # the memory picture's layouts (whatif_job.memory_layouts)
+    _whatif_drawn = None  # (job version, measured sweep's version, memory picture) the charts show
+
+    def wire_whatif(self) -> None:
+        for button, action in ((self.whatif_memory_button, self.on_whatif_memory), (self.whatif_start, self.on_whatif),
+                               (self.whatif_cancel, self.cancel_whatif)):
+            button.on_click(lambda _event, action=action: action())
 
     def whatif_models(self) -> list[str]:
         """The model picker's choices: the models loaded in the session, then the published configs."""
@@ -145,6 +149,7 @@ def panel_tab(view):
                                                css_classes=[f"wb-whatif-{name}"],
                                                config={"displaylogo": False, "responsive": True})
                           for name in CHART_NAMES}
+    view.wire_whatif()
     return pn.Column(
         pn.pane.Markdown(INTRO), pn.Row(view.whatif_model, view.whatif_hardware, view.whatif_tp, view.whatif_pp,
                                         view.whatif_format, view.whatif_requests, sizing_mode="stretch_width"),
@@ -174,6 +179,7 @@ def widgets_tab(view, grid: dict, label: dict):
     view.whatif_progress = W.IntProgress(value=0, min=0, max=100)
     view.whatif_status = W.HTML("")
     view.whatif_figures = {name: go.FigureWidget() for name in CHART_NAMES}
+    view.wire_whatif()
     return W.VBox([W.HBox([view.whatif_model, view.whatif_hardware, view.whatif_format]),
                    W.HBox([view.whatif_tp, view.whatif_pp, view.whatif_requests]),
                    W.HBox([view.whatif_memory_button, view.whatif_start, view.whatif_cancel, view.whatif_progress]),

@@ -44,7 +44,7 @@ LABEL = {"description_width": "initial"}  # a control's label in full ("temperat
 GRID = dict(grid_template_columns="repeat(2, minmax(0, 1fr))", grid_gap="4px 12px", width="100%")
 
 
-class SessionWidgets(ViewController, W.VBox):
+class SessionWidgets(ViewController, whatif_view.WhatifControls, W.VBox):
     """Load/unload, compile mode, prompt and sampling, workload, status and live charts."""
 
     def __init__(self, session: Session | None = None, *, auto_refresh: bool = True, interval: float = 0.5,
