@@ -4,10 +4,11 @@ Each row is (CostModel.features(...), measured seconds). The step time is linear
 1/compute_efficiency, 1/memory_efficiency, 1/attention_efficiency, step_s, layer_s, seq_s and token_s (comm_s is
 known and comes off the measured time), so an active-set NNLS (Lawson and Hanson) finds them, all >= 0.
 
-The fit minimises relative error: each row is divided by its measured time, so a 2 ms decode step weighs as much
-as a 200 ms prefill; absolute least squares would fit the long prefills and leave the decode steps, which make
-TPOT, far off. With rows of one model only (the layer count never changes) layer_s cannot be told from step_s:
-it is folded into step_s (layer_s = 0).
+Each efficiency is at most 1: the fit's weight is 1/efficiency - 1 >= 0 (a part the rows give no extra weight runs
+at its peak, never beyond it). The fit minimises relative error: each row is divided by its measured time, so a
+2 ms decode step weighs as much as a 200 ms prefill; absolute least squares would fit the long prefills and leave
+the decode steps, which make TPOT, far off. With rows of one model only (the layer count never changes) layer_s
+cannot be told from step_s: it is folded into step_s (layer_s = 0).
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ def fit_coefficients(rows: list[tuple[dict[str, float], float]]) -> Coefficients
     if missing:
         raise ValueError(f"no row has {', '.join(missing)}: the rows cannot determine "
                          f"{', '.join(FEATURES[n][0] for n in missing)}; add {_SHAPES_HINT}")
-    a, b = x / t[:, None], (t - comm) / t
+    # each efficiency is at most 1 (no step beats the peak): its reciprocal is 1 + a non-negative weight, so the
+    # roofline times at 100% come off the measured time first
+    roofline = x[:, [i for i, n in enumerate(names) if FEATURES[n][1]]].sum(axis=1)
+    a, b = x / t[:, None], (t - comm - roofline) / t
     unit = a / np.linalg.norm(a, axis=0)
     if np.linalg.matrix_rank(unit, tol=1e-9 * np.linalg.norm(unit, 2)) < len(names):
         raise ValueError(f"the rows determine fewer than the {len(names)} coefficients (some regressors move "
@@ -88,8 +92,5 @@ def fit_coefficients(rows: list[tuple[dict[str, float], float]]) -> Coefficients
     values = {"layer_s": 0.0}
     for name, weight in solution.items():
         coefficient, reciprocal = FEATURES[name]
-        if reciprocal and weight <= 0:
-            raise ValueError(f"the fit gives {name} no weight, so {coefficient} is undetermined (its time explains "
-                             f"none of the measured one): add steps where it dominates ({_SHAPES_HINT})")
-        values[coefficient] = float(1.0 / weight if reciprocal else weight)
+        values[coefficient] = float(1.0 / (1.0 + weight) if reciprocal else weight)
     return Coefficients(**values)
