@@ -65,12 +65,13 @@ class OutputProcessor:
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
-        if seq.is_finished and seq.text is None:
+        finished = seq.is_finished
+        if finished and seq.text is None:
             seq.text = self._decode(seq)
-        text = seq.text if seq.is_finished else seq.detokenizer.text
+        text = seq.text if finished else seq.detokenizer.text
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             token_ids=seq.output_token_ids, text=text, delta_token_ids=delta_ids, delta_text=delta_text,
-            finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             error=seq.error, logprobs=seq.logprobs,
             metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_cached_tokens))

@@ -9,7 +9,6 @@ spawned: the model is its config.json, tensor and pipeline parallelism are simul
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import torch
@@ -141,7 +140,7 @@ class SimulatedEngine(LLMEngine):
                                    adaptive=False)
         self.model_info["threads"] = self.threads.info()
         self._eos = sorted(e for e in eos_token_ids if 0 <= e < self.vocab_size)
-        self._rng = random.Random(simulation.seed)
+        self._generator = torch.Generator().manual_seed(simulation.seed)
 
     def add_request(self, prompt, params=None, request_id=None, stream=False):
         if params is not None and getattr(params, "stop", None):
@@ -153,20 +152,15 @@ class SimulatedEngine(LLMEngine):
 
     def _run_model(self, batch, seqs):
         self.clock.advance(self.cost_model.step_time(batch.starts, batch.num_new_tokens, len(seqs)))
-        sampled = SamplerOutput(torch.tensor(self._draw(len(seqs)), dtype=torch.long), None, None) if seqs else None
+        sampled = SamplerOutput(self._draw(len(seqs)), None, None) if seqs else None
         return sampled, [], 0.0, None, self.clock.now()
 
-    def _draw(self, n: int) -> list[int]:
+    def _draw(self, n: int) -> torch.Tensor:
         """n token ids, uniform over the vocabulary less its EOS ids."""
-        randrange, eos, count = self._rng.randrange, self._eos, self.vocab_size - len(self._eos)
-        out = []
-        for _ in range(n):
-            tok = randrange(count)
-            for e in eos:  # ascending: skip over each EOS id at or below the draw
-                if tok >= e:
-                    tok += 1
-            out.append(tok)
-        return out
+        ids = torch.randint(self.vocab_size - len(self._eos), (n,), generator=self._generator)
+        for e in self._eos:  # ascending: each draw at or above an EOS id moves one up, past it
+            ids += ids >= e
+        return ids
 
     def forward_stateless(self, rows, output_router_logits: bool = False):
         raise InvalidRequestError(NO_LOGITS)
