@@ -24,7 +24,9 @@ _TRTLLM_V1 = ("https://github.com/NVIDIA/TensorRT-LLM/blob/00f37686aa854010d68bc
 _TRTLLM_V05 = "https://github.com/NVIDIA/TensorRT-LLM/blob/release/0.5.0/docs/source/performance.md"
 _TRTLLM_V05_H200 = "https://github.com/NVIDIA/TensorRT-LLM/blob/release/0.5.0/docs/source/blogs/H200launch.md"
 _V1_HOW = ("trtllm-bench throughput, PyTorch backend, CUDA graphs with padding, every request queued at once; "
-           "max batch size and token budget not stated (we use the engine's defaults)")
+           "max batch size and token budget not stated (we use the engine's defaults); our KV cache is bfloat16 (the "
+           "engine has no FP8 KV), so the pool holds half the sequences an FP8 KV cache would and decode reads twice "
+           "the KV bytes")
 _V05_HOW = ("gptSessionBenchmark, static batching: one batch of `batch` requests run to the end (we run them as "
             "one burst with max_num_seqs = batch)")
 
