@@ -249,7 +249,8 @@ class ModelRunner:
 
     def _pad_sequences(self, rows: list[list[int]], outs: list[RequestOutput]) -> torch.Tensor:
         full = [row + o.token_ids for row, o in zip(rows, outs)]
-        pad = self.tokenizer.pad_token_id
+        tokenizer = self.tokenizer  # None: a simulated model without one
+        pad = tokenizer.pad_token_id if tokenizer is not None else None
         pad = 0 if pad is None else pad
         width = max(map(len, full))
         return torch.tensor([f + [pad] * (width - len(f)) for f in full], dtype=torch.long)
@@ -276,6 +277,8 @@ class ModelRunner:
         """Write the loaded model as it is stored (quantized or not) to `directory` as a checkpoint this
         project loads again: safetensors, config.json naming the format, the tokenizer's files."""
         engine = self._engine()
+        if self.simulate is not None:
+            raise ConfigError("a simulated runner has no weights to save; load the model without simulate=")
         if self.config.world_size > 1:
             raise ConfigError("save_pretrained saves a model loaded in one process; load it without tensor or "
                               "pipeline parallelism to save it")

@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from runner_core.errors import ConfigError, InvalidRequestError
 from runner_core.memory import kv_bytes_per_token
@@ -168,8 +169,22 @@ def test_what_a_simulation_cannot_honour_is_refused():
             runner.add_request("hello")
         with pytest.raises(InvalidRequestError, match="computes no logits"):
             runner.forward([[5, 6, 7]])
+        with pytest.raises(ConfigError, match="no weights to save"):
+            runner.save_pretrained("unused")
         (out,) = runner.generate([[5, 6, 7]], SamplingParams(max_tokens=3, logprobs=2))
+        padded = runner.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)["sequences"]
     assert out.logprobs is None and len(out.token_ids) == 3
+    assert padded.shape == (1, 5)
+
+
+def test_a_weight_format_changes_what_fits_and_what_the_cost_model_reads():
+    config = {"model": "llama-3-70b", "tensor_parallel_size": 4, "max_model_len": 4096, "max_num_batched_tokens": 512}
+    with pytest.raises(ConfigError, match="does not fit"):
+        ModelRunner(config, simulate="l4").load_model()
+    with ModelRunner(config, simulate=Simulation("l4", weight_format="fp8")).load_model() as runner:
+        assert runner.model_info()["simulation"]["weight_format"] == "fp8"
+        assert runner.engine.cost_model.weight_format == "fp8"
+        assert runner.memory_stats()["weights_bytes"] < 18 << 30  # about one byte a weight, over four devices
 
 
 def test_reconfigure_replans_the_pool_and_compile_is_recorded():

@@ -76,9 +76,10 @@ class Simulation:
 
 
 def simulated_config(config: RunnerConfig, hardware: HardwareSpec) -> RunnerConfig:
-    """`config` as it runs on `hardware`: dtype "auto" is bfloat16 on a GPU (the CPU's own rule on a CPU)
-    and an unset max_num_batched_tokens takes the GPU default."""
-    changes = {}
+    """`config` as it runs on `hardware`: on the CPU device (the simulated one is the hardware: no CUDA device
+    is touched, none is counted for the ranks), dtype "auto" bfloat16 on a GPU (the CPU's own rule on a CPU)
+    and an unset max_num_batched_tokens the GPU default."""
+    changes = {"device": "cpu"} if config.device != "cpu" else {}
     if hardware.kind == "gpu":
         if config.dtype == "auto":
             changes["dtype"] = "bfloat16"
