@@ -217,6 +217,42 @@ def check_tuning(nb) -> None:
         _figure_titled(nb, words)
 
 
+def check_whatif(nb) -> None:
+    text = _stream_text(nb)
+    # the cost model: a decode step of 64 rows reads the weights (memory-bound), a long prefill computes
+    assert re.search(r"^linear bound +memory +compute$", text, re.M)
+    assert "the parts add up to the total: True" in text
+    # this CPU: a fit on measured steps, then one workload real against simulated
+    assert int(re.search(r"(\d+) step shapes fitted", text).group(1)) > 0
+    for metric in ("TTFT p50 ms", "TPOT p50 ms", "output tok/s"):
+        real, simulated = map(float, re.search(rf"^{metric} +([\d.]+) +([\d.]+) +[+-]\d+%$", text, re.M).groups())
+        assert real > 0 and simulated > 0, metric
+    # the refusals name memory and the layouts that fit; the fitting layout loads
+    for device in ("h100-sxm", "l4"):
+        assert re.search(rf"refused on one {device}, does not fit: it needs [\d.]+ GiB per device", text)
+    assert re.search(r"refused on one h100-sxm, .*Would fit with: .*tensor_parallel_size=\d", text)
+    verdicts = dict(re.findall(r"^(\S+(?: \S+)*?) +weights +[\d.]+ GiB, KV pool +[\d.]+ GiB per device of +[\d.]+: "
+                               r"(fits|does not fit)$", text, re.M))
+    assert verdicts["h100-sxm"] == "does not fit" and verdicts["h100-sxm tp=4"] == "fits"
+    assert verdicts["l4 tp=8 int4"] == "fits"
+    assert re.search(r"h100-sxm tp=4 loads: weights [\d.]+ GiB per device, KV pool [\d.]+ GiB = \d+ tokens", text)
+    _figure_titled(nb, "Memory per device")
+    # the sweep: the layout that does not fit is skipped; every point's band is ordered
+    assert "skipped {'hardware': 'h100-sxm', 'tensor_parallel_size': 1}" in text
+    bands = re.findall(r"^hardware=\S+.*? +([\d.]+) +([\d.]+) +([\d.]+) +[\d.]+ ms (?:meets|misses)", text, re.M)
+    assert len(bands) >= 3 and all(float(lo) <= float(mid) <= float(hi) for lo, mid, hi in bands)
+    assert "every band ordered low <= typical <= high: True" in text and "recommended: hardware=" in text
+    _figure_titled(nb, "What-if: per-user speed against throughput")
+    # a published figure against its predicted band
+    published, lo, mid, hi, inside = re.search(
+        r"published (\d+) output_throughput; predicted (\d+) \(low\) \.\. (\d+) \(typical\) \.\. (\d+) \(high\); "
+        r"inside the band: (True|False)", text).groups()
+    assert int(lo) <= int(mid) <= int(hi) and (inside == "True") == (int(lo) <= int(published) <= int(hi))
+    # the dashboard's What-if tab ran its own simulation
+    assert "application/vnd.jupyter.widget-view+json" in _mime_kinds(nb)
+    assert re.search(r"What-if tab: done: .* \| [1-9]\d* points, 1 layout skipped", text)
+
+
 CHECKS = {
     "01-quickstart.ipynb": check_quickstart,
     "02-compile-tuning.ipynb": check_compile_tuning,
@@ -228,6 +264,7 @@ CHECKS = {
     "08-performance.ipynb": check_performance,
     "09-quantization.ipynb": check_quantization,
     "10-tuning.ipynb": check_tuning,
+    "11-whatif.ipynb": check_whatif,
 }
 
 
