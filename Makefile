@@ -17,7 +17,7 @@ PORT ?= 5006
 BINDER_VENV ?= build/binder-venv
 BINDER_CACHE ?= build/binder-cache
 
-.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-poll bench-contention bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-kernels bench-peers bench-llamacpp-peer bench-quant bench-serve sweep soak fuzz lesson-screenshots clean
+.PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-poll bench-contention bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-kernels bench-peers bench-llamacpp-peer bench-quant bench-serve bench-whatif sweep soak fuzz lesson-screenshots clean
 
 setup: $(STAMP)
 
@@ -111,6 +111,11 @@ bench-quant: setup
 # $(PEERS), when installed: make bench-peers), knob changes, a full default sweep and its recommendation re-run
 bench-serve: setup
 	$(PY) benchmarks/serve.py --model $(SWEEP_MODEL) --results $(SWEEP_RESULTS) --chart build/pareto-$(SWEEP_MODEL).png
+
+# the what-if simulator on this machine: calibration (small-llama and tiny-llama), step error on held-out shapes,
+# real vs simulated TTFT/TPOT/throughput at 30/60/85% of capacity, 70B on 8xH200 timed, published GPU figures
+bench-whatif: setup
+	$(PY) benchmarks/whatif.py
 
 # a full sweep from the command line (no workbench): the space proposed from the KV capacity, resumable
 sweep: setup
