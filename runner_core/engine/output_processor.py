@@ -13,6 +13,8 @@ from runner_core.engine.sequence import RequestOutput, Sequence
 class OutputProcessor:
     def __init__(self, tokenizer, max_model_len: int, clock=None):
         self.tokenizer, self.max_model_len, self.clock = tokenizer, max_model_len, clock or WallClock()
+        # a streaming request's prompt ids, copied once for all its outputs (as its logprobs list is shared)
+        self._prompt_ids: dict[str, list[int]] = {}
 
     def append(self, seqs: list[Sequence], sampled) -> list[tuple[Sequence, list[int], str]]:
         """Append one sampled token per sequence; returns (sequence, new ids, new text) for the
@@ -69,8 +71,14 @@ class OutputProcessor:
         if finished and seq.text is None:
             seq.text = self._decode(seq)
         text = seq.text if finished else seq.detokenizer.text
+        rid = seq.request_id
+        prompt_ids = self._prompt_ids.pop(rid, None) if finished else self._prompt_ids.get(rid)
+        if prompt_ids is None:
+            prompt_ids = seq.token_ids[:seq.num_prompt_tokens]
+            if not finished:
+                self._prompt_ids[rid] = prompt_ids
         return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            request_id=rid, prompt=seq.prompt, prompt_token_ids=prompt_ids,
             token_ids=seq.output_token_ids, text=text, delta_token_ids=delta_ids, delta_text=delta_text,
             finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             error=seq.error, logprobs=seq.logprobs,
