@@ -203,7 +203,7 @@ def test_dashboard_whatif_tab_simulates_and_draws_the_memory_picture(page):
     page.locator(".wb-tabs .bk-tab").filter(has_text="What-if").click()
     page.locator(".wb-whatif-model select").select_option("llama-3-70b")
     page.locator(".wb-whatif-hardware select").select_option("h100-sxm")
-    _fill(page, (".wb-whatif-tp input", "1, 8"), (".wb-whatif-requests input", "2"))
+    _fill(page, (".wb-whatif-tp input", "1, 8"), (".wb-whatif-requests input", "1"))
     page.get_by_role("button", name="Memory picture").click()
     memory = page.locator(".wb-whatif-memory")
     expect(memory).to_contain_text("does not fit: needs", timeout=SLOW)

@@ -128,15 +128,21 @@ def test_pareto_draws_simulated_points_with_their_band_beside_measured_ones():
     assert wc.pareto([], target=TARGET).layout.annotations[0].text == wc.EMPTY_NOTE
 
 
-def test_widgets_whatif_tab_runs_a_whatif_and_shows_its_figures():
+def test_widgets_whatif_tab_runs_a_whatif_and_shows_its_figures(tiny_llama_path):
+    """A measured sweep of tiny-llama first: the What-if's Pareto chart draws its points beside the simulated ones."""
+    from runner_core.simulator.calibrate import cpu_model_name
     from workbench.widgets import SessionWidgets
 
     s = Session()
     w = SessionWidgets(s, auto_refresh=False)
     try:
-        assert w.tabs.titles[-1] == "What-if" and "llama-3-70b" in w.whatif_model.options
+        s.load_model("tiny-llama", dtype="float32", kv_cache_memory=4 << 20, max_model_len=256)
+        s.tune(SweepSpace(concurrency=[1]), SMALL.replace(num_requests=2, prompt_len=Lengths.fixed(16)), repeats=1,
+               warmup=0).result(60)
+        w.refresh()
+        assert w.tabs.titles[-1] == "What-if" and w.whatif_model.options[:2] == ("tiny-llama", "llama-3-70b")
         w.whatif_model.value, w.whatif_hardware.value = "llama-3-70b", "h100-sxm"
-        w.whatif_tp.value, w.whatif_pp.value, w.whatif_requests.value = "1, 8", "1", 2  # concurrency 1 and 2
+        w.whatif_tp.value, w.whatif_pp.value, w.whatif_requests.value = "1, 8", "1", 1  # one point: concurrency 1
         w.whatif_memory_button.click()
         w.refresh()
         memory = w.whatif_figures["memory"]
@@ -153,7 +159,8 @@ def test_widgets_whatif_tab_runs_a_whatif_and_shows_its_figures():
         w.refresh()
         assert w.whatif_progress.value == 100 and "done" in w.whatif_status.value
         pareto = w.whatif_figures["pareto"]
-        assert pareto.data and pareto.data[0].name == "simulated h100-sxm x8" and len(pareto.data[0].x) >= 1
+        assert [t.name for t in pareto.data] == ["simulated h100-sxm x8", f"measured: tiny-llama on {cpu_model_name()}"]
+        assert len(pareto.data[0].x) >= 1 and len(pareto.data[1].x) == 1
         assert w.whatif_figures["latency"].data
     finally:
         w.close()

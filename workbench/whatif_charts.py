@@ -111,7 +111,8 @@ def memory_picture(layouts: Sequence[Mapping[str, Any]]) -> go.Figure:
             fig.add_shape(type="rect", xref="x2", x0=i - 0.4, x1=i + 0.4, y0=0, y1=total / GIB,
                           line=dict(color=WARNING, width=3))
         text = "fits" if m["fits"] else f"does not fit: needs {total / GIB:.0f} of {m['usable_bytes'] / GIB:.0f} GiB"
-        fig.add_annotation(x=m["label"], y=total / GIB, text=text, showarrow=False, yanchor="bottom",
+        fig.add_annotation(x=m["label"], y=max(total, m["device_memory_bytes"]) / GIB, text=text, showarrow=False,
+                           yanchor="bottom",
                            font=dict(color=WARNING if not m["fits"] else PALETTE[2], size=11),
                            hovertext=m.get("why") or None)
     return fig

@@ -10,6 +10,7 @@ workbench.whatif_job.
 
 from __future__ import annotations
 
+from runner_core.simulator.calibrate import cpu_model_name
 from runner_core.simulator.hardware import HARDWARE
 from runner_core.simulator.model_configs import config_model_names
 from runner_core.simulator.simulation import WEIGHT_FORMATS
@@ -110,7 +111,7 @@ class WhatifControls:
             target = job.target if job is not None else Target()
             figures = whatif_charts.all_figures(
                 [] if job is None else job.points, target, measured=[] if measured is None else measured.points,
-                measured_label=f"measured: {measured.model} on this CPU" if measured else "")
+                measured_label=f"measured: {measured.model} on {cpu_model_name()}" if measured else "")
             figures["memory"] = whatif_charts.memory_picture(self.whatif_memory)
         if job is None:
             self.whatif_progress.value = 0
