@@ -15,8 +15,9 @@ from runner_core.errors import ConfigError, InvalidRequestError
 from runner_core.memory import kv_bytes_per_token
 from runner_core.model_runner import ModelRunner
 from runner_core.sampling_params import SamplingParams
-from runner_core.simulator.engine import SimulatedEngine, simulate_workload
+from runner_core.simulator.engine import SimulatedEngine
 from runner_core.simulator.hardware import HARDWARE, Coefficients, HardwareSpec
+from runner_core.simulator.run import simulate_workload
 from runner_core.simulator.simulation import Simulation
 from runner_core.tuning.driver import run_workload
 from runner_core.tuning.workload import Arrivals, Lengths, Workload
@@ -205,12 +206,12 @@ def test_simulate_workload_runs_a_workload_and_gives_its_result():
 
 
 def test_this_cpu_is_simulated_from_its_saved_calibration(monkeypatch):
-    from runner_core.simulator import calibrate
+    from runner_core.simulator import calibration
 
-    monkeypatch.setattr(calibrate, "load_calibration", lambda: None)
+    monkeypatch.setattr(calibration, "load_calibration", lambda: None)
     with pytest.raises(ValueError, match=r"make bench-whatif.*calibrate\(\)"):
         ModelRunner({"model": "tiny-llama"}, simulate="cpu").load_model()
-    monkeypatch.setattr(calibrate, "load_calibration", lambda: SimpleNamespace(hardware=TEST_CPU))
+    monkeypatch.setattr(calibration, "load_calibration", lambda: SimpleNamespace(hardware=TEST_CPU))
     with ModelRunner({"model": "tiny-llama", "max_model_len": 256}, simulate="cpu").load_model() as runner:
         assert runner.model_info()["simulation"]["hardware"] == TEST_CPU.name
         assert runner.engine.cost_model.coefficients == TEST_CPU.efficiency

@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import platform
 import random
@@ -37,13 +36,13 @@ from pathlib import Path
 
 import torch
 
-from runner_core.cache_dir import cache_root
 from runner_core.config import TORCH_DTYPES
 from runner_core.engine.threads import usable_cores
 from runner_core.kernels import cpu_kernels_available, kernel_tier, pack_panels, panel_linear, panels_support
 from runner_core.memory.shapes import ModelShape
 from runner_core.model_loader import read_hf_config, resolve_model_path
 from runner_core.sampling_params import SamplingParams
+from runner_core.simulator.calibration import Calibration, calibration_path, load_calibration  # noqa: F401 (API)
 from runner_core.simulator.cost_model import CostModel
 from runner_core.simulator.fit import fit_coefficients
 from runner_core.simulator.hardware import Coefficients, HardwareSpec
@@ -228,64 +227,6 @@ def measure_steps(runner, sweep: ShapeSweep, *, repeats: int = 3, seed: int = 0,
 
 
 # ---- the calibration -----------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Calibration:
-    """A fitted CPU: `hardware` (its `efficiency` the fitted Coefficients), the main `model` and every model in
-    `models` whose steps were measured, the compute `dtype`, the measured `rows`, the fit's own error on them
-    (`fit_error`: median / p90 relative error, n), the engine `settings` the steps ran with, the date and the
-    calibration's wall seconds."""
-
-    hardware: HardwareSpec
-    model: str
-    dtype: str
-    rows: list[dict]
-    fit_error: dict
-    models: list[str] = dataclasses.field(default_factory=list)
-    settings: dict = dataclasses.field(default_factory=dict)
-    date: str = ""
-    seconds: float = 0.0
-
-    @property
-    def coefficients(self) -> Coefficients:
-        return self.hardware.efficiency
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "hardware": self.hardware.as_dict()}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Calibration:
-        hw = dict(d["hardware"])
-        hw["efficiency"] = Coefficients(**hw["efficiency"]) if hw.get("efficiency") else None
-        hw["band"] = {k: Coefficients(**c) for k, c in hw.get("band", {}).items()}
-        return cls(**{**d, "hardware": HardwareSpec(**hw)})
-
-    def save(self, path=None) -> Path:
-        path = Path(path) if path is not None else calibration_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(path)
-        return path
-
-
-def calibration_path() -> Path:
-    """Where the calibration is saved by default: $RUNNER_WORKBENCH_CACHE/whatif/calibration.json."""
-    return cache_root() / "whatif" / "calibration.json"
-
-
-def load_calibration(path=None) -> Calibration | None:
-    """The saved calibration (default: calibration_path()), None when there is none; ValueError naming the
-    file when it cannot be read back."""
-    path = Path(path) if path is not None else calibration_path()
-    if not path.exists():
-        return None
-    try:
-        return Calibration.from_dict(json.loads(path.read_text()))
-    except (ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"calibration file {path} is unreadable ({type(e).__name__}: {e}); delete it and run "
-                         "`make bench-whatif` or runner_core.simulator.calibrate() again") from None
-
-
 def cost_models(rows: list[dict], hardware: HardwareSpec, coefficients: Coefficients, dtype: str) -> dict:
     """{model: CostModel} for the models of `rows`."""
     shapes = {r["model"] for r in rows}

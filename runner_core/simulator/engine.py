@@ -3,8 +3,8 @@ processor and step observer on a virtual clock, the forward pass replaced by the
 step time and sampling by seeded draws that are never an EOS id. No weights are read and no ranks are
 spawned: the model is its config.json, tensor and pipeline parallelism are simulated in this process.
 
-`build_simulated_engine(config, simulate)` is what `ModelRunner(config, simulate=...).load_model()` calls;
-`simulate_workload(model, workload, simulate=...)` loads, runs a tuning Workload and shuts down.
+`build_simulated_engine(config, simulate)` is what `ModelRunner(config, simulate=...).load_model()` calls
+(`simulator.run.simulate_workload` is the one-call load run).
 """
 
 from __future__ import annotations
@@ -206,19 +206,3 @@ def build_simulated_engine(config: RunnerConfig, simulate) -> SimulatedEngine:
     return SimulatedEngine(config, worker, hf_config, adapter, tokenizer if has_tokenizer_files(path) else None,
                            tokenizer.eos_token_ids, cost_model, simulation,
                            simulation.info(hardware, coefficients, config))
-
-
-def simulate_workload(model, workload, *, simulate, target=None, **config_fields):
-    """Run `workload` (a tuning Workload) on a simulated runner of `model` with `config_fields`
-    (RunnerConfig fields): loads, runs run_workload on the virtual clock, shuts down; a RunResult
-    whose `settings` are the config's fields."""
-    from runner_core.model_runner import ModelRunner
-    from runner_core.tuning.driver import run_workload
-
-    runner = ModelRunner(RunnerConfig(model=model, **config_fields), simulate=simulate).load_model()
-    try:
-        result = run_workload(runner, workload, target=target)
-    finally:
-        runner.shutdown()
-    result.settings.update(config_fields)
-    return result

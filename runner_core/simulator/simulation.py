@@ -53,7 +53,7 @@ class Simulation:
         (a calibrated CPU). "cpu" without a saved calibration: ValueError saying how to make one."""
         hardware = self.hardware
         if hardware == "cpu":
-            from runner_core.simulator.calibrate import load_calibration
+            from runner_core.simulator.calibration import load_calibration
 
             calibration = load_calibration()
             if calibration is None:
