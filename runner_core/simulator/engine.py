@@ -9,6 +9,7 @@ spawned: the model is its config.json, tensor and pipeline parallelism are simul
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from runner_core.config import RunnerConfig, resolve_max_model_len
 from runner_core.engine.clock import VirtualClock
 from runner_core.engine.engine import LLMEngine
 from runner_core.engine.input_processor import InputProcessor
-from runner_core.engine.threads import ThreadTuner
+from runner_core.engine.threads import ThreadTuner, usable_cores
 from runner_core.engine.worker import LocalExecutor
 from runner_core.errors import InvalidRequestError
 from runner_core.layers.sampler import SamplerOutput
@@ -122,7 +123,7 @@ class SimulatedEngine(LLMEngine):
     """LLMEngine whose model run advances a VirtualClock by `cost_model.step_time` and draws the tokens."""
 
     def __init__(self, config: RunnerConfig, worker: SimulatedWorker, hf_config, adapter, tokenizer,
-                 eos_token_ids, cost_model: CostModel, simulation: Simulation, info: dict):
+                 eos_token_ids, cost_model: CostModel, simulation: Simulation, info: dict, dtype_reason: str):
         self._setup(config, worker, LocalExecutor(worker), tokenizer, hf_config, VirtualClock(), None)
         self.inputs = SimulatedInputs(tokenizer, self.vocab_size, adapter.architecture)
         self.cost_model, self.simulation = cost_model, simulation
@@ -131,12 +132,12 @@ class SimulatedEngine(LLMEngine):
         self.model_info = {
             "architecture": adapter.architecture, "model_impl": adapter.impl, "kind": adapter.kind,
             "model_class": adapter.model_class.__name__, "reason": adapter.reason, "model_path": str(worker.path),
-            "num_parameters": sum(_numel(s) for _, s in estimate._inputs.tensors),
+            "num_parameters": sum(math.prod(s) for _, s in estimate._inputs.tensors),
             "weights_bytes": estimate.weights_bytes, "dtype": str(worker.dtype).removeprefix("torch."),
-            "dtype_reason": "set in the config" if config.dtype != "auto" else f"auto: {config.auto_dtype()[1]}",
+            "dtype_reason": dtype_reason,
             "device": f"simulated {worker.hardware.name} x{devices}", "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size, "cpu_kernels": None, "quantization": None, "simulation": info}
-        self.threads = ThreadTuner(1, "a simulation", None, "simulated: the steps' times are predicted, not run",
+        self.threads = ThreadTuner(*usable_cores(), None, "simulated: the steps' times are predicted, not run",
                                    adaptive=False)
         self.model_info["threads"] = self.threads.info()
         self._eos = sorted(e for e in eos_token_ids if 0 <= e < self.vocab_size)
@@ -173,13 +174,6 @@ class SimulatedEngine(LLMEngine):
         return {**super().memory_stats(), "device": self.model_info["device"]}
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def build_simulated_engine(config: RunnerConfig, simulate) -> SimulatedEngine:
     """The engine of `ModelRunner(config, simulate=...)`: config.model resolved by model_configs (a name of
     theirs, a preset or a directory with config.json), its config read, the layout validated (a split the
@@ -187,7 +181,10 @@ def build_simulated_engine(config: RunnerConfig, simulate) -> SimulatedEngine:
     simulation = Simulation.coerce(simulate)
     hardware, coefficients = simulation.resolve()
     path = resolve_config_model(config.model)
-    config = simulated_config(config, hardware)
+    auto = config.dtype == "auto"
+    config = simulated_config(config, hardware)  # on a GPU, dtype "auto" is bfloat16 from here on
+    dtype_reason = "set in the config" if not auto else (
+        "auto: bfloat16 on a GPU" if hardware.kind == "gpu" else f"auto: {config.auto_dtype()[1]}")
     hf_config = read_hf_config(path, config.trust_remote_code)
     shape = ModelShape.from_hf_config(hf_config)
     stages = validate_parallel_config(config, hf_config) if config.world_size > 1 else [range(shape.num_layers)]
@@ -205,4 +202,4 @@ def build_simulated_engine(config: RunnerConfig, simulate) -> SimulatedEngine:
     tokenizer = load_tokenizer(path, hf_config, config.trust_remote_code)
     return SimulatedEngine(config, worker, hf_config, adapter, tokenizer if has_tokenizer_files(path) else None,
                            tokenizer.eos_token_ids, cost_model, simulation,
-                           simulation.info(hardware, coefficients, config))
+                           simulation.info(hardware, coefficients, config), dtype_reason)
