@@ -9,3 +9,19 @@ that is not here.
 * `calibrate`, `validate`: fitting this CPU's coefficients on measured steps, and the errors against real runs;
 * `model_configs`, `published`, `backend`: models by their config alone, published GPU figures, what-if sweeps.
 """
+
+from runner_core.simulator.backend import SimulatorBackend, whatif
+from runner_core.simulator.calibrate import calibrate, measure_cpu
+from runner_core.simulator.calibration import Calibration, load_calibration
+from runner_core.simulator.cost_model import CostModel, fit_coefficients
+from runner_core.simulator.hardware import HARDWARE, Coefficients, HardwareSpec, get_hardware
+from runner_core.simulator.model_configs import config_model_names, resolve_config_model
+from runner_core.simulator.published import PUBLISHED, compare_published
+from runner_core.simulator.run import simulate_workload
+from runner_core.simulator.simulation import Simulation
+from runner_core.simulator.validate import validate_steps, validate_workloads
+
+__all__ = ["HARDWARE", "PUBLISHED", "Calibration", "Coefficients", "CostModel", "HardwareSpec", "Simulation",
+           "SimulatorBackend", "calibrate", "compare_published", "config_model_names", "fit_coefficients",
+           "get_hardware", "load_calibration", "measure_cpu", "resolve_config_model", "simulate_workload",
+           "validate_steps", "validate_workloads", "whatif"]
