@@ -91,7 +91,8 @@ class ModelRunner:
         if self.engine is not None:
             self.engine.shutdown()
         self.engine = None
-        release_freed_memory()
+        if self.simulate is None:  # a simulated runner held no weights or KV tensor: nothing to hand back
+            release_freed_memory()
 
     def __enter__(self):
         return self

@@ -81,3 +81,32 @@ def test_compare_published_returns_every_field_for_a_figure():
     assert 0 < row["predicted_low"] <= row["predicted_typical"] <= row["predicted_high"]
     assert row["inside"] == (row["predicted_low"] <= figure.value <= row["predicted_high"])
     assert row["ratio"] == pytest.approx(row["predicted_typical"] / figure.value)
+
+
+def test_every_published_figure_says_where_its_settings_come_from():
+    for figure in PUBLISHED:
+        assert set(figure.setting_sources) == {"kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens"}
+        assert all(figure.setting_sources.values()), figure.name
+        config = figure.config()
+        assert config.get("max_num_seqs") == figure.max_num_seqs
+        assert config.get("max_num_batched_tokens") == figure.max_num_batched_tokens
+
+
+def test_compare_published_prices_one_runs_steps_at_each_band_end_as_separate_runs_would():
+    figure = next(f for f in PUBLISHED if f.model == "llama-2-70b" and f.max_num_seqs == 64)
+    (row,) = compare_published(num_requests=16, figures=[figure])
+    workload = figure.workload.replace(num_requests=16)
+    with SimulatorBackend(figure.config(), figure.simulation()) as backend:
+        for band in ("low", "typical", "high"):
+            backend.apply({"band": band})
+            assert row[f"predicted_{band}"] == pytest.approx(backend.run(workload, Target()).summary[figure.metric])
+
+
+def test_a_sweep_may_set_the_kv_cache_dtype():
+    with SimulatorBackend({"model": "llama-3.1-8b", "max_model_len": 2048, "max_num_seqs": 16},
+                          Simulation(hardware="h100-sxm")) as backend:
+        blocks = backend.capacity()["kv_tokens"]
+        assert backend.settings()["kv_cache_dtype"] is None
+        assert backend.apply({"kv_cache_dtype": "fp8"})["rebuilt"] == "reload"
+        assert backend.settings()["kv_cache_dtype"] == "fp8"
+        assert backend.capacity()["kv_tokens"] == pytest.approx(2 * blocks, rel=1e-3)

@@ -209,3 +209,13 @@ def test_unknown_hardware_and_bad_layouts_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="no bfloat16 peak"):
         model(hardware=cpu)
     assert math.isfinite(CostModel(llama_8b(), cpu, cpu.coefficients(), dtype="float32").step_time(*decode(4, 10)))
+
+
+def test_an_fp8_kv_cache_halves_a_decode_steps_kv_read():
+    bf16, fp8 = model(), model(kv_cache_dtype="fp8")
+    step = decode(64, 4000)
+    assert fp8.breakdown(*step)["attention_s"] == pytest.approx(bf16.breakdown(*step)["attention_s"] / 2)
+    assert fp8.breakdown(*step)["linear_s"] == bf16.breakdown(*step)["linear_s"]
+    assert fp8.step_time(*step) < bf16.step_time(*step)
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not a KV cache format"):
+        model(kv_cache_dtype="int8")

@@ -216,3 +216,46 @@ def test_this_cpu_is_simulated_from_its_saved_calibration(monkeypatch):
         assert runner.model_info()["simulation"]["hardware"] == TEST_CPU.name
         assert runner.engine.cost_model.coefficients == TEST_CPU.efficiency
         assert runner.generate("a prompt", max_new_tokens=2)[0].finish_reason == "length"  # the preset's tokenizer
+
+
+def test_an_fp8_kv_cache_doubles_the_pools_tokens_and_shows_in_model_info():
+    config = {"model": "llama-3.1-8b", "max_model_len": 4096, "max_num_seqs": 64}
+    with ModelRunner(config, simulate="h100-sxm").load_model() as bf16, \
+            ModelRunner(config, simulate=Simulation("h100-sxm", kv_cache_dtype="fp8")).load_model() as fp8:
+        half, full = fp8.memory_stats(), bf16.memory_stats()
+        assert fp8.model_info()["simulation"]["kv_cache_dtype"] == "fp8"
+        assert bf16.model_info()["simulation"]["kv_cache_dtype"] == "bfloat16"
+        assert fp8.engine.cost_model.kv_cache_dtype == "fp8"
+    assert half["kv_bytes_per_token"] * 2 == full["kv_bytes_per_token"] == 32 * 2 * 8 * 128 * 2
+    assert half["kv_pool_bytes"] == pytest.approx(full["kv_pool_bytes"], rel=1e-3)  # the same memory ...
+    assert half["blocks_total"] == pytest.approx(2 * full["blocks_total"], abs=1)  # ... holds twice the tokens
+    with pytest.raises(ValueError, match="kv_cache_dtype.*'fp8'"):
+        Simulation("h100-sxm", kv_cache_dtype="int4")
+
+
+def test_the_pool_of_a_tiny_model_on_a_big_gpu_is_capped_at_what_the_scheduler_can_hold():
+    config = {"model": "tiny-llama", "max_model_len": 256, "max_num_seqs": 8, "block_size": 16}
+    with ModelRunner(config, simulate="h200").load_model() as runner:
+        stats = runner.memory_stats()
+        cap = 2 * 8 * 256 // 16
+        assert runner.engine.memory.num_blocks == stats["kv_pool_blocks_simulated"] == cap
+        assert stats["blocks_total"] > 1000 * cap  # the planned pool: the H200's memory less the weights
+        assert stats["kv_pool_bytes"] == stats["blocks_total"] * 16 * stats["kv_bytes_per_token"]
+        assert stats["blocks_free"] == stats["blocks_total"]
+        outs = runner.generate([[5 + i] * 200 for i in range(10)], max_new_tokens=40, ignore_eos=True)
+        assert [len(o.token_ids) for o in outs] == [40] * 10
+        runner.reconfigure(max_num_seqs=16)  # the cap follows the scheduler's limit
+        assert runner.engine.memory.num_blocks == 2 * cap
+        assert runner.memory_stats()["blocks_total"] == pytest.approx(stats["blocks_total"], rel=1e-3)  # planned
+
+
+def test_shutting_down_a_simulated_runner_does_not_release_freed_memory(monkeypatch):
+    import runner_core.model_runner as model_runner
+
+    calls = []
+    monkeypatch.setattr(model_runner, "release_freed_memory", lambda: calls.append(1))
+    runner = _tiny()
+    runner.shutdown()
+    assert calls == []
+    ModelRunner({"model": "tiny-llama"}).shutdown()  # a real runner's does
+    assert calls == [1]

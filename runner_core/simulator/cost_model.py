@@ -9,7 +9,8 @@ through the LM head). Per pipeline stage, on one device of the tensor-parallel g
   the sampled rows; an MoE layer reads the experts its tokens hit (expected distinct experts of T tokens with
   top_k each, routing assumed uniform) and computes top_k experts per token;
 * attention, per sequence: FLOPs = 4 x query-key pairs x heads x head_dim per layer (pairs = n*s + n(n+1)/2 for
-  s cached and n new tokens), bytes = the KV read ((s + n) tokens); the larger of the two at attention_efficiency;
+  s cached and n new tokens), bytes = the KV read ((s + n) tokens, at the KV cache's element size: the compute
+  dtype's, or one byte with kv_cache_dtype="fp8"); the larger of the two at attention_efficiency;
 * communication (docs/parallel.md's byte counts): with TP, two all-reduces per layer (and the embedding's) of
   T x hidden x dtype bytes, each latency + 2(tp-1)/tp x bytes / link bandwidth, and the sampled rows' logits
   all-gathered; with PP, a send of T x hidden x dtype bytes per stage boundary and the float32 logits of the
@@ -39,9 +40,18 @@ from runner_core.memory.shapes import ModelShape, kv_bytes_per_token, stage_laye
 from runner_core.simulator.fit import fit_coefficients
 from runner_core.simulator.hardware import Coefficients, HardwareSpec
 
-__all__ = ["WEIGHT_FORMATS", "CostModel", "fit_coefficients"]
+__all__ = ["KV_CACHE_DTYPES", "WEIGHT_FORMATS", "CostModel", "fit_coefficients", "kv_element_bytes"]
 
 WEIGHT_FORMATS = (None, "int8", "int4", "fp8")
+KV_CACHE_DTYPES = (None, "fp8")  # None: the compute dtype
+
+
+def kv_element_bytes(kv_cache_dtype: str | None, dtype: str) -> int:
+    """Bytes of one K or V element: one for an FP8 KV cache, else the compute dtype's."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not a KV cache format; use None (the compute "
+                         f"dtype) or {', '.join(map(repr, KV_CACHE_DTYPES[1:]))}")
+    return 1 if kv_cache_dtype == "fp8" else dtype_bytes(dtype)
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,7 @@ class CostModel:
 
     def __init__(self, shape: ModelShape, hardware: HardwareSpec, coefficients: Coefficients, *, dtype: str,
                  weight_format: str | None = None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 pipeline_stage_layers: list[int] | None = None):
+                 pipeline_stage_layers: list[int] | None = None, kv_cache_dtype: str | None = None):
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype={dtype!r} is not a compute dtype; use one of {', '.join(TORCH_DTYPES)}")
         if weight_format not in WEIGHT_FORMATS:
@@ -81,7 +91,9 @@ class CostModel:
         problem = shape.tp_problem(tp)
         if problem:
             raise ConfigError(problem)
+        kv_bytes = kv_element_bytes(kv_cache_dtype, dtype)
         self.shape, self.hardware, self.dtype, self.weight_format = shape, hardware, dtype, weight_format
+        self.kv_cache_dtype = kv_cache_dtype
         self.tensor_parallel_size, self.pipeline_parallel_size = tp, pp
         # W8A8 fp8 where the hardware multiplies fp8; anything else multiplies at the compute dtype's peak
         self.compute_format = "fp8" if weight_format == "fp8" and "fp8" in hardware.peak_flops else dtype
@@ -89,7 +101,8 @@ class CostModel:
                         for s, r in enumerate(stage_layer_ranges(shape.num_layers, pp, pipeline_stage_layers))]
         peak, bw, d = hardware.peak_flops[dtype], hardware.mem_bandwidth, shape.head_dim
         self._attn_per_pair = 4 * (shape.num_heads // tp) * d * shape.num_layers / peak
-        self._attn_per_kv = kv_bytes_per_token(shape.num_layers, shape.kv_heads_per_device(tp), d, dtype) / bw
+        self._attn_per_kv = (kv_bytes_per_token(shape.num_layers, shape.kv_heads_per_device(tp), d, dtype)
+                             // dtype_bytes(dtype) * kv_bytes / bw)
         moe = shape.moe
         self._experts = (moe.num_experts, moe.top_k) if moe is not None and moe.sparse_layers else None
         b, link = dtype_bytes(dtype), hardware.link_bandwidth

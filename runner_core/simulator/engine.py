@@ -36,17 +36,28 @@ NO_LOGITS = ("a simulated runner computes no logits (it predicts step times; no 
              "model without simulate= to run forward passes")
 
 
+def simulated_blocks(plan: PoolPlan, config: RunnerConfig) -> int:
+    """The blocks a simulated pool gets: the plan's, capped at twice what the scheduler can ever hold at once
+    (max_num_seqs sequences of max_model_len tokens): the first half for the running sequences, the rest room
+    for cached prefixes. A tiny model on a big GPU plans millions of blocks (tiny-llama on an H200: 8.2M, a
+    33 s BlockPool build) that no schedule can reach; past the cap, only prefix-cache hits on prefixes older
+    than that room differ from the uncapped pool."""
+    cap = 2 * -(-config.max_num_seqs * plan.max_model_len // plan.block_size)
+    return min(plan.num_blocks, cap)
+
+
 class SimulatedWorker:
-    """What the engine reads from a worker, without a model: the planned KV pool's MemoryManager (no KV
-    tensor), the vocabulary and max_model_len, the memory figures of the estimate. A LocalExecutor runs it."""
+    """What the engine reads from a worker, without a model: a MemoryManager over the planned KV pool (no KV
+    tensor; its blocks capped by `simulated_blocks`), the vocabulary and max_model_len, the memory figures of
+    the estimate and the plan (the planned pool's, whatever the cap). A LocalExecutor runs it."""
 
     encoder_cache = None
     model = None  # no weights
 
     def __init__(self, config: RunnerConfig, hf_config, path: Path, hardware: HardwareSpec,
-                 weight_format: str | None):
+                 weight_format: str | None, kv_cache_dtype: str | None = None):
         self.config, self.hf_config, self.path = config, hf_config, path
-        self.hardware, self.weight_format = hardware, weight_format
+        self.hardware, self.weight_format, self.kv_cache_dtype = hardware, weight_format, kv_cache_dtype
         self.device, self.dtype = torch.device("cpu"), config.torch_dtype  # the device of the engine's tensors
         text = hf_config.get_text_config()
         self.vocab_size = text.vocab_size
@@ -57,21 +68,23 @@ class SimulatedWorker:
         self._allocate_pool(plan)
 
     def _plan(self, config: RunnerConfig):
-        estimate = estimate_on(config, self.path, self.hardware, self.weight_format)
+        estimate = estimate_on(config, self.path, self.hardware, self.weight_format, self.kv_cache_dtype)
         return estimate, plan_memory(config, estimate, self.hardware)
 
     def _allocate_pool(self, plan: PoolPlan) -> None:
-        self.pool_plan = plan
-        self.memory = MemoryManager(plan.num_blocks, plan.block_size, self.config.enable_prefix_caching)
+        self.pool_plan, blocks = plan, simulated_blocks(plan, self.config)
+        self.memory = MemoryManager(blocks, plan.block_size, self.config.enable_prefix_caching)
+        self.unsimulated_blocks = plan.num_blocks - blocks  # planned, left out by the cap
 
     def reconfigure(self, config: RunnerConfig, groups: tuple[str, ...]) -> dict:
         """Run under `config` (a live change): the pool re-planned from a new estimate (its activation peak
         follows the scheduler's limits), rebuilt when its settings changed or the plan's size did (as the
-        real worker: larger, or on a GPU smaller too). Raises ConfigError with nothing changed."""
+        real worker: larger, or on a GPU smaller too; or the simulated blocks' cap did). Raises ConfigError with
+        nothing changed."""
         estimate, plan = self._plan(config)
-        blocks = self.memory.num_blocks
-        rebuild = ("pool" in groups or plan.num_blocks > blocks
-                   or (self.hardware.kind == "gpu" and plan.num_blocks < blocks))
+        planned, blocks = self.planned_blocks, simulated_blocks(plan, config)
+        rebuild = ("pool" in groups or plan.num_blocks > planned or blocks != self.memory.num_blocks
+                   or (self.hardware.kind == "gpu" and plan.num_blocks < planned))
         self.config, self.estimate = config, estimate
         if rebuild:
             self._allocate_pool(plan)
@@ -90,17 +103,24 @@ class SimulatedWorker:
                 "graph_breaks": 0, "warm_start": None, "cuda_graphs": None,
                 "simulated": "recorded only: the step times come from the cost model's coefficients"}
 
+    @property
+    def planned_blocks(self) -> int:
+        """The planned pool's blocks: the simulated ones plus those the cap left out."""
+        return self.memory.num_blocks + self.unsimulated_blocks
+
     def memory_bytes(self) -> dict:
-        """Worker.memory_bytes()'s keys from the estimate and the plan, per device, + the device's memory."""
+        """Worker.memory_bytes()'s keys from the estimate and the plan, per device, + the device's memory; the
+        KV pool's bytes are the planned pool's."""
         plan = self.pool_plan
         return {"weights_bytes": self.estimate.weights_bytes,
-                "kv_pool_bytes": self.memory.num_blocks * plan.block_size * plan.bytes_per_token,
+                "kv_pool_bytes": self.planned_blocks * plan.block_size * plan.bytes_per_token,
                 "kv_bytes_per_token": plan.bytes_per_token, "activation_peak_bytes": plan.activation_peak_bytes,
                 "decode_programs_bytes": 0, "device_memory_bytes": self.hardware.memory_bytes}
 
     def move_kv_blocks(self, moves: dict[int, int], num_blocks: int) -> None:
         self.memory.move_blocks(moves)
         self.memory.shrink(num_blocks)
+        self.unsimulated_blocks = 0  # a pool shrunk to a size: that size, as the real worker's
 
     def execute_model(self, batch):
         raise InvalidRequestError(NO_LOGITS)
@@ -171,7 +191,14 @@ class SimulatedEngine(LLMEngine):
                                   "reads from the batch's shape); load the model without simulate= for moe_stats")
 
     def memory_stats(self) -> dict:
-        return {**super().memory_stats(), "device": self.model_info["device"]}
+        """The real runner's keys, the pool's blocks as planned (the cap's left-out blocks count as free) and,
+        where the cap left some out, "kv_pool_blocks_simulated": the blocks the scheduler runs on."""
+        stats = {**super().memory_stats(), "device": self.model_info["device"]}
+        extra = self.worker.unsimulated_blocks
+        if extra:
+            stats.update(kv_pool_blocks_simulated=stats["blocks_total"], blocks_total=stats["blocks_total"] + extra,
+                         blocks_free=stats["blocks_free"] + extra)
+        return stats
 
 
 def build_simulated_engine(config: RunnerConfig, simulate) -> SimulatedEngine:
@@ -192,11 +219,11 @@ def build_simulated_engine(config: RunnerConfig, simulate) -> SimulatedEngine:
                                          tensor_parallel_size=config.tensor_parallel_size,
                                          pipeline_parallel_size=config.pipeline_parallel_size)
     weight_format = simulation.cost_format(config)
-    worker = SimulatedWorker(config, hf_config, path, hardware, simulation.weight_format)
+    worker = SimulatedWorker(config, hf_config, path, hardware, simulation.weight_format, simulation.kv_cache_dtype)
     cost_model = CostModel(shape, hardware, coefficients, dtype=str(worker.dtype).removeprefix("torch."),
                            weight_format=weight_format, tensor_parallel_size=config.tensor_parallel_size,
                            pipeline_parallel_size=config.pipeline_parallel_size,
-                           pipeline_stage_layers=[len(r) for r in stages])
+                           pipeline_stage_layers=[len(r) for r in stages], kv_cache_dtype=simulation.kv_cache_dtype)
     # the EOS ids (config.json's, generation_config.json's, the tokenizer's) the drawn tokens avoid; text needs
     # the directory's own tokenizer (the byte fallback would read text no real tokenizer of the model reads)
     tokenizer = load_tokenizer(path, hf_config, config.trust_remote_code)

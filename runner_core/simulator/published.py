@@ -3,9 +3,11 @@ which simulates each figure's workload at the low, typical and high ends of the 
 and says whether the published value falls inside.
 
 Only figures whose settings are stated in full are here: engine and version, model, weight format, GPUs and
-tensor parallelism, fixed input/output lengths, the request count and arrivals, the metric. What the
-published engine does that this one does not (FP8 kernels and FP8 KV cache, CUDA graphs, its own batch
-heuristics) is in each figure's notes; the band is datasheet x efficiency and is not tuned to fit them.
+tensor parallelism, fixed input/output lengths, the request count and arrivals, the metric. The KV cache
+format and the batch limits are the source's where it gives them (trtllm-bench's own rules where the figure
+leaves them at its defaults), else ours, each with its source in `setting_sources`. What the published
+engine does that this one does not (FP8 attention kernels, CUDA graphs, chunked prefill off) is in the
+notes; the band is datasheet x efficiency and is not tuned to fit them.
 """
 
 from __future__ import annotations
@@ -13,22 +15,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from runner_core.simulator.backend import SimulatorBackend
+from runner_core.simulator.hardware import BANDS
 from runner_core.simulator.simulation import Simulation
 from runner_core.tuning.request_metrics import Target
 from runner_core.tuning.workload import Arrivals, Lengths, Workload
 
-BANDS = ("low", "typical", "high")
 METRICS = ("output_throughput", "total_token_throughput")  # keys of a run's summary
 _TRTLLM_V1 = ("https://github.com/NVIDIA/TensorRT-LLM/blob/00f37686aa854010d68bcbd0f4ab000221541ca6/"
               "docs/source/performance/perf-overview.md")
 _TRTLLM_V05 = "https://github.com/NVIDIA/TensorRT-LLM/blob/release/0.5.0/docs/source/performance.md"
 _TRTLLM_V05_H200 = "https://github.com/NVIDIA/TensorRT-LLM/blob/release/0.5.0/docs/source/blogs/H200launch.md"
-_V1_HOW = ("trtllm-bench throughput, PyTorch backend, CUDA graphs with padding, every request queued at once; "
-           "max batch size and token budget not stated (we use the engine's defaults); our KV cache is bfloat16 (the "
-           "engine has no FP8 KV), so the pool holds half the sequences an FP8 KV cache would and decode reads twice "
-           "the KV bytes")
+_V1_HOW = ("trtllm-bench throughput, PyTorch backend, CUDA graphs with padding, every request queued at once, "
+           "options 'at their default settings' (perf-overview)")
 _V05_HOW = ("gptSessionBenchmark, static batching: one batch of `batch` requests run to the end (we run them as "
             "one burst with max_num_seqs = batch)")
+UNSTATED = "unstated, our default"
+# trtllm-bench (1.0, PyTorch backend) settings its sources give where perf-overview states none
+_V1_KV = ("fp8: trtllm-bench's kv_cache_config dtype 'auto' takes the checkpoint's kv_cache_quant_algo "
+          "(tensorrt_llm/bench/benchmark/utils/general.py get_settings -> validate_and_set_kv_cache_quant), and "
+          "NVIDIA's ModelOpt FP8 checkpoints write kv_cache_quant_algo FP8 in hf_quant_config.json (the "
+          "checkpoint's file itself not read here)")
+_V1_BATCH = ("trtllm-bench's heuristic (tensorrt_llm/bench/build/tuning.py calc_engine_setting / finetune_setting; "
+             "max_batch_size and max_num_tokens not given): requests the KV memory holds at ISL+OSL with FP8 "
+             "weights and KV and the default kv_cache_free_gpu_mem_fraction 0.90, rounded up")
+_V1_TOKENS = _V1_BATCH + "; chunked prefill off: at least ISL + max_batch_size"
 
 
 def _fixed(num_requests: int, prompt: int, output: int) -> Workload:
@@ -39,10 +49,12 @@ def _fixed(num_requests: int, prompt: int, output: int) -> Workload:
 @dataclass(frozen=True)
 class PublishedFigure:
     """One published measurement and the settings it was taken with. `model` is a name of model_configs,
-    `hardware` a HARDWARE name, `weight_format` the simulation's (None: the config's dtype), `kv_dtype` the
-    published KV cache format ("not stated" when the source does not say), `workload` the requests as
-    published (fixed lengths, all due at once for an offline run), `max_num_seqs` the stated batch limit
-    (None: not stated), `metric` a run summary key and `value` the published figure in its unit."""
+    `hardware` a HARDWARE name, `weight_format` the simulation's (None: the config's dtype),
+    `kv_cache_dtype` the simulation's KV cache format (None: the compute dtype), `workload` the requests
+    as published (fixed lengths, all due at once for an offline run), `max_num_seqs` and
+    `max_num_batched_tokens` the engine's batch limits (None: our default), `metric` a run summary key and
+    `value` the published figure in its unit. `setting_sources` says where each of kv_cache_dtype,
+    max_num_seqs and max_num_batched_tokens comes from ("unstated, our default" where no source gives it)."""
 
     name: str
     source: str
@@ -52,11 +64,13 @@ class PublishedFigure:
     hardware: str
     tensor_parallel_size: int
     weight_format: str | None
-    kv_dtype: str
     workload: Workload
     metric: str
     value: float
+    kv_cache_dtype: str | None = None
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    setting_sources: dict[str, str] = field(default_factory=dict)
     notes: str = ""
     dtype: str = "bfloat16"
 
@@ -64,56 +78,68 @@ class PublishedFigure:
         """The RunnerConfig fields of the simulated run (max_model_len = the longest request)."""
         longest = self.workload.prompt_len.high + self.workload.output_len.high
         out = {"model": self.model, "dtype": self.dtype, "tensor_parallel_size": self.tensor_parallel_size,
-               "max_model_len": longest}
-        return out if self.max_num_seqs is None else {**out, "max_num_seqs": self.max_num_seqs}
+               "max_model_len": longest, "max_num_seqs": self.max_num_seqs,
+               "max_num_batched_tokens": self.max_num_batched_tokens}
+        return {k: v for k, v in out.items() if v is not None}
+
+    def simulation(self, band: str = "typical") -> Simulation:
+        return Simulation(hardware=self.hardware, band=band, weight_format=self.weight_format,
+                          kv_cache_dtype=self.kv_cache_dtype)
 
     @property
     def settings(self) -> str:
         w = self.workload
+        limits = ", ".join(f"{k} {v}" for k, v in (("batch", self.max_num_seqs),
+                                                    ("token budget", self.max_num_batched_tokens)) if v)
         return (f"{self.engine}; {self.published_model} ({self.weight_format or self.dtype} weights, KV "
-                f"{self.kv_dtype}); {self.tensor_parallel_size}x {self.hardware}; ISL/OSL "
+                f"{self.kv_cache_dtype or self.dtype}); {self.tensor_parallel_size}x {self.hardware}; ISL/OSL "
                 f"{w.prompt_len.label}/{w.output_len.label}; {w.num_requests} requests, {w.arrivals.label}"
-                + ("" if self.max_num_seqs is None else f", batch {self.max_num_seqs}"))
+                + (f", {limits}" if limits else ""))
 
+
+def _v1(name: str, published_model: str, model: str, hardware: str, tp: int, prompt: int, output: int,
+        value: float, batch: int, tokens: int, notes: str) -> PublishedFigure:
+    """A TensorRT-LLM 1.0 perf-overview figure: FP8 weights and KV, trtllm-bench's batch limits."""
+    return PublishedFigure(
+        name=name, source=_TRTLLM_V1, engine="TensorRT-LLM 1.0", published_model=published_model, model=model,
+        hardware=hardware, tensor_parallel_size=tp, weight_format="fp8", workload=_fixed(3000, prompt, output),
+        metric="output_throughput", value=value, kv_cache_dtype="fp8", max_num_seqs=batch,
+        max_num_batched_tokens=tokens,
+        setting_sources={"kv_cache_dtype": _V1_KV, "max_num_seqs": _V1_BATCH, "max_num_batched_tokens": _V1_TOKENS},
+        notes=f"{_V1_HOW}. {notes}")
+
+
+_V05_SOURCES = {"kv_cache_dtype": UNSTATED, "max_num_seqs": "stated: the table's batch size",
+                "max_num_batched_tokens": "static batching runs the whole batch's prompts in one step: "
+                                          "batch x ISL"}
 
 PUBLISHED: list[PublishedFigure] = [
-    PublishedFigure(
-        name="trtllm1.0-llama3.3-70b-fp8-h100-tp2-1000-1000", source=_TRTLLM_V1, engine="TensorRT-LLM 1.0",
-        published_model="nvidia/Llama-3.3-70B-Instruct-FP8", model="llama-3-70b", hardware="h100-sxm",
-        tensor_parallel_size=2, weight_format="fp8", kv_dtype="not stated", workload=_fixed(3000, 1000, 1000),
-        metric="output_throughput", value=4205.0,
-        notes=f"{_V1_HOW}. Llama 3.3 70B has Llama-3-70B's layers (131072 positions). FP8 GEMMs and attention "
-              "kernels of TensorRT-LLM; a larger batch than our 256 if its heuristic picks one."),
-    PublishedFigure(
-        name="trtllm1.0-llama3.3-70b-fp8-h200-tp1-1000-1000", source=_TRTLLM_V1, engine="TensorRT-LLM 1.0",
-        published_model="nvidia/Llama-3.3-70B-Instruct-FP8", model="llama-3-70b", hardware="h200",
-        tensor_parallel_size=1, weight_format="fp8", kv_dtype="not stated", workload=_fixed(3000, 1000, 1000),
-        metric="output_throughput", value=2909.0,
-        notes=f"{_V1_HOW}. One GPU: 70 GB of FP8 weights leave ~55 GB for KV, so the batch is KV-bound."),
-    PublishedFigure(
-        name="trtllm1.0-llama3.1-8b-fp8-h100-tp1-1000-1000", source=_TRTLLM_V1, engine="TensorRT-LLM 1.0",
-        published_model="nvidia/Llama-3.1-8B-Instruct-FP8", model="llama-3.1-8b", hardware="h100-sxm",
-        tensor_parallel_size=1, weight_format="fp8", kv_dtype="not stated", workload=_fixed(3000, 1000, 1000),
-        metric="output_throughput", value=15220.0,
-        notes=f"{_V1_HOW}. A small model at large batch: per-step CPU overhead and attention dominate; "
-              "TensorRT-LLM's batch can exceed our default 256."),
-    PublishedFigure(
-        name="trtllm1.0-llama3.1-8b-fp8-h100-tp1-2048-128", source=_TRTLLM_V1, engine="TensorRT-LLM 1.0",
-        published_model="nvidia/Llama-3.1-8B-Instruct-FP8", model="llama-3.1-8b", hardware="h100-sxm",
-        tensor_parallel_size=1, weight_format="fp8", kv_dtype="not stated", workload=_fixed(3000, 2048, 128),
-        metric="output_throughput", value=3450.0,
-        notes=f"{_V1_HOW}. Prefill-heavy: the figure tests the compute (FP8 tensor core) efficiency."),
+    _v1("trtllm1.0-llama3.3-70b-fp8-h100-tp2-1000-1000", "nvidia/Llama-3.3-70B-Instruct-FP8", "llama-3-70b",
+        "h100-sxm", 2, 1000, 1000, 4205.0, 384, 2048,
+        "Llama 3.3 70B has Llama-3-70B's layers (131072 positions). FP8 GEMMs and attention kernels of "
+        "TensorRT-LLM."),
+    _v1("trtllm1.0-llama3.3-70b-fp8-h200-tp1-1000-1000", "nvidia/Llama-3.3-70B-Instruct-FP8", "llama-3-70b",
+        "h200", 1, 1000, 1000, 2909.0, 224, 2048,
+        "One GPU: 70 GB of FP8 weights leave ~55 GB for KV, so the batch is KV-bound."),
+    _v1("trtllm1.0-llama3.1-8b-fp8-h100-tp1-1000-1000", "nvidia/Llama-3.1-8B-Instruct-FP8", "llama-3.1-8b",
+        "h100-sxm", 1, 1000, 1000, 15220.0, 640, 2048,
+        "A small model at large batch: per-step CPU overhead and attention dominate."),
+    _v1("trtllm1.0-llama3.1-8b-fp8-h100-tp1-2048-128", "nvidia/Llama-3.1-8B-Instruct-FP8", "llama-3.1-8b",
+        "h100-sxm", 1, 2048, 128, 3450.0, 512, 9216,
+        "Prefill-heavy: the figure tests the compute (FP8 tensor core) efficiency."),
     PublishedFigure(
         name="trtllm0.5-llama2-70b-fp8-h100-tp4-128-128", source=_TRTLLM_V05, engine="TensorRT-LLM 0.5.0",
         published_model="LLaMA 70B (Llama 2 70B)", model="llama-2-70b", hardware="h100-sxm",
-        tensor_parallel_size=4, weight_format="fp8", kv_dtype="not stated", workload=_fixed(64, 128, 128),
-        metric="output_throughput", value=3317.0, max_num_seqs=64,
+        tensor_parallel_size=4, weight_format="fp8", workload=_fixed(64, 128, 128),
+        metric="output_throughput", value=3317.0, max_num_seqs=64, max_num_batched_tokens=64 * 128,
+        setting_sources=_V05_SOURCES,
         notes=f"{_V05_HOW}. 'Throughput (out tok/s)' of the H100 FP8 high-throughput table."),
     PublishedFigure(
         name="trtllm0.5-llama2-70b-fp8-h200-tp1-128-128", source=_TRTLLM_V05_H200, engine="TensorRT-LLM 0.5.0",
         published_model="llama_70b (Llama 2 70B)", model="llama-2-70b", hardware="h200",
-        tensor_parallel_size=1, weight_format="fp8", kv_dtype="not stated", workload=_fixed(512, 128, 128),
-        metric="output_throughput", value=3014.0, max_num_seqs=512,
+        tensor_parallel_size=1, weight_format="fp8", workload=_fixed(512, 128, 128),
+        metric="output_throughput", value=3014.0, max_num_seqs=512, max_num_batched_tokens=512 * 128,
+        setting_sources=_V05_SOURCES,
         notes=f"{_V05_HOW}. 'Preliminary measured performance' of the H200 launch post (TensorRT 9.1.0.4)."),
 ]
 
@@ -130,18 +156,61 @@ class Comparison:
     def row(self) -> dict:
         p, value = self.predicted, self.figure.value
         inside = None if self.error else p["low"] <= value <= p["high"]
-        return {"figure": self.figure.name, "settings": self.figure.settings, "metric": self.figure.metric,
+        return {"figure": self.figure.name, "settings": self.figure.settings,
+                "setting_sources": dict(self.figure.setting_sources), "metric": self.figure.metric,
                 "published": value, **{f"predicted_{b}": p.get(b) for b in BANDS}, "inside": inside,
                 "ratio": None if self.error else p["typical"] / value, "source": self.figure.source,
                 "notes": self.figure.notes, "error": self.error}
 
 
+class _StepShapes:
+    """A simulated engine's cost model that also keeps every step's shape, so the run can be priced again at
+    other coefficients (`duration`)."""
+
+    def __init__(self, cost_model) -> None:
+        self.cost_model, self.shapes = cost_model, []
+
+    def step_time(self, starts, num_new_tokens, num_sampled: int) -> float:
+        self.shapes.append((list(starts), list(num_new_tokens), num_sampled))
+        return self.cost_model.step_time(starts, num_new_tokens, num_sampled)
+
+    def __getattr__(self, name):
+        return getattr(self.cost_model, name)
+
+    def duration(self, coefficients) -> float:
+        """The steps' total time at `coefficients`."""
+        model = self.cost_model.with_coefficients(coefficients)
+        return sum(model.step_time(*shape) for shape in self.shapes)
+
+
+def _banded(backend: SimulatorBackend, workload: Workload, metric: str) -> dict[str, float]:
+    """The metric at each band end. With every request due at once (no arrival times), the schedule does not
+    depend on the step times, so one run at the typical end gives the steps, and the other ends' durations
+    are those steps priced at their coefficients (the metric is tokens / duration); else one run per end."""
+    if workload.arrivals.kind not in ("burst", "concurrency"):
+        out = {}
+        for band in BANDS:
+            backend.apply({"band": band})
+            out[band] = backend.run(workload, Target()).summary[metric]
+        return out
+    engine = backend.runner.engine
+    shapes = engine.cost_model = _StepShapes(engine.cost_model)
+    try:
+        summary = backend.run(workload, Target()).summary
+    finally:
+        engine.cost_model = shapes.cost_model
+    hardware = shapes.cost_model.hardware
+    tokens = summary[metric] * summary["duration_s"]
+    return {band: tokens / shapes.duration(hardware.coefficients(band)) for band in BANDS}
+
+
 def compare_published(num_requests: int | None = 512, figures: list[PublishedFigure] | None = None) -> list[dict]:
     """For each figure (default: PUBLISHED), its workload (at most `num_requests` requests; None: as
-    published) simulated on its hardware and layout at the band's low, typical and high ends. One row per
-    figure: figure, settings, metric, published, predicted_low / _typical / _high, inside (published within
-    [low, high]), ratio (typical / published), source, notes, and error (why it could not be simulated, a
-    layout that does not fit, else None)."""
+    published) simulated on its hardware and layout at the band's low, typical and high ends (one run, its
+    steps priced at each end's coefficients: the figures' requests are all due at once). One row per figure:
+    figure, settings, setting_sources, metric, published, predicted_low / _typical / _high, inside (published
+    within [low, high]), ratio (typical / published), source, notes, and error (why it could not be
+    simulated, a layout that does not fit, else None)."""
     if num_requests is not None and (not isinstance(num_requests, int) or num_requests < 1):
         raise ValueError(f"num_requests must be an int >= 1 or None (as published), got {num_requests!r}")
     rows = []
@@ -149,14 +218,10 @@ def compare_published(num_requests: int | None = 512, figures: list[PublishedFig
         if figure.metric not in METRICS:
             raise ValueError(f"figure {figure.name}: metric {figure.metric!r} is not one of {METRICS}")
         n = figure.workload.num_requests if num_requests is None else min(num_requests, figure.workload.num_requests)
-        workload = figure.workload.replace(num_requests=n)
         comparison = Comparison(figure)
         try:
-            simulate = Simulation(hardware=figure.hardware, band=BANDS[0], weight_format=figure.weight_format)
-            with SimulatorBackend(figure.config(), simulate) as backend:
-                for band in BANDS:
-                    backend.apply({"band": band})
-                    comparison.predicted[band] = backend.run(workload, Target()).summary[figure.metric]
+            with SimulatorBackend(figure.config(), figure.simulation()) as backend:
+                comparison.predicted = _banded(backend, figure.workload.replace(num_requests=n), figure.metric)
         except ValueError as e:  # the layout does not fit the hardware (ConfigError)
             comparison.error = str(e)
         rows.append(comparison.row())

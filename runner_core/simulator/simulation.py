@@ -1,21 +1,22 @@
 """What a simulation runs on: the `Simulation` options (the hardware, its efficiency band, a weight format,
-the seed of the drawn tokens), resolved into a HardwareSpec and its Coefficients, and the memory plan of a
-configuration on that hardware: `estimate_memory`'s per-device figures and the KV pool `plan_pool` gives
-from the device's memory (on the CPU, as the real runner plans it), refused with a ConfigError naming what
-would fit when one max_model_len sequence does not.
+a KV cache format, the seed of the drawn tokens), resolved into a HardwareSpec and its Coefficients, and the
+memory plan of a configuration on that hardware: `estimate_memory`'s per-device figures and the KV pool
+`plan_pool` gives from the device's memory (on the CPU, as the real runner plans it), refused with a
+ConfigError naming what would fit when one max_model_len sequence does not.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from runner_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, RunnerConfig
+from runner_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, RunnerConfig, dtype_bytes
 from runner_core.errors import ConfigError
 from runner_core.memory import MemoryEstimate, PoolPlan, check_fits, estimate_memory, plan_pool, usable_memory_bytes
+from runner_core.simulator.cost_model import KV_CACHE_DTYPES, WEIGHT_FORMATS, kv_element_bytes
 from runner_core.simulator.hardware import BANDS, Coefficients, HardwareSpec, get_hardware
 
-WEIGHT_FORMATS = (None, "int8", "int4", "fp8")
+__all__ = ["WEIGHT_FORMATS", "Simulation", "estimate_on", "plan_memory", "simulated_config", "usable_bytes"]
 # the storage estimate_memory counts for a weight format: fp8 is one byte a weight, as int8 (its row scales aside)
 _STORED_AS = {"int8": "int8", "int4": "int4", "fp8": "int8"}
 
@@ -25,12 +26,18 @@ class Simulation:
     """How to simulate: `hardware` a HARDWARE name, a HardwareSpec, or "cpu" (this machine's saved
     calibration); `band` which end of a GPU's efficiency band ("low" pessimistic .. "high" optimistic);
     `weight_format` the weights' format beyond the config's quantization ("int8", "int4", "fp8"; None: the
-    config's); `seed` the drawn tokens'."""
+    config's); `kv_cache_dtype` the KV cache's element format (None: the compute dtype; "fp8": one byte an
+    element, so the pool plans twice the tokens of a 16-bit cache and decode reads half the KV bytes); `seed`
+    the drawn tokens'.
+
+    The real engine has no FP8 KV cache: kv_cache_dtype="fp8" is a what-if of an engine that has one (the
+    scheduler and pool run as they do, over the larger pool; no quantization error is modelled)."""
 
     hardware: HardwareSpec | str = "cpu"
     band: str = "typical"
     weight_format: str | None = None
     seed: int = 0
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.hardware, (HardwareSpec, str)):
@@ -40,6 +47,9 @@ class Simulation:
         if self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"Simulation.weight_format {self.weight_format!r} is unknown; use None (the config's "
                              f"quantization) or one of {', '.join(map(repr, WEIGHT_FORMATS[1:]))}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"Simulation.kv_cache_dtype {self.kv_cache_dtype!r} is unknown; use None (the compute "
+                             f"dtype) or one of {', '.join(map(repr, KV_CACHE_DTYPES[1:]))}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"Simulation.seed must be an int >= 0, got {self.seed!r}")
 
@@ -71,8 +81,9 @@ class Simulation:
     def info(self, hardware: HardwareSpec, coefficients: Coefficients, config: RunnerConfig) -> dict:
         """model_info()["simulation"]."""
         return {"hardware": hardware.name, "band": self.band if hardware.band else None,
-                "devices": config.world_size, "weight_format": self.cost_format(config), "seed": self.seed,
-                "coefficients": coefficients.as_dict()}
+                "devices": config.world_size, "weight_format": self.cost_format(config),
+                "kv_cache_dtype": self.kv_cache_dtype or str(config.torch_dtype).removeprefix("torch."),
+                "seed": self.seed, "coefficients": coefficients.as_dict()}
 
 
 def simulated_config(config: RunnerConfig, hardware: HardwareSpec) -> RunnerConfig:
@@ -88,8 +99,11 @@ def simulated_config(config: RunnerConfig, hardware: HardwareSpec) -> RunnerConf
     return config.replace(**changes) if changes else config
 
 
-def estimate_on(config: RunnerConfig, path: Path, hardware: HardwareSpec, weight_format: str | None) -> MemoryEstimate:
-    """estimate_memory's figures per device for `config` (the model at `path`) on `hardware`."""
+def estimate_on(config: RunnerConfig, path: Path, hardware: HardwareSpec, weight_format: str | None,
+                kv_cache_dtype: str | None = None) -> MemoryEstimate:
+    """estimate_memory's figures per device for `config` (the model at `path`) on `hardware`, the KV cache's
+    at `kv_cache_dtype`'s element size (what would fit, in the refusals, is still reckoned at the compute
+    dtype's)."""
     quantization = _STORED_AS.get(weight_format, config.quantization)
     estimate = estimate_memory(
         path, dtype=config.torch_dtype, tensor_parallel_size=config.tensor_parallel_size,
@@ -100,7 +114,16 @@ def estimate_on(config: RunnerConfig, path: Path, hardware: HardwareSpec, weight
         trust_remote_code=config.trust_remote_code, model_impl=config.model_impl, quantization=quantization,
         quantization_group_size=config.quantization_group_size, quantize_lm_head=config.quantize_lm_head)
     estimate.model = config.model  # what the refusals name: as given (a config model's name, not its cache path)
-    return estimate
+    element, compute = kv_element_bytes(kv_cache_dtype, config.torch_dtype), dtype_bytes(config.torch_dtype)
+    if element == compute:
+        return estimate
+    per_token, bs = estimate.kv_bytes_per_token // compute * element, config.block_size
+    tokens = (estimate.kv_pool_tokens if config.kv_cache_memory is None
+              else config.kv_cache_memory // (per_token * bs) * bs)
+    pool = tokens * per_token
+    return replace(estimate, kv_bytes_per_token=per_token, kv_pool_bytes=pool, kv_pool_tokens=tokens,
+                   min_kv_pool_bytes=estimate.min_kv_pool_bytes // compute * element,
+                   total_per_device_bytes=estimate.total_per_device_bytes - estimate.kv_pool_bytes + pool)
 
 
 def usable_bytes(config: RunnerConfig, hardware: HardwareSpec) -> int:
