@@ -45,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-requests", type=int, default=48, help="requests of each validation workload")
     ap.add_argument("--calibration", default=None, help="where to save the calibration (default: the cache)")
     ap.add_argument("--no-published", action="store_true", help="skip compare_published()")
+    ap.add_argument("--published-requests", type=int, default=512, help="at most this many requests per figure")
     ap.add_argument("--quick", action="store_true", help="1 repeat, 24-request workloads")
     args = ap.parse_args(argv)
     if args.quick:
@@ -127,13 +128,13 @@ def simulate_70b() -> dict:
             "tpot_p50_ms": s["tpot_p50_ms"]}
 
 
-def published() -> list[dict]:
+def published(num_requests: int) -> list[dict]:
     try:
         from runner_core.simulator.published import compare_published
     except ImportError as e:
         print(f"\n== published figures: skipped ({e})")
         return []
-    rows = compare_published()
+    rows = compare_published(num_requests)
     print("\n== published GPU figures against the predicted band (low / typical / high)")
     for r in rows:
         if r["error"]:
@@ -169,7 +170,7 @@ def main(argv=None) -> None:
                                    progress=lambda m: print(f"  {m}", flush=True))
     workloads_table(workloads)
     big = simulate_70b()
-    pub = [] if args.no_published else published()
+    pub = [] if args.no_published else published(args.published_requests)
     load_after = os.getloadavg()
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in load_after)}; {time.perf_counter() - t0:.0f} s in all; "
           f"{machine.run_tag(info)}")
