@@ -26,7 +26,7 @@ from runner_core.compile.decode_plan import default_sizes
 from runner_core.config import RunnerConfig, resolve_max_model_len
 from runner_core.engine.encoder_cache import EncoderCache
 from runner_core.engine.forward_pass import ForwardPass, StepBatch
-from runner_core.errors import CompileError, ConfigError
+from runner_core.errors import CompileError
 from runner_core.layers.moe_record import recording_routing
 from runner_core.memory import (
     MemoryManager,
@@ -94,12 +94,7 @@ class Worker:
         num_blocks = min_over_ranks(plan.num_blocks)
         if num_blocks != plan.num_blocks:
             plan = dataclasses.replace(plan, num_blocks=num_blocks)
-        if plan.num_tokens < self.max_model_len:
-            bs = config.block_size
-            raise ConfigError(
-                f"the KV pool holds {plan.num_tokens} tokens ({plan.num_blocks} blocks of {bs}), fewer than one "
-                f"max_model_len={self.max_model_len} sequence needs; raise kv_cache_memory to at least "
-                f"{-(-self.max_model_len // bs) * bs * plan.bytes_per_token} bytes or lower max_model_len")
+        plan.check_holds(self.max_model_len)
         return plan
 
     def measure_activation_peak(self, num_tokens: int, num_seqs: int) -> int:

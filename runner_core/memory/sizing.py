@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runner_core.errors import ConfigError
 from runner_core.memory.estimate import estimate_activation_peak
 from runner_core.memory.shapes import ModelShape
 
@@ -96,6 +97,15 @@ class PoolPlan:
         return (f"KV pool: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
                 f"({self.num_bytes / _MiB:.1f} MiB, sized by {self.source}); maximum concurrency at "
                 f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x")
+
+    def check_holds(self, max_model_len: int, where: str = "") -> None:
+        """ConfigError unless the pool holds one max_model_len sequence, naming the KV memory that would."""
+        if self.num_tokens < max_model_len:
+            bs = self.block_size
+            raise ConfigError(
+                f"{where}the KV pool holds {self.num_tokens} tokens ({self.num_blocks} blocks of {bs}), fewer than one "
+                f"max_model_len={max_model_len} sequence needs; raise kv_cache_memory to at least "
+                f"{-(-max_model_len // bs) * bs * self.bytes_per_token} bytes or lower max_model_len")
 
     def as_dict(self) -> dict:
         return {"num_blocks": self.num_blocks, "block_size": self.block_size, "num_tokens": self.num_tokens,

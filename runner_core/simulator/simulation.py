@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from runner_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, RunnerConfig, dtype_bytes
-from runner_core.errors import ConfigError
 from runner_core.memory import MemoryEstimate, PoolPlan, check_fits, estimate_memory, plan_pool, usable_memory_bytes
 from runner_core.simulator.cost_model import KV_CACHE_DTYPES, WEIGHT_FORMATS, kv_element_bytes
 from runner_core.simulator.hardware import BANDS, Coefficients, HardwareSpec, get_hardware
@@ -149,10 +148,5 @@ def plan_memory(config: RunnerConfig, estimate: MemoryEstimate, hardware: Hardwa
                      activation_peak_bytes=estimate.activation_peak_bytes,
                      total_bytes=hardware.memory_bytes if gpu else None,
                      non_torch_bytes=hardware.reserved_bytes if gpu else None)
-    if plan.num_tokens < estimate.max_model_len:
-        bs = config.block_size
-        raise ConfigError(
-            f"on {hardware.name} the KV pool holds {plan.num_tokens} tokens ({plan.num_blocks} blocks of {bs}), "
-            f"fewer than one max_model_len={estimate.max_model_len} sequence needs; raise kv_cache_memory to at "
-            f"least {-(-estimate.max_model_len // bs) * bs * plan.bytes_per_token} bytes or lower max_model_len")
+    plan.check_holds(estimate.max_model_len, f"on {hardware.name} ")
     return plan
