@@ -39,6 +39,11 @@ _V1_BATCH = ("trtllm-bench's heuristic (tensorrt_llm/bench/build/tuning.py calc_
              "max_batch_size and max_num_tokens not given): requests the KV memory holds at ISL+OSL with FP8 "
              "weights and KV and the default kv_cache_free_gpu_mem_fraction 0.90, rounded up")
 _V1_TOKENS = _V1_BATCH + "; chunked prefill off: at least ISL + max_batch_size"
+# settled_requests of the 1.0 figures: two batches (2 x max_num_seqs). The predicted typical output tok/s by
+# request count, measured with these settings (one batch / two batches / the published 3000): 70B H100 TP2
+# 3344 / 3561 / 3614, 70B H200 TP1 (KV-bound) 2273 / 2309 / 2495, 8B H100 1000/1000 8983 / 9149 / 9415,
+# 8B H100 2048/128 3030 / 3071 / 3098: two batches come 1-8% below 3000 requests in about a third of the time
+# (the 1000/1000 runs: 108 s against 336 s); compare_published(num_requests=3000) runs them as published.
 
 
 def _fixed(num_requests: int, prompt: int, output: int) -> Workload:
@@ -71,6 +76,7 @@ class PublishedFigure:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     setting_sources: dict[str, str] = field(default_factory=dict)
+    settled_requests: int | None = None
     notes: str = ""
     dtype: str = "bfloat16"
 
@@ -104,7 +110,7 @@ def _v1(name: str, published_model: str, model: str, hardware: str, tp: int, pro
         name=name, source=_TRTLLM_V1, engine="TensorRT-LLM 1.0", published_model=published_model, model=model,
         hardware=hardware, tensor_parallel_size=tp, weight_format="fp8", workload=_fixed(3000, prompt, output),
         metric="output_throughput", value=value, kv_cache_dtype="fp8", max_num_seqs=batch,
-        max_num_batched_tokens=tokens,
+        max_num_batched_tokens=tokens, settled_requests=2 * batch,
         setting_sources={"kv_cache_dtype": _V1_KV, "max_num_seqs": _V1_BATCH, "max_num_batched_tokens": _V1_TOKENS},
         notes=f"{_V1_HOW}. {notes}")
 
@@ -204,20 +210,21 @@ def _banded(backend: SimulatorBackend, workload: Workload, metric: str) -> dict[
     return {band: tokens / shapes.duration(hardware.coefficients(band)) for band in BANDS}
 
 
-def compare_published(num_requests: int | None = 512, figures: list[PublishedFigure] | None = None) -> list[dict]:
-    """For each figure (default: PUBLISHED), its workload (at most `num_requests` requests; None: as
-    published) simulated on its hardware and layout at the band's low, typical and high ends (one run, its
-    steps priced at each end's coefficients: the figures' requests are all due at once). One row per figure:
-    figure, settings, setting_sources, metric, published, predicted_low / _typical / _high, inside (published
-    within [low, high]), ratio (typical / published), source, notes, and error (why it could not be
-    simulated, a layout that does not fit, else None)."""
+def compare_published(num_requests: int | None = None, figures: list[PublishedFigure] | None = None) -> list[dict]:
+    """For each figure (default: PUBLISHED), its workload (at most `num_requests` requests; None: the
+    figure's settled_requests, else as published) simulated on its hardware and layout at the band's low,
+    typical and high ends (one run, its steps priced at each end's coefficients: the figures' requests are all
+    due at once). One row per figure: figure, settings, setting_sources, metric, published, predicted_low /
+    _typical / _high, inside (published within [low, high]), ratio (typical / published), source, notes, and
+    error (why it could not be simulated, a layout that does not fit, else None)."""
     if num_requests is not None and (not isinstance(num_requests, int) or num_requests < 1):
-        raise ValueError(f"num_requests must be an int >= 1 or None (as published), got {num_requests!r}")
+        raise ValueError(f"num_requests must be an int >= 1 or None (each figure's settled_requests), got "
+                         f"{num_requests!r}")
     rows = []
     for figure in PUBLISHED if figures is None else figures:
         if figure.metric not in METRICS:
             raise ValueError(f"figure {figure.name}: metric {figure.metric!r} is not one of {METRICS}")
-        n = figure.workload.num_requests if num_requests is None else min(num_requests, figure.workload.num_requests)
+        n = min(num_requests or figure.settled_requests or figure.workload.num_requests, figure.workload.num_requests)
         comparison = Comparison(figure)
         try:
             with SimulatorBackend(figure.config(), figure.simulation()) as backend:
