@@ -45,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-requests", type=int, default=48, help="requests of each validation workload")
     ap.add_argument("--calibration", default=None, help="where to save the calibration (default: the cache)")
     ap.add_argument("--no-published", action="store_true", help="skip compare_published()")
-    ap.add_argument("--published-requests", type=int, default=512, help="at most this many requests per figure")
+    ap.add_argument("--published-requests", type=int, default=None,
+                    help="at most this many requests per figure (default: each figure's settled_requests)")
     ap.add_argument("--quick", action="store_true", help="1 repeat, 24-request workloads")
     args = ap.parse_args(argv)
     if args.quick:
@@ -128,7 +129,7 @@ def simulate_70b() -> dict:
             "tpot_p50_ms": s["tpot_p50_ms"]}
 
 
-def published(num_requests: int) -> list[dict]:
+def published(num_requests: int | None) -> list[dict]:
     try:
         from runner_core.simulator.published import compare_published
     except ImportError as e:
