@@ -70,8 +70,9 @@ def calibration_table(cal) -> None:
           f"{hw.peak_flops['bfloat16'] / 1e9:.0f} GFLOP/s, read bandwidth {hw.mem_bandwidth / 1e9:.1f} GB/s, "
           f"RAM {hw.memory_bytes / 2**30:.0f} GiB")
     print(f"  efficiencies: compute {c.compute_efficiency:.3f}, memory {c.memory_efficiency:.3f}, attention "
-          f"{c.attention_efficiency:.3f};  fixed: step {c.step_s * 1e3:.3f} ms, layer {c.layer_s * 1e6:.1f} us, "
-          f"sequence {c.seq_s * 1e6:.1f} us, token {c.token_s * 1e6:.2f} us")
+          f"{c.attention_efficiency:.3f}, decode attention {c.decode_attention_efficiency:.3f};  fixed: step "
+          f"{c.step_s * 1e3:.3f} ms, layer {c.layer_s * 1e6:.1f} us, sequence {c.seq_s * 1e6:.1f} us, token "
+          f"{c.token_s * 1e6:.2f} us")
     for name, e in [("all", cal.fit_error), *cal.fit_error["by_model"].items()]:
         print(f"  fit error {name:12s} median {pct(e['median_error'])}  p90 {pct(e['p90_error'])}  n={e['n']}")
 

@@ -36,7 +36,7 @@ def test_the_calibrated_cpu_is_measured_peaks_bandwidth_and_its_tier(calibrated)
 def test_calibration_fits_non_negative_coefficients_on_rows_that_carry_their_shapes(calibrated):
     cal, _ = calibrated
     c = cal.coefficients
-    assert c.compute_efficiency > 0 and c.memory_efficiency > 0 and c.attention_efficiency > 0
+    assert min(c.compute_efficiency, c.memory_efficiency, c.attention_efficiency, c.decode_attention_efficiency) > 0
     assert min(c.step_s, c.layer_s, c.seq_s, c.token_s) >= 0
     assert cal.dtype == "float32" and cal.models == ["tiny-llama"] and cal.settings["cpu_threads"] >= 1
     assert {step_kind(r) for r in cal.rows} == {"decode", "prefill", "mixed"}
@@ -53,6 +53,15 @@ def test_calibration_json_round_trips(calibrated):
     again = load_calibration(path)
     assert isinstance(again, Calibration) and again.to_dict() == cal.to_dict()
     assert again.hardware.efficiency == cal.coefficients
+
+
+def test_a_calibration_saved_with_one_attention_efficiency_predicts_as_before(calibrated, tmp_path):
+    cal, path = calibrated
+    old = json.loads(path.read_text())
+    del old["hardware"]["efficiency"]["decode_attention_efficiency"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    c = load_calibration(tmp_path / "old.json").coefficients
+    assert c.decode_attention_efficiency == c.attention_efficiency == cal.coefficients.attention_efficiency
 
 
 def test_load_calibration_is_none_without_a_file_and_names_a_broken_one(tmp_path):

@@ -66,7 +66,8 @@ def test_breakdown_adds_up_to_step_time_and_features_reproduce_it():
             parts["linear_s"] + parts["attention_s"] + parts["comm_s"] + parts["fixed_s"], rel=1e-12)
         f = m.features(*step)
         assert (f["linear_compute_s"] / c.compute_efficiency + f["linear_memory_s"] / c.memory_efficiency
-                + f["attention_s"] / c.attention_efficiency + f["one"] * c.step_s + f["layers"] * c.layer_s
+                + f["attention_s"] / c.attention_efficiency + f["decode_attention_s"] / c.decode_attention_efficiency
+                + f["one"] * c.step_s + f["layers"] * c.layer_s
                 + f["seqs"] * c.seq_s + f["tokens"] * c.token_s + f["comm_s"]) == pytest.approx(
             m.step_time(*step), rel=1e-12)
 
@@ -74,14 +75,20 @@ def test_breakdown_adds_up_to_step_time_and_features_reproduce_it():
 def test_attention_counts_query_key_pairs_and_kv_reads():
     shape = llama_70b()
     m = model(shape)
-    ae, bw, peak = m.coefficients.attention_efficiency, H100.mem_bandwidth, H100.peak_flops["bfloat16"]
+    c, bw, peak = m.coefficients, H100.mem_bandwidth, H100.peak_flops["bfloat16"]
     s, n = 1000, 512
     pairs = n * s + n * (n + 1) / 2
     flops = 4 * pairs * 64 * 128 * 80
     kv_bytes = (s + n) * 80 * 2 * 8 * 128 * 2
-    assert m.breakdown([s], [n], 1)["attention_s"] == pytest.approx(max(flops / peak, kv_bytes / bw) / ae)
-    # a decode row reads its whole KV cache: memory-bound attention
-    assert m.breakdown([s], [1], 1)["attention_s"] == pytest.approx((s + 1) * 80 * 2 * 8 * 128 * 2 / bw / ae)
+    prefill = max(flops / peak, kv_bytes / bw) / c.attention_efficiency
+    assert m.breakdown([s], [n], 1)["attention_s"] == pytest.approx(prefill)
+    # a decode row reads its whole KV cache (the decode kernel: a share of the bandwidth); a mixed step pays both
+    decode = (s + 1) * 80 * 2 * 8 * 128 * 2 / bw / c.decode_attention_efficiency
+    assert m.breakdown([s], [1], 1)["attention_s"] == pytest.approx(decode)
+    assert m.breakdown([s, s], [1, n], 2)["attention_s"] == pytest.approx(prefill + decode)
+    f = m.features([s, s], [1, n], 2)
+    assert f["attention_s"] == pytest.approx(prefill * c.attention_efficiency)
+    assert f["decode_attention_s"] == pytest.approx(decode * c.decode_attention_efficiency)
 
 
 def test_tp8_cuts_linear_time_8x_and_adds_the_docs_all_reduce_time():
@@ -148,7 +155,8 @@ def test_moe_reads_fewer_weight_bytes_per_step_than_its_dense_total():
 
 
 def test_fit_recovers_known_coefficients():
-    truth = Coefficients(compute_efficiency=0.55, memory_efficiency=0.8, attention_efficiency=0.4, step_s=2e-3,
+    truth = Coefficients(compute_efficiency=0.55, memory_efficiency=0.8, attention_efficiency=0.4,
+                         decode_attention_efficiency=0.6, step_s=2e-3,
                          layer_s=20e-6, seq_s=15e-6, token_s=1e-6)
     rows = []
     for shape in (llama_70b(), llama_8b()):
@@ -162,7 +170,7 @@ def test_fit_recovers_known_coefficients():
 
 
 def test_fit_of_one_model_folds_the_layer_cost_into_the_step_cost_and_refuses_too_few_shapes():
-    truth = Coefficients(0.6, 0.8, 0.5, step_s=1e-3, layer_s=10e-6, seq_s=20e-6, token_s=0.0)
+    truth = Coefficients(0.6, 0.8, 0.5, 0.7, step_s=1e-3, layer_s=10e-6, seq_s=20e-6, token_s=0.0)
     m = CostModel(llama_8b(), H100, truth, dtype="bfloat16")
     steps = [decode(n, kv) for n in (1, 16, 128) for kv in (64, 2048)] + [([0], [t], 1) for t in (1024, 3072)]
     steps += [([0] * 4, [768] * 4, 4), ([200] * 20 + [0], [1] * 20 + [600], 21)]
@@ -170,9 +178,9 @@ def test_fit_of_one_model_folds_the_layer_cost_into_the_step_cost_and_refuses_to
     fitted = fit_coefficients(rows)
     assert fitted.layer_s == 0 and fitted.step_s == pytest.approx(1e-3 + 32 * 10e-6, rel=0.01)
     assert fitted.memory_efficiency == pytest.approx(0.8, rel=0.01)
-    with pytest.raises(ValueError, match="at least 6 distinct step shapes"):
+    with pytest.raises(ValueError, match="at least 7 distinct step shapes"):
         fit_coefficients(rows[:3])
-    decodes_only = [(m.features(*s), m.step_time(*s)) for s in steps[:6]]
+    decodes_only = [(m.features(*s), m.step_time(*s)) for s in steps[:6] + [decode(40, 300)]]
     with pytest.raises(ValueError, match="compute_efficiency"):
         fit_coefficients(decodes_only)  # no compute-bound step
 

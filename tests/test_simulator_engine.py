@@ -27,7 +27,8 @@ TEST_CPU = HardwareSpec(name="cpu:test (avx2)", kind="cpu", memory_bytes=16 << 3
                         peak_flops={"float32": 2e11, "bfloat16": 2e11}, mem_bandwidth=2e10, link_bandwidth=1e10,
                         link_latency_s=1e-5, devices_per_node=1, reserved_bytes=0,
                         efficiency=Coefficients(compute_efficiency=0.5, memory_efficiency=0.6,
-                                                attention_efficiency=0.4, step_s=1e-3, layer_s=2e-5, seq_s=1e-5))
+                                                attention_efficiency=0.4, decode_attention_efficiency=0.4,
+                                                step_s=1e-3, layer_s=2e-5, seq_s=1e-5))
 BLOCKS = 16  # tiny-llama's pool in the identity test: 256 tokens, less than four running requests reach
 IDENTITY = {"model": "tiny-llama", "dtype": "float32", "max_model_len": 128, "max_num_seqs": 4,
             "max_num_batched_tokens": 32, "enable_prefix_caching": True,

@@ -39,9 +39,11 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, d: dict) -> Calibration:
+        """Read back `to_dict`'s dict; a calibration saved before decode attention had its own efficiency
+        predicts as it did: its one attention efficiency serves both."""
         hw = dict(d["hardware"])
-        hw["efficiency"] = Coefficients(**hw["efficiency"]) if hw.get("efficiency") else None
-        hw["band"] = {k: Coefficients(**c) for k, c in hw.get("band", {}).items()}
+        hw["efficiency"] = _coefficients(hw["efficiency"]) if hw.get("efficiency") else None
+        hw["band"] = {k: _coefficients(c) for k, c in hw.get("band", {}).items()}
         return cls(**{**d, "hardware": HardwareSpec(**hw)})
 
     def save(self, path=None) -> Path:
@@ -51,6 +53,10 @@ class Calibration:
         tmp.write_text(json.dumps(self.to_dict(), indent=1))
         tmp.replace(path)
         return path
+
+
+def _coefficients(d: dict) -> Coefficients:
+    return Coefficients(**{"decode_attention_efficiency": d.get("attention_efficiency"), **d})
 
 
 def calibration_path() -> Path:

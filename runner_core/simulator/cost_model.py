@@ -8,9 +8,11 @@ through the LM head). Per pipeline stage, on one device of the tensor-parallel g
   the bytes being the weights (in their stored format) plus the layers' inputs and outputs; the LM head only for
   the sampled rows; an MoE layer reads the experts its tokens hit (expected distinct experts of T tokens with
   top_k each, routing assumed uniform) and computes top_k experts per token;
-* attention, per sequence: FLOPs = 4 x query-key pairs x heads x head_dim per layer (pairs = n*s + n(n+1)/2 for
-  s cached and n new tokens), bytes = the KV read ((s + n) tokens, at the KV cache's element size: the compute
-  dtype's, or one byte with kv_cache_dtype="fp8"); the larger of the two at attention_efficiency;
+* attention, per sequence, two kernels: a decode row (one new token) reads its KV cache ((s + 1) tokens at the
+  KV cache's element size: the compute dtype's, or one byte with kv_cache_dtype="fp8"), memory-bound, at
+  decode_attention_efficiency of the bandwidth; a prefill chunk (n > 1 new tokens) costs the larger of its
+  FLOPs = 4 x query-key pairs x heads x head_dim per layer (pairs = n*s + n(n+1)/2 for s cached tokens) and
+  its (s + n) tokens' KV read, at attention_efficiency;
 * communication (docs/parallel.md's byte counts): with TP, two all-reduces per layer (and the embedding's) of
   T x hidden x dtype bytes, each latency + 2(tp-1)/tp x bytes / link bandwidth, and the sampled rows' logits
   all-gathered; with PP, a send of T x hidden x dtype bytes per stage boundary and the float32 logits of the
@@ -146,7 +148,7 @@ class CostModel:
             all_reduces=2 * len(layers) + (1 if first else 0), last=last)
 
     def _set_coefficients(self, c: Coefficients) -> None:
-        for name in ("compute_efficiency", "memory_efficiency", "attention_efficiency"):
+        for name in ("compute_efficiency", "memory_efficiency", "attention_efficiency", "decode_attention_efficiency"):
             if not getattr(c, name) > 0:
                 raise ValueError(f"{name}={getattr(c, name)!r} must be > 0 (a fraction of the peak)")
         self.coefficients = c
@@ -159,16 +161,16 @@ class CostModel:
 
     # ---- one step ----------------------------------------------------------------------------
     def _terms(self, starts, num_new_tokens, num_sampled: int):
-        """(tokens, seqs, attention seconds at 100%, [(stage compute s, memory s, weight bytes read, comm s)])."""
+        """(tokens, seqs, (prefill, decode) attention seconds at 100%, [(stage compute s, memory s, weight bytes
+        read, comm s)])."""
         if len(starts) != len(num_new_tokens):
             raise ValueError(f"starts has {len(starts)} entries but num_new_tokens {len(num_new_tokens)}: "
                              "give one of each per scheduled sequence")
         tokens, seqs, pair, kv = sum(num_new_tokens), len(num_new_tokens), self._attn_per_pair, self._attn_per_kv
-        # a decode row (one new token) has as many pairs as KV tokens: s + 1; only the others need a look each
+        # a decode row (one new token) reads s + 1 KV tokens; only the prefill chunks need a look each
         others = [(s, n) for s, n in zip(starts, num_new_tokens) if n != 1]
         decode_kv = sum(starts) - sum(s for s, _ in others) + seqs - len(others)
-        attention = decode_kv * max(pair, kv) + sum(max((n * s + n * (n + 1) / 2) * pair, (s + n) * kv)
-                                                    for s, n in others)
+        attention = (sum(max((n * s + n * (n + 1) / 2) * pair, (s + n) * kv) for s, n in others), decode_kv * kv)
         bw, rows = self.hardware.mem_bandwidth, num_sampled
         hit = 0.0
         if self._experts is not None:
@@ -196,12 +198,16 @@ class CostModel:
         c = self.coefficients
         return c.step_s + self.shape.num_layers * c.layer_s + seqs * c.seq_s + tokens * c.token_s
 
+    def _attention_s(self, attention: tuple[float, float]) -> float:
+        c = self.coefficients
+        return attention[0] / c.attention_efficiency + attention[1] / c.decode_attention_efficiency
+
     def step_time(self, starts: list[int], num_new_tokens: list[int], num_sampled: int) -> float:
         """Predicted seconds of one step (see the module docstring)."""
         tokens, seqs, attention, stages = self._terms(starts, num_new_tokens, num_sampled)
         c = self.coefficients
         ce, me = c.compute_efficiency, c.memory_efficiency
-        total = attention / c.attention_efficiency + self._fixed(tokens, seqs)
+        total = self._attention_s(attention) + self._fixed(tokens, seqs)
         for compute, memory, _, comm in stages:
             total += max(compute / ce, memory / me) + comm
         return total
@@ -217,7 +223,7 @@ class CostModel:
         for compute, memory, _, _ in stages:
             bound = "compute" if compute / ce >= memory / me else "memory"
             linear[bound] += max(compute / ce, memory / me)
-        attention_s, comm = attention / c.attention_efficiency, sum(s[3] for s in stages)
+        attention_s, comm = self._attention_s(attention), sum(s[3] for s in stages)
         busy = sum(linear.values()) + attention_s + comm
         fixed = self._fixed(tokens, seqs)
         return {"linear_s": sum(linear.values()), "attention_s": attention_s, "comm_s": comm,
@@ -227,14 +233,16 @@ class CostModel:
 
     def features(self, starts: list[int], num_new_tokens: list[int], num_sampled: int) -> dict[str, float]:
         """The fit's regressors: the step time is linear_compute_s / compute_efficiency + linear_memory_s /
-        memory_efficiency + attention_s / attention_efficiency + one x step_s + layers x layer_s + seqs x seq_s +
-        tokens x token_s + comm_s. The linear terms are seconds at 100% of the peaks, each stage's counted under
-        the bound this model's coefficients give it: refit with `with_coefficients(fitted)` until it settles."""
+        memory_efficiency + attention_s / attention_efficiency + decode_attention_s / decode_attention_efficiency +
+        one x step_s + layers x layer_s + seqs x seq_s + tokens x token_s + comm_s. The linear terms are seconds at
+        100% of the peaks, each stage's counted under the bound this model's coefficients give it: refit with
+        `with_coefficients(fitted)` until it settles."""
         tokens, seqs, attention, stages = self._terms(starts, num_new_tokens, num_sampled)
         ce, me = self.coefficients.compute_efficiency, self.coefficients.memory_efficiency
         compute_s = sum(s[0] for s in stages if s[0] / ce >= s[1] / me)
         memory_s = sum(s[1] for s in stages if s[0] / ce < s[1] / me)
-        return {"linear_compute_s": compute_s, "linear_memory_s": memory_s, "attention_s": attention, "one": 1.0,
+        return {"linear_compute_s": compute_s, "linear_memory_s": memory_s, "attention_s": attention[0],
+                "decode_attention_s": attention[1], "one": 1.0,
                 "layers": float(self.shape.num_layers), "seqs": float(seqs), "tokens": float(tokens),
                 "comm_s": sum(s[3] for s in stages)}
 

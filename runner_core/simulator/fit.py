@@ -1,8 +1,9 @@
 """The cost model's coefficients from measured steps: non-negative least squares on its regressors.
 
 Each row is (CostModel.features(...), measured seconds). The step time is linear in the regressors with weights
-1/compute_efficiency, 1/memory_efficiency, 1/attention_efficiency, step_s, layer_s, seq_s and token_s (comm_s is
-known and comes off the measured time), so an active-set NNLS (Lawson and Hanson) finds them, all >= 0.
+1/compute_efficiency, 1/memory_efficiency, 1/attention_efficiency (prefill chunks), 1/decode_attention_efficiency
+(decode rows), step_s, layer_s, seq_s and token_s (comm_s is known and comes off the measured time), so an
+active-set NNLS (Lawson and Hanson) finds them, all >= 0.
 
 Each efficiency is at most 1: the fit's weight is 1/efficiency - 1 >= 0 (a part the rows give no extra weight runs
 at its peak, never beyond it). The fit minimises relative error: each row is divided by its measured time, so a
@@ -22,6 +23,7 @@ FEATURES = {
     "linear_compute_s": ("compute_efficiency", True),
     "linear_memory_s": ("memory_efficiency", True),
     "attention_s": ("attention_efficiency", True),
+    "decode_attention_s": ("decode_attention_efficiency", True),
     "one": ("step_s", False),
     "layers": ("layer_s", False),
     "seqs": ("seq_s", False),
