@@ -54,7 +54,7 @@ BANDWIDTH_BYTES = 256 * _MiB
 # thread count would time some steps on fewer threads)
 ENGINE_SETTINGS = {"max_model_len": 2048, "kv_cache_memory": 512 * _MiB, "enforce_eager": True}
 _START = Coefficients(compute_efficiency=0.5, memory_efficiency=0.5, attention_efficiency=0.5,
-                      step_s=0.0, layer_s=0.0, seq_s=0.0)
+                      decode_attention_efficiency=0.5, step_s=0.0, layer_s=0.0, seq_s=0.0)
 _MAX_REFITS = 8
 START_RATIOS = (1.0, 0.3, 0.1, 0.03, 0.01)  # compute / memory efficiency of the fit's starting points
 
@@ -159,8 +159,10 @@ class ShapeSweep:
         return sorted(fitting or [min(self.decodes)], reverse=True)
 
 
-FIT_SHAPES = ShapeSweep(contexts=(16, 128, 512), decodes=(1, 2, 4, 8, 16, 32, 64), prefills=(32, 128, 512, 1024),
-                        chunks=(16, 64, 256))
+# the fit's decode batches include what the engine runs under load (20-40 rows at KV lengths of a few hundred),
+# each with chunks added (mixed steps); 64 rows only at the shortest context (the prefill it takes stays small)
+FIT_SHAPES = ShapeSweep(contexts=(16, 160, 512), decodes=(1, 2, 4, 8, 16, 20, 32, 40, 64),
+                        prefills=(32, 128, 512, 1024), chunks=(16, 64, 256))
 HELD_OUT_SHAPES = ShapeSweep(contexts=(64, 256, 1000), decodes=(3, 6, 12, 24, 48), prefills=(48, 200, 320, 768),
                              chunks=(24, 100, 400))
 
