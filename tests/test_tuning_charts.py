@@ -134,7 +134,9 @@ def test_the_widgets_tuning_tab_proposes_values_runs_a_sweep_and_recommends(tiny
         ui.refresh()
         assert ui.tune_progress.value == 100 and ui.tune_status.value.startswith("done")
         met = next(t for t in ui.tune_figures["pareto"].data if t.name == "meets the target")
-        assert sorted(met.text) == ["c=1", "c=2"], "both points on the Pareto chart, labelled"
+        shown = sorted(t for t in met.text if t)  # which points are on the frontier depends on the machine's speed
+        assert len(met.x) == 2, "both points on the Pareto chart"
+        assert len(shown) == len(result.frontier) >= 1 and set(shown) <= {"c=1", "c=2"}, "the frontier's labelled"
         assert result.recommendation["label"] in ui.tune_recommendation.value
         assert ui.tune_recommendation.value.startswith("Recommended: ")
     finally:
