@@ -72,7 +72,9 @@ def test_a_scaled_copy_runs_in_our_engine_with_transformers_greedy_tokens(scaled
     weights kept bit for bit; rounding to 8 mantissa bits (in both engines, at different places) turns
     near ties late in a generation, so every prompt's first tokens must equal transformers' in bfloat16
     and half the prompts all of them (measured: 5 of 8 prompt runs equal, the others diverging at the
-    7th to 12th token)."""
+    7th to 12th token). A near tie at the very first token can also be broken either way by the two roundings (on an
+    Intel Xeon with AMX, 2026-12-02: float32 logits 3.1562 vs 3.1444 for the 901-token prompt, equal in bfloat16,
+    transformers took the second): there our first tokens must equal transformers' float32 ones instead."""
     _, path = scaled_copy
     runner = ModelRunner({"model": str(path), "dtype": dtype, "max_model_len": 1024}).load_model()
     try:
@@ -90,5 +92,9 @@ def test_a_scaled_copy_runs_in_our_engine_with_transformers_greedy_tokens(scaled
     if dtype == "float32":
         assert equal == len(PROMPTS), (ours, theirs)
     else:
-        assert [a[:BF16_FIRST_EQUAL] for a in ours] == [b[:BF16_FIRST_EQUAL] for b in theirs]
+        first = [a[:BF16_FIRST_EQUAL] for a in ours]
+        if first != [b[:BF16_FIRST_EQUAL] for b in theirs]:
+            full = _transformers_greedy(path, torch.float32)
+            assert all(a == b[:BF16_FIRST_EQUAL] or a == f[:BF16_FIRST_EQUAL]
+                       for a, b, f in zip(first, theirs, full)), (ours, theirs, full)
         assert equal >= len(PROMPTS) // 2, (ours, theirs)
