@@ -175,7 +175,7 @@ bench-models: setup
 # the native kernels against torch's (MKL / oneDNN held to the same instruction set) per kernel tier this CPU runs:
 # GEMM at the real presets' layer shapes and decode attention, with the memory bandwidth
 bench-kernels: setup
-	$(PY) benchmarks/kernels.py
+	$(PY) benchmarks/native_kernels.py
 
 clean:
 	rm -rf $(VENV) $(PEERS) $(LLAMACPP) build *.egg-info

@@ -35,8 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-# Run as a script, this folder is sys.path[0], and its modules (kernels.py, models.py, ...) would shadow
-# packages of those names that an engine imports (transformers imports `kernels` when it is found).
+# Run as a script, this folder is sys.path[0]: its modules (models.py, workload.py, ...) could shadow packages
+# that a peer's venv has and its engine imports (tests/test_module_names.py checks only our own venv).
 if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
     del sys.path[0]
 

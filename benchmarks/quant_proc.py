@@ -145,7 +145,7 @@ def serve(runner, args, reply) -> None:
 
 def main() -> None:
     if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-        del sys.path[0]  # this folder's kernels.py / models.py would shadow packages an engine imports
+        del sys.path[0]  # this folder's modules could shadow packages a peer's engine imports
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--format", choices=list(FORMATS), required=True)

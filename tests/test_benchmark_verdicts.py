@@ -240,8 +240,8 @@ def test_one_engine_at_a_time_never_holds_two_engines_and_measures_each(monkeypa
 
 def test_an_engine_process_does_not_see_the_benchmark_modules_as_packages():
     """engine_proc.py runs as a script, with benchmarks/ first on sys.path: a sibling module there
-    (kernels.py, machine.py, ...) would shadow an installed package of that name (vLLM failed to start
-    when transformers imported benchmarks/kernels.py as the `kernels` package)."""
+    (machine.py, models.py, ...) could shadow a package of that name in a peer's venv (vLLM once failed to
+    start when transformers imported a benchmarks/kernels.py as the `kernels` package)."""
     here = Path(throughput.__file__).parent
     probe = (f"import importlib.util, runpy, sys; sys.path.insert(0, {str(here)!r}); "
              f"runpy.run_path({str(here / 'engine_proc.py')!r}, run_name='engine_proc'); "

@@ -1,5 +1,5 @@
 """The teaching notebooks in JupyterLab in a real browser, as a user runs them: one `jupyter lab`
-for the module (tests/jupyterlab_server.py) over a copy of notebooks/, Debian's Chromium through
+for the module (tests/lab_server.py) over a copy of notebooks/, Debian's Chromium through
 Playwright. For each notebook: Run All, wait until every cell has run and the kernel is idle, then
 no error output, widgets rendered as widgets, plotly charts drawn with their traces, the inline
 dashboard committing a value typed and confirmed with Enter (read back in the kernel); a screenshot
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jupyterlab_server import CHROMIUM, lab_server, missing_tools
+from tests.lab_server import CHROMIUM, lab_server, missing_tools
 from tests.test_notebooks import CHECKS, NOTEBOOKS, _outputs
 from tests.test_workbench_browser import CHROMIUM_ARGS
 

@@ -287,7 +287,7 @@ def test_notebook_runs(path, tiny_llama_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
 
-    from tests.jupyterlab_server import missing_tools
+    from tests.lab_server import missing_tools
 
     if not missing_tools():
         pytest.skip("run in JupyterLab by tests/test_jupyterlab.py, which applies this check to the saved copy")

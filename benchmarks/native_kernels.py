@@ -24,7 +24,7 @@ range over the rounds. The bandwidth is benchmarks/machine.py's probe (sum and c
 last-level cache) in each tier's process, with its threads, before and after its rows, pooled. Every row names the
 CPU and the tier; the last stdout line is one JSON object with every figure.
 
-Run:  make bench-kernels    or    .venv/bin/python benchmarks/kernels.py [--tiers avx2] [--dtypes bfloat16]
+Run:  make bench-kernels    or    .venv/bin/python benchmarks/native_kernels.py [--tiers avx2] [--dtypes bfloat16]
                                       [--models qwen2.5-0.5b] [--rows 1,16] [--repeats 5]
                                       [--sections quant] [--quant-group 64]
 """
