@@ -1,7 +1,8 @@
 """What Binder installs runs every lesson: each module a notebook imports comes with binder/'s steps.
 
 mybinder.org installs binder/requirements.txt, then runs binder/postBuild (the project with the extras it
-names). Their dependency closure, read from this venv's installed metadata, must provide every module the
+names). Their dependency closure, read from this venv's installed metadata (the project's own as
+`make setup` installed it from pyproject.toml), must provide every module the
 notebooks import; the check is fast, `make binder-check` is the slow one that installs and runs them all.
 """
 
@@ -12,7 +13,6 @@ import importlib.metadata
 import json
 import re
 import sys
-import tomllib
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -29,32 +29,26 @@ def binder_requirements() -> list[Requirement]:
             if line.split("#")[0].strip() and not line.startswith("-")]
     installs = re.findall(r"pip install [^\n]*?-e \"?\.\[([\w,]+)\]", (BINDER / "postBuild").read_text())
     assert installs, "binder/postBuild no longer installs the project with `pip install -e .[extras]`"
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    reqs += [Requirement(r) for r in project["dependencies"]]
-    for extras in installs:
-        for extra in extras.split(","):
-            reqs += [Requirement(r) for r in project["optional-dependencies"][extra]]
-    return reqs
+    return reqs + [Requirement(f"runner-workbench[{extras}]") for extras in installs]
 
 
 def closure(reqs: list[Requirement]) -> set[str]:
     """The distributions those requirements pull in, by the installed metadata (canonical names)."""
-    seen, todo = set(), list(reqs)
+    seen, todo = set(), [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
     while todo:
         req = todo.pop()
-        name = canonicalize_name(req.name)
-        if name in seen or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+        key = (canonicalize_name(req.name), frozenset(req.extras))
+        if key in seen:
             continue
-        seen.add(name)
+        seen.add(key)
         try:
             requires = importlib.metadata.requires(req.name) or []
         except importlib.metadata.PackageNotFoundError:
             continue  # not installed here: its own requirements are unknown (the import check then names it)
-        for r in map(Requirement, requires):
-            wanted = [e for e in req.extras] or [""]
-            if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in wanted):
-                todo.append(r)
-    return seen
+        extras = [*req.extras, ""]
+        todo += [r for r in map(Requirement, requires)
+                 if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in extras)]
+    return {name for name, _ in seen}
 
 
 def notebook_imports() -> dict[str, set[str]]:
