@@ -16,6 +16,8 @@ PROMPT ?= Once upon a time
 PORT ?= 5006
 BINDER_VENV ?= build/binder-venv
 BINDER_CACHE ?= build/binder-cache
+# options added to the one command a target runs: make bench-memory ARGS="--quick --model tiny-llama"
+ARGS ?=
 
 .PHONY: setup preset run generate lab browser lint test binder-check bench bench-memory bench-poll bench-contention bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-kernels bench-peers bench-llamacpp-peer bench-quant bench-serve bench-whatif sweep soak fuzz lesson-screenshots clean
 
@@ -34,14 +36,15 @@ preset: setup
 
 # The Panel dashboard with $(MODEL) loaded, on http://127.0.0.1:$(PORT)/ (loopback only).
 run: setup
-	$(PY) -m workbench serve --model $(MODEL) --port $(PORT)
+	$(PY) -m workbench serve --model $(MODEL) --port $(PORT) $(ARGS)
 
 # One generation on the command line.
 generate: setup
-	$(PY) -m runner_core generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 48
+	$(PY) -m runner_core generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 48 $(ARGS)
 
+# (as root, as in a container, JupyterLab refuses to start without --allow-root)
 lab: setup
-	$(PY) -m jupyter lab notebooks/
+	$(PY) -m jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root) $(ARGS)
 
 # Debian's Chromium for the browser test (Playwright drives /usr/bin/chromium; it downloads no browser).
 # Installed with apt when missing and we are root; under CI=true a missing browser fails the run.
@@ -105,21 +108,21 @@ bench: setup
 # memory, batch-1 and mixed speed, quality against float32, tiny-speaker's perplexity; llama.cpp's F32/Q8_0/Q4_0
 # beside when .venv-llamacpp exists (make bench-llamacpp-peer)
 bench-quant: setup
-	$(PY) benchmarks/quant.py $(BENCH_MODELS:%=--model %)
+	$(PY) benchmarks/quant.py $(BENCH_MODELS:%=--model %) $(ARGS)
 
 # serving and tuning on small-llama: HTTP against in process and against vLLM's `vllm bench serve` (from
 # $(PEERS), when installed: make bench-peers), knob changes, a full default sweep and its recommendation re-run
 bench-serve: setup
-	$(PY) benchmarks/serve.py --model $(SWEEP_MODEL) --results $(SWEEP_RESULTS) --chart build/pareto-$(SWEEP_MODEL).png
+	$(PY) benchmarks/serve.py --model $(SWEEP_MODEL) --results $(SWEEP_RESULTS) --chart build/pareto-$(SWEEP_MODEL).png $(ARGS)
 
 # the what-if simulator on this machine: calibration (small-llama and tiny-llama), step error on held-out shapes,
 # real vs simulated TTFT/TPOT/throughput at 30/60/85% of capacity, 70B on 8xH200 timed, published GPU figures
 bench-whatif: setup
-	$(PY) benchmarks/whatif.py
+	$(PY) benchmarks/whatif.py $(ARGS)
 
 # a full sweep from the command line (no workbench): the space proposed from the KV capacity, resumable
 sweep: setup
-	$(PY) -m runner_core tune --model $(SWEEP_MODEL) --dtype float32 --requests 32 --results $(SWEEP_RESULTS)
+	$(PY) -m runner_core tune --model $(SWEEP_MODEL) --dtype float32 --requests 32 --results $(SWEEP_RESULTS) $(ARGS)
 
 # vLLM for CPUs in its own venv (it pins an older transformers); benchmarks/throughput.py runs it as a peer
 bench-peers: $(PEERS)/.installed
@@ -145,37 +148,37 @@ $(LLAMACPP)/.installed:
 	touch $@
 
 bench-memory: setup
-	$(PY) benchmarks/kv_waste.py
+	$(PY) benchmarks/kv_waste.py $(ARGS)
 
 bench-poll: setup
-	$(PY) benchmarks/session_poll.py
+	$(PY) benchmarks/session_poll.py $(ARGS)
 
 # throughput idle and beside one busy process, torch's default threads vs the adaptive count
 bench-contention: setup
-	$(PY) benchmarks/contention.py
+	$(PY) benchmarks/contention.py $(ARGS)
 
 bench-compile: setup
-	$(PY) benchmarks/compile.py
+	$(PY) benchmarks/compile.py $(ARGS)
 
 # needs a CUDA device: eager vs compiled vs compiled with decode CUDA graphs
 bench-cuda-graphs: setup
-	$(PY) benchmarks/cuda_graphs.py
+	$(PY) benchmarks/cuda_graphs.py $(ARGS)
 
 # needs a CUDA device: parity (flex and gather), CUDA graphs, bf16 throughput, one summary (< 8 min)
 gpu-check: setup
-	$(PY) benchmarks/gpu_check.py
+	$(PY) benchmarks/gpu_check.py $(ARGS)
 
 bench-parallel: setup
-	$(PY) benchmarks/parallel.py
+	$(PY) benchmarks/parallel.py $(ARGS)
 
 # model families side by side: MoE (the fused experts, tiny-mixtral, small-qwen3-moe vs transformers), the transformers fallback vs the native adapter
 bench-models: setup
-	$(PY) benchmarks/models.py
+	$(PY) benchmarks/models.py $(ARGS)
 
 # the native kernels against torch's (MKL / oneDNN held to the same instruction set) per kernel tier this CPU runs:
 # GEMM at the real presets' layer shapes and decode attention, with the memory bandwidth
 bench-kernels: setup
-	$(PY) benchmarks/native_kernels.py
+	$(PY) benchmarks/native_kernels.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(PEERS) $(LLAMACPP) build *.egg-info

@@ -92,16 +92,16 @@ def run_child(spec: dict) -> dict:
 
 # ---- the parent --------------------------------------------------------------------------------------
 def bench_model(model: str, args) -> dict:
-    runs = {s: [] for s in SETTINGS}
+    runs = {s: [] for s in args.settings}
     for r in range(args.rounds):
-        for setting in (list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]):
+        for setting in (args.settings if r % 2 == 0 else args.settings[::-1]):
             spec = {"model": model, "dtype": args.dtype, "requests": args.requests, "setting": setting,
                     "loads": list(LOADS) if r % 2 == 0 else list(LOADS)[::-1]}
             res = run_child(spec)
             runs[setting].append(res)
             print(f"  round {r + 1} {setting:17s} idle {res['idle']:7.1f} tok/s ({res['idle_threads']} threads), "
                   f"busy {res['busy']:7.1f} tok/s ({res['busy_threads']} threads)", flush=True)
-    first = runs["adaptive"][0]
+    first = next(iter(runs.values()))[0]
     fig = {"model": model, "dtype": first["dtype"], "useful_tokens": first["useful_tokens"],
            "usable_cores": first["threads"]["usable_cores"], "usable_why": first["threads"]["usable_why"],
            "wait_policy": {s: results[0]["threads"]["omp_wait_policy"] for s, results in runs.items()}}
@@ -118,16 +118,18 @@ def bench_model(model: str, args) -> dict:
                                             f"[{fig[f'{setting}_{load}']['min']:.1f}-{fig[f'{setting}_{load}']['max']:.1f}]"
                                             for load in LOADS)
               + f"; busy / idle {ratio:.2f} ({verdict} the target >= {BUSY_TARGET:.2f})")
-    for setting in list(SETTINGS)[1:]:
+    for setting in [s for s in runs if s != "spinning"] if "spinning" in runs else []:
         for load in LOADS:
             fig[f"{setting}_over_spinning_{load}"] = (fig[f"{setting}_{load}"]["median"]
                                                       / fig[f"spinning_{load}"]["median"])
         print(f"  {setting} / spinning: idle {fig[f'{setting}_over_spinning_idle']:.2f}x, "
               f"busy {fig[f'{setting}_over_spinning_busy']:.2f}x")
-    fig["adaptive_threads"] = [f"{load}:{x[f'{load}_threads']}" for x in runs["adaptive"] for load in LOADS]
-    fig["adaptive_busy_over_spinning_idle"] = fig["adaptive_busy"]["median"] / fig["spinning_idle"]["median"]
-    print(f"  adaptive's thread count after each run: {' '.join(fig['adaptive_threads'])}; its last reason: "
-          f"{runs['adaptive'][-1]['threads_why']}")
+    if "adaptive" in runs:
+        fig["adaptive_threads"] = [f"{load}:{x[f'{load}_threads']}" for x in runs["adaptive"] for load in LOADS]
+        print(f"  adaptive's thread count after each run: {' '.join(fig['adaptive_threads'])}; its last reason: "
+              f"{runs['adaptive'][-1]['threads_why']}")
+        if "spinning" in runs:
+            fig["adaptive_busy_over_spinning_idle"] = fig["adaptive_busy"]["median"] / fig["spinning_idle"]["median"]
     return fig
 
 
@@ -137,8 +139,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settings", type=lambda v: v.split(","), default=list(SETTINGS),
+                    help=f"comma-separated, of {','.join(SETTINGS)} (the ratios to spinning need spinning)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if set(args.settings) - set(SETTINGS):
+        ap.error(f"--settings: unknown {sorted(set(args.settings) - set(SETTINGS))}; choose of {list(SETTINGS)}")
     if args.child:
         print("CHILD " + json.dumps(child(json.loads(args.child))), flush=True)
         return

@@ -312,6 +312,9 @@ def drive(args) -> None:
 
     from runner_core.model_loader import resolve_model_path
 
+    if not available():
+        raise SystemExit(f"benchmarks/llamacpp_peer.py needs llama.cpp's venv, {PYTHON.parent.parent}: "
+                         "make bench-llamacpp-peer builds it (about 30 minutes on 2 cores)")
     model_dir = str(resolve_model_path(args.model))
     args.timeout = 1800
     with tempfile.TemporaryDirectory(prefix="llamacpp-peer-") as tmp:
