@@ -64,7 +64,7 @@ lint: setup
 	$(VENV)/bin/ruff check runner_core workbench tests benchmarks
 
 test: setup browser lint
-	$(PY) -m pytest -q -x
+	$(PY) -m pytest -q -x --durations=25
 
 # the full-size reliability runs (make test runs them small): a 1,200-request session soak, 500 fuzz examples per target
 soak: setup
