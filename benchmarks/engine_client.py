@@ -136,8 +136,10 @@ def start_engines(specs, model_dir: str, requests_file: Path, tmp: Path, args, e
     why}), and an engine whose other mode failed there is not started."""
     procs, starts = {}, {}
     for spec in specs:
-        if any(e.startswith(spec.engine) for e in errors):
-            errors[spec.name] = f"skipped: {spec.engine}'s other mode failed"
+        failed = next((why for name, why in errors.items() if name.startswith(spec.engine)), None)
+        if failed is not None:
+            missing = failed.startswith("no peer venv")  # the same reason, not a failure of the other mode
+            errors[spec.name] = failed if missing else f"skipped: {spec.engine}'s other mode failed"
             continue
         cache = tmp / spec.name.replace(" ", "-")
         conditions = ["caches cold", "caches warm"] if spec.compile else ["eager"]
