@@ -72,7 +72,7 @@ test: setup browser lint
 # ~15 minutes on 2 cores (the stall this found failed 1 run in 12 of its test alone: tests/test_dashboard_updates.py
 # is its deterministic check).
 BUSY_RUNS ?= 3
-BUSY_TESTS ?= tests/test_dashboard_browser_security.py tests/test_workbench_browser.py tests/test_workbench_widgets.py \
+BUSY_TESTS ?= tests/test_dashboard_updates.py tests/test_dashboard_browser_security.py tests/test_workbench_browser.py tests/test_workbench_widgets.py \
 	tests/test_workbench_session.py tests/test_jupyterlab.py
 BUSY_SELECT ?= not test_notebook_in_jupyterlab or quickstart or paged-kv
 test-busy: setup browser
