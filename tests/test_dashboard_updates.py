@@ -61,3 +61,42 @@ def test_a_patch_queued_while_the_previous_one_is_written_reaches_the_page(monke
         return socket.messages
 
     assert asyncio.run(scenario()) == ["3 tokens", "40 tokens, finished"]
+
+
+class _FinishingHandle:
+    """A generation whose engine thread delivers its last piece the moment a view reads the text."""
+
+    def __init__(self):
+        self.pieces, self.output, self.exception, self.tokens_per_s = ["It is"], None, None, 50.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.pieces)
+
+    @property
+    def done(self) -> bool:
+        return self.output is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output
+
+    @property
+    def text(self) -> str:
+        text = "".join(self.pieces)
+        if self.output is None:  # the engine thread: the final piece, then the output, as handles.py orders them
+            self.pieces.append(" done.")
+            self.output = "length"
+        return text
+
+
+def test_a_view_never_shows_finished_beside_a_text_short_of_its_end():
+    from workbench.controller import ViewController
+
+    view = ViewController(session=object())
+    for _ in range(3):  # refreshes
+        view.handle = view.handle or _FinishingHandle()
+        text, stats = view.answer_view()
+        if "finished" in stats:
+            assert text == "It is done.", (text, stats)
+    assert "finished" in stats  # the generation's end was shown, with its whole text

@@ -334,6 +334,13 @@ class ViewController:
                 done.append((label, exc, None if exc is not None else fut.result()))
         return done
 
+    def answer_view(self) -> tuple[str, str]:
+        """(text, stats line) of the current generation, one consistent pair: the stats are read first, so a
+        line that says "finished" comes with the final text (the engine thread could otherwise add the last
+        piece between the two reads, and a page would show "finished" one token short until its next refresh)."""
+        stats = self.answer_stats_text()
+        return (self.handle.text if self.handle is not None else ""), stats
+
     def answer_stats_text(self) -> str:
         """'N tokens · R tokens/s · finished: reason' for the current generation; its error, once."""
         h = self.handle

@@ -270,8 +270,8 @@ class SessionDashboard(ViewController, whatif_view.WhatifControls):
         self.sync_active(self.active_select)
         self._show_models(s.models)
         if self.handle is not None:
-            self.answer.object = _pre(self.handle.text)
-            self.answer_stats.object = self.answer_stats_text()
+            text, self.answer_stats.object = self.answer_view()
+            self.answer.object = _pre(text)
         if self.workload:
             self.workload_md.object = self.workload_summary()
         self._refresh_tuning()

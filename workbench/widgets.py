@@ -185,8 +185,7 @@ class SessionWidgets(ViewController, whatif_view.WhatifControls, W.VBox):
         self.finished_jobs()
         self.sync_active(self.active)
         if self.handle is not None:
-            self.output.value = self.handle.text
-            self.stats.value = self.answer_stats_text()
+            self.output.value, self.stats.value = self.answer_view()
         self._refresh_tuning()
         self._refresh_whatif()
         if s.metrics.version != self._chart_version:
