@@ -61,11 +61,18 @@ def peer_device(timeout: float = 300) -> str:
     return lines[-1] if out.returncode == 0 and lines else f"unknown (exit {out.returncode})"
 
 
+def missing(spec: EngineSpec) -> str | None:
+    """What an engine needs that this machine lacks (the peer's venv), or None."""
+    if spec.engine == "vllm" and not PEER_PYTHON.exists():
+        return f"no peer venv at {PEER_PYTHON.parent.parent} (make bench-peers makes it)"
+    return None
+
+
 class EngineProcess:
     def __init__(self, spec: EngineSpec, model_dir: str, requests_file: Path, cache: Path, log: Path, args,
                  timeout: float):
-        if spec.engine == "vllm" and not PEER_PYTHON.exists():
-            raise EngineFailed(f"no peer venv at {PEER_PYTHON.parent.parent} (make bench-peers makes it)")
+        if missing(spec):
+            raise EngineFailed(missing(spec))
         self.spec, self.log, self.timeout = spec, log, timeout
         self.cache_state = cache_state(cache)
         env_caches, compile_dir = cache_env(cache)
@@ -136,10 +143,8 @@ def start_engines(specs, model_dir: str, requests_file: Path, tmp: Path, args, e
     why}), and an engine whose other mode failed there is not started."""
     procs, starts = {}, {}
     for spec in specs:
-        failed = next((why for name, why in errors.items() if name.startswith(spec.engine)), None)
-        if failed is not None:
-            missing = failed.startswith("no peer venv")  # the same reason, not a failure of the other mode
-            errors[spec.name] = failed if missing else f"skipped: {spec.engine}'s other mode failed"
+        if missing(spec) or any(e.startswith(spec.engine) for e in errors):
+            errors[spec.name] = missing(spec) or f"skipped: {spec.engine}'s other mode failed"
             continue
         cache = tmp / spec.name.replace(" ", "-")
         conditions = ["caches cold", "caches warm"] if spec.compile else ["eager"]

@@ -176,11 +176,10 @@ def test_make_sweep_runs_a_small_sweep(tmp_path):
 
 @pytest.mark.parametrize("target", ["bench", "binder-check", "bench-peers", "bench-llamacpp-peer", "soak", "fuzz",
                                     "preset", "lesson-screenshots", "test", "clean"])
-def test_a_target_too_long_or_too_wide_for_the_suite_expands_to_commands_that_exist(target):
+def test_a_target_too_long_or_too_wide_for_the_suite_expands_to_commands_that_exist(target, tmp_path):
     """A dry run (`make -n`): the recipe expands, and each script it names exists (their options are
     checked against the docs by tests/test_doc_commands.py)."""
-    proc = subprocess.run(["make", "-n", "--no-print-directory", "-o", ".venv/.installed", target], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([*make(target, [], tmp_path), "-n"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     for script in re.findall(r"\b((?:benchmarks|binder|tests)/[\w./-]+\.py)\b", proc.stdout):
         assert (REPO / script).is_file(), f"make {target} runs {script}, which does not exist"
