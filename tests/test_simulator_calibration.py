@@ -1,6 +1,7 @@
 """This CPU's calibration: its measured spec, a fit on the real engine's steps (tiny-llama, a few shapes), the
-saved JSON read back, a simulation on the calibrated spec, the step validation's fields. No assertion on the
-errors themselves: they depend on how busy the machine is (make bench-whatif reports them)."""
+saved JSON read back, a simulation on the calibrated spec, the step validation's fields. The errors depend on how
+busy the machine is (make bench-whatif reports them): the one bound here, on the fit's error over its own rows, is
+loose enough for a busy machine and still catches a fit that went the wrong way."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from runner_core.tuning import Lengths, Workload, run_workload
 # a few shapes of every kind: pure prefills (one chunked past the 512-token budget), decodes of 8 and 2 rows at
 # two KV lengths, a prompt added while they decode
 TINY_SHAPES = ShapeSweep(contexts=(16, 200), decodes=(8, 2), prefills=(64, 600), chunks=(48,), decode_steps=2)
+# The fit's median relative error over the rows it was fitted to: 1.0-1.6% on these shapes (AMD EPYC, 2 cores,
+# load average 1.6 from other work, 2026-12-05); with the least-squares step's sign flipped it was 62-90%.
+FIT_MEDIAN_ERROR_BOUND = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +50,7 @@ def test_calibration_fits_non_negative_coefficients_on_rows_that_carry_their_sha
     assert ((0,), (64,)) in shapes and ((0,), (512,)) in shapes and ((512,), (88,)) in shapes  # 600: chunked
     assert any(r["num_new_tokens"] == [1] * 8 and min(r["starts"]) >= 200 for r in cal.rows)  # 8 rows at KV 200+
     assert set(cal.fit_error) >= {"median_error", "p90_error", "n"} and cal.fit_error["n"] == len(cal.rows)
+    assert cal.fit_error["median_error"] < FIT_MEDIAN_ERROR_BOUND, cal.fit_error
 
 
 def test_calibration_json_round_trips(calibrated):
