@@ -10,11 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks import quant, quant_report
 from runner_core import ModelRunner, SamplingParams
 from runner_core.layers.quantization import QuantFormat, dequantize, quantize
 from runner_core.layers.weight_storage import layer_format
+from runner_core.memory.fit import QUALITY_COST, QUALITY_RECORD
 from runner_core.model_loader import resolve_model_path
-from runner_core.quality import greedy_agreement, held_out_paragraphs, logit_error, perplexity, token_windows
+from runner_core.quality import greedy_agreement, logit_error
 
 FORMATS = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4", "quantization_group_size": 64}}
 PROMPT_LEN, STEPS = 24, 24
@@ -97,19 +99,33 @@ def test_quantized_model_equals_transformers_on_the_dequantized_weights(small_ll
     assert [o.token_ids for o in runner.generate(prompts, GREEDY)] == expected.tolist()
 
 
-# Measured on tiny-speaker over held-out prose against float32 (60 and 400 paragraphs): int8 -0.05% and -0.04%,
-# int4 g64 +0.86% and +0.59% (g32 +0.58%, g128 +0.44%, g64 with the LM head +1.8% on 400). The bounds are issue
-# 23's targets: int8 within 1%, int4 within 5%.
-PERPLEXITY_BOUNDS = {"int8": 0.01, "int4": 0.05}
+# The fit advisor's QUALITY_COST is the perplexity run its QUALITY_RECORD names; the bounds are the benchmark's
+# targets (quant_report.PPL_BOUNDS: int8 within 1%, int4 within 5%). Re-run on another kernel tier the figures
+# move by at most 0.004 points (bfloat16 +0.013% on avx512-bf16, +0.017% on avx2 and avx512, int8 and int4 in
+# float32 equal), so the table holds within its rounding (0.005 points) and that: 0.02 points.
+RECORD_TOLERANCE = 0.0002
 
 
-def test_tiny_speaker_perplexity_on_held_out_prose():
-    texts = held_out_paragraphs(120)
-    ppl = {}
-    for fmt in (None, *FORMATS):
-        runner = _load("tiny-speaker", fmt)
-        ppl[fmt] = perplexity(_forward(runner), token_windows(runner.tokenizer.hf, texts))
-        runner.shutdown()
-    assert 1 < ppl[None] < 500, ppl  # a trained model on text it never saw: well below the 2048-token vocabulary
-    for fmt, bound in PERPLEXITY_BOUNDS.items():
-        assert abs(ppl[fmt] / ppl[None] - 1) <= bound, (fmt, ppl)
+def test_the_advisors_quality_figures_are_what_the_benchmark_measures():
+    """benchmarks/quant.py's tiny-speaker perplexity, run with the record's command (400 held-out paragraphs,
+    int8/int4 computing in float32) and the ladder's formats, gives QUALITY_COST: the advisor quotes a run that
+    this code reproduces, not constants of its own; each format is within the benchmark's bound."""
+    formats = {label: "bf16" if label == "bfloat16" else label.replace(" ", "-") for label in QUALITY_COST}
+    args = quant.parse_args([*QUALITY_RECORD["command"].split()[2:], "--formats", *formats.values()])
+    errors: dict[str, str] = {}
+    threads = torch.get_num_threads()
+    try:
+        ppl = quant.tiny_speaker_perplexity(args, errors)  # it sets torch's thread count to the run's
+    finally:
+        torch.set_num_threads(threads)
+    assert errors == {}
+    base = ppl["none"]["perplexity"]
+    assert 1 < base < 500, ppl  # a trained model on text it never saw: well below the 2048-token vocabulary
+    change = {label: ppl[fmt]["perplexity"] / base - 1 for label, fmt in formats.items()}
+    for label, fmt in formats.items():
+        assert abs(change[label]) <= quant_report.PPL_BOUNDS.get(fmt, 0.001), (label, change)  # bf16: 0.1%
+    if ppl["none"]["tokens"] != QUALITY_RECORD["tokens"]:
+        pytest.skip(f"this Python's standard library gives {ppl['none']['tokens']} tokens of held-out prose, the "
+                    f"record {QUALITY_RECORD['tokens']}: another text, so its figures are not the record's")
+    assert base == pytest.approx(QUALITY_RECORD["float32_perplexity"], abs=5e-4)
+    assert change == {label: pytest.approx(cost, abs=RECORD_TOLERANCE) for label, cost in QUALITY_COST.items()}

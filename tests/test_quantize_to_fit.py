@@ -1,15 +1,21 @@
 """Quantize to fit: the fit advisor names the storage format (bfloat16, int8, int4) that makes a model fit a
-given memory, the least loss of quality first, with its stored size and measured cost; the ConfigError of a
-configuration that cannot fit lists it; suggest_parallel_config weighs formats against devices."""
+given memory, the least compression first, with its stored size and what it cost tiny-speaker in the benchmark
+run docs/benchmarks.md reports; the ConfigError of a configuration that cannot fit lists it;
+suggest_parallel_config weighs formats against devices."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
+from benchmarks import quant
 from runner_core import ConfigError, RunnerConfig, suggest_parallel_config
 from runner_core.memory.estimate import estimate_memory
 from runner_core.memory.fit import (
     QUALITY_COST,
+    QUALITY_RECORD,
     STORAGE_LADDER,
     check_config_fits,
     fit_suggestions,
@@ -50,7 +56,7 @@ def test_a_model_that_fits_gets_no_suggestion():
                              available_bytes=required_bytes(est)).quantization is None
 
 
-def test_the_ladder_goes_from_the_least_loss_of_quality():
+def test_the_ladder_goes_from_the_least_compression():
     """float32: bfloat16 first (it fits before int8 here: it halves the embedding and the KV cache too), then
     int8, int4 g32, g64, g128; an int8 model is offered only int4; an int4 g64 one only the larger group."""
     f32 = estimate_memory("small-llama", dtype="float32", **KW)
@@ -64,12 +70,39 @@ def test_the_ladder_goes_from_the_least_loss_of_quality():
     assert [label for label, _ in storage_ladder(g64)] == ["int4 g128"]
     sizes = [o.weights_bytes for o in storage_options(f32, 0)[1:]]  # int8, int4 g32, g64, g128
     assert sizes == sorted(sizes, reverse=True)
-    # every format has its measured cost, and the order is the measured one: perplexity rises along the int4
-    # groups, agreement falls along the whole ladder
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+QUOTED = re.compile(
+    r"Perplexity \((?P<paragraphs>\d+) held-out paragraphs, (?P<tokens>[\d,]+) tokens\): float32 (?P<float32>[\d.]+), "
+    r"bf16 (?P<bfloat16>\S+)%, int8 (?P<int8>\S+)%, int4 g32 / g64 / g128 (?P<g32>\S+) / (?P<g64>\S+) / (?P<g128>\S+)%"
+    r".*?Command: `(?P<command>[^`]+)`")
+
+
+def quoted_perplexity(markdown: str) -> dict:
+    """The weight formats' perplexity run as the "Weight formats" section of docs/benchmarks.md reports it."""
+    section = markdown.split("\n## Weight formats", 1)[1].split("\n## ", 1)[0]
+    m = QUOTED.search(" ".join(section.split()))
+    assert m, "docs/benchmarks.md's Weight formats section no longer quotes the perplexity run the fit advisor cites"
+    num = {k: float(v.replace("−", "-").replace(",", "")) for k, v in m.groupdict().items() if k != "command"}
+    return {"date": section.split("**", 2)[1], "command": m["command"], **num}
+
+
+def test_the_advisors_quality_figures_are_the_benchmark_run_the_docs_report():
+    """QUALITY_COST is the tiny-speaker perplexity run of docs/benchmarks.md (Weight formats), figure for
+    figure, and QUALITY_RECORD names that run: its paragraphs (quant.py's default for its command), tokens,
+    float32 perplexity, command and date; the advisor's words name the model and the run."""
+    run = quoted_perplexity(DOCS.read_text(encoding="utf-8"))
     assert sorted(QUALITY_COST) == sorted(label for label, _ in STORAGE_LADDER)
-    ppl = [QUALITY_COST[f"int4 g{g}"]["perplexity_change"] for g in (32, 64, 128)]
-    agree = [QUALITY_COST[label]["greedy_agreement"] for label, _ in STORAGE_LADDER]
-    assert ppl == sorted(ppl) and agree == sorted(agree, reverse=True)
+    assert QUALITY_COST == {label: pytest.approx(run[label.removeprefix("int4 ")] / 100, abs=1e-9)
+                            for label in QUALITY_COST}
+    record = {k: QUALITY_RECORD[k] for k in ("paragraphs", "tokens", "command")}
+    assert record == {"paragraphs": run["paragraphs"], "tokens": run["tokens"], "command": run["command"]}
+    assert QUALITY_RECORD["float32_perplexity"] == run["float32"] and QUALITY_RECORD["date"] in run["date"]
+    assert quant.parse_args(run["command"].split()[2:]).ppl_paragraphs == run["paragraphs"]
+    words = storage_options(estimate_memory("small-llama", dtype="float32", **KW), 0)[3].quality
+    assert words == (f"quality measured on tiny-speaker, not on this model: perplexity +0.59% over "
+                     f"{run['paragraphs']:.0f} held-out paragraphs, benchmarks/quant.py, {QUALITY_RECORD['date']}")
 
 
 def test_the_config_error_lists_the_format_with_its_cost():
@@ -80,10 +113,8 @@ def test_the_config_error_lists_the_format_with_its_cost():
         check_config_fits(config, available_bytes=(required_bytes(int8) + required_bytes(est)) // 2)
     msg = str(info.value)
     assert f"weights {est.weights_bytes / MiB:.1f} MiB in bfloat16" in msg
-    cost = QUALITY_COST["int8"]
     assert (f"quantization='int8' (weights {int8.weights_bytes / MiB:.1f} MiB stored" in msg
-            and f"measured: perplexity {cost['perplexity_change']:+.2%}, "
-                f"greedy agreement {cost['greedy_agreement']:.0%}" in msg)
+            and f"quality measured on tiny-speaker, not on this model: perplexity {QUALITY_COST['int8']:+.2%}" in msg)
     # the configured format is what is estimated and named
     with pytest.raises(ConfigError, match=r"weights [\d.]+ MiB in int8 \(bfloat16 compute\)"):
         check_config_fits(RunnerConfig(model="small-llama", dtype="bfloat16", quantization="int8", **KW),
