@@ -3,6 +3,7 @@ read like any model directory; SimulatorBackend is a TuneBackend; a what-if swee
 layout that fits and skips the one that does not, with the reason; bands are ordered; the published figures
 compare."""
 
+import dataclasses
 import math
 
 import pytest
@@ -13,7 +14,7 @@ from runner_core.model_loader import read_hf_config
 from runner_core.models import MODEL_REGISTRY
 from runner_core.simulator.backend import SimulatorBackend, whatif
 from runner_core.simulator.model_configs import CONFIG_MODELS, config_model_names, resolve_config_model
-from runner_core.simulator.published import PUBLISHED, compare_published
+from runner_core.simulator.published import PUBLISHED, Comparison, compare_published
 from runner_core.simulator.simulation import Simulation
 from runner_core.tuning import Arrivals, Lengths, SweepSpace, Target, TuneBackend, Workload
 
@@ -79,8 +80,23 @@ def test_compare_published_returns_every_field_for_a_figure():
     assert row["error"] is None
     assert row["published"] == figure.value and row["source"].startswith("https://")
     assert 0 < row["predicted_low"] <= row["predicted_typical"] <= row["predicted_high"]
-    assert row["inside"] == (row["predicted_low"] <= figure.value <= row["predicted_high"])
-    assert row["ratio"] == pytest.approx(row["predicted_typical"] / figure.value)
+    assert isinstance(row["inside"], bool) and row["ratio"] > 0
+
+
+BAND = {"low": 3000.0, "typical": 3400.0, "high": 3600.0}
+
+
+@pytest.mark.parametrize("published, inside, ratio", [
+    (2999.0, False, 1.1337), (3000.0, True, 1.1333), (3317.0, True, 1.0250), (3600.0, True, 0.9444),
+    (3601.0, False, 0.9442)])
+def test_a_published_value_is_inside_a_band_that_holds_it_ends_included(published, inside, ratio):
+    figure = dataclasses.replace(next(f for f in PUBLISHED if f.model == "llama-2-70b"), value=published)
+    row = Comparison(figure, predicted=dict(BAND)).row()
+    assert row["inside"] is inside
+    assert row["ratio"] == pytest.approx(ratio, abs=1e-4)  # typical / published
+    assert (row["predicted_low"], row["predicted_typical"], row["predicted_high"]) == (3000.0, 3400.0, 3600.0)
+    refused = Comparison(figure, error="the layout does not fit").row()
+    assert refused["inside"] is None and refused["ratio"] is None and refused["error"] == "the layout does not fit"
 
 
 def test_every_published_figure_says_where_its_settings_come_from():
