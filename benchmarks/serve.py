@@ -13,6 +13,9 @@ ours, a sweep's knob changes and overhead, and whether its recommendation holds 
             For each: output tok/s, TTFT and TPOT p50/p99 (median and range over the rounds). The costs of
             HTTP: 1 - http/in-process throughput (target <= 5%) and the TTFT p50 difference (target <= 5 ms).
             vLLM's random prompts are text re-tokenized by our server, so their prompt lengths differ a little.
+            vLLM's saved result is read back: its prompt and output lengths (input_lens, output_lens), one per
+            request, must be the lengths asked within LENGTH_SLACK, else vllm bench leaves the comparison
+            saying why (its figures would be of another workload); the lengths go in the JSON line
   knobs     seconds of session.reconfigure for each kind: max_num_seqs (scheduler), block_size and the KV
             budget (pool rebuilt), each changed and changed back (target <= 1 s; no weight is reloaded)
   sweep     session.tune with the space proposed from the KV capacity (propose_space), the workload of
@@ -51,6 +54,7 @@ PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 FIGURES = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 VLLM_KEYS = {"output_throughput": "output_throughput", "ttft_p50_ms": "median_ttft_ms", "ttft_p99_ms": "p99_ttft_ms",
              "tpot_p50_ms": "median_tpot_ms", "tpot_p99_ms": "p99_tpot_ms"}
+LENGTH_SLACK = 0.05  # share a vLLM prompt or output may differ from the length asked (its random text re-encoded)
 VLLM_BENCH = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
               "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
               "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
@@ -123,10 +127,31 @@ def vllm_bench(url: str, model: str, tokenizer: Path, args, out_dir: Path, round
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     if res.returncode:
         raise RuntimeError(f"vllm bench serve failed: {(res.stderr or res.stdout)[-2000:]}")
-    data = json.loads((out_dir / name).read_text())
+    return read_vllm_result(out_dir / name, args)
+
+
+def read_vllm_result(path: Path, args) -> dict:
+    """vllm bench serve's saved result: its figures (VLLM_KEYS) and the lengths it sent and got back
+    ("input_lens", "output_lens": min, median, max), each request's checked against `--input-len` and
+    `--output-len`; RuntimeError when a request failed, a length is missing or one is off by more than
+    LENGTH_SLACK (its figures would be of another workload than the other clients')."""
+    data = json.loads(path.read_text())
     if data.get("failed"):
         raise RuntimeError(f"vllm bench serve: {data['failed']} requests failed")
-    return {ours: data[theirs] for ours, theirs in VLLM_KEYS.items()}
+    lengths = {}
+    for key, asked in (("input_lens", args.input_len), ("output_lens", args.output_len)):
+        got = data.get(key)
+        if not isinstance(got, list) or len(got) != args.num_prompts:
+            count = len(got) if isinstance(got, list) else "no"
+            raise RuntimeError(f"vllm bench serve's result {path.name} has {count} {key} for {args.num_prompts} "
+                               "requests: the lengths it sent cannot be checked")
+        off = [n for n in got if abs(n - asked) > LENGTH_SLACK * asked]
+        if off:
+            raise RuntimeError(f"vllm bench serve's {key}: {len(off)} of {len(got)} differ from the {asked} asked "
+                               f"by more than {LENGTH_SLACK:.0%} (range {min(got)}-{max(got)}): its figures are of "
+                               "another workload than the other clients'")
+        lengths[key] = {"min": min(got), "median": statistics.median(got), "max": max(got)}
+    return {**{ours: data[theirs] for ours, theirs in VLLM_KEYS.items()}, **lengths}
 
 
 def spread(values: list[float]) -> dict:
@@ -163,7 +188,9 @@ def serving(session, args, url: str, tokenizer: Path) -> dict:
             s = runs[name][-1]
             print(f"  round {r + 1} {name:12s} {s['output_throughput']:7.1f} tok/s  TTFT p50 {s['ttft_p50_ms']:7.1f} "
                   f"ms  TPOT p50 {s['tpot_p50_ms']:6.1f} ms  p99 {s['tpot_p99_ms']:6.1f} ms", flush=True)
-    out = {name: {k: spread([s[k] for s in rs]) for k in FIGURES} for name, rs in runs.items() if rs}
+    out = {name: {**{k: spread([s[k] for s in rs]) for k in FIGURES},
+                  **{k: [s[k] for s in rs] for k in ("input_lens", "output_lens") if k in rs[0]}}
+           for name, rs in runs.items() if rs}
     if peer_note:
         out["vllm bench"] = peer_note
     return out
@@ -287,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{ttft:+.1f} ms on TTFT p50 (target <= 5 ms) at concurrency {args.concurrency}", flush=True)
         if isinstance(serve.get("vllm bench"), dict):
             v = serve["vllm bench"]
-            print(f"{tag}: vllm bench serve measured {v['output_throughput']['median']:.1f} tok/s, TTFT p50 "
+            low, high = min(x["min"] for x in v["input_lens"]), max(x["max"] for x in v["input_lens"])
+            print(f"{tag}: vllm bench serve sent prompts of {low}-{high} tokens ({args.input_len} asked) and "
+                  f"measured {v['output_throughput']['median']:.1f} tok/s, TTFT p50 "
                   f"{v['ttft_p50_ms']['median']:.1f} ms, TPOT p50 {v['tpot_p50_ms']['median']:.1f} ms; in process "
                   f"{base['output_throughput']['median']:.1f} tok/s, {base['ttft_p50_ms']['median']:.1f} ms, "
                   f"{base['tpot_p50_ms']['median']:.1f} ms", flush=True)

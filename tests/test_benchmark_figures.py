@@ -1,12 +1,17 @@
 """The benchmarks' derived figures are what they say: the workload's FLOPs behind every MFU figure
-(benchmarks/machine.py), attention included, against torch's FLOP counter on transformers' model."""
+(benchmarks/machine.py), attention included, against torch's FLOP counter on transformers' model; `vllm bench
+serve`'s figures are of the prompt and output lengths asked (benchmarks/serve.py reads them back)."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks import serve
 from benchmarks.machine import decode_weight_bytes, workload_flops
 from runner_core.memory.shapes import ModelShape
 from runner_core.model_loader import read_hf_config
@@ -43,3 +48,37 @@ def test_decode_weight_bytes_are_the_weights_but_the_input_embedding(tiny_llama_
     total = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
     assert decode_weight_bytes(shape, "float32") == 4 * total
     assert decode_weight_bytes(shape, "bfloat16") == 2 * total
+
+
+def _vllm_result(tmp_path, input_lens, output_lens, **extra):
+    """A result file as `vllm bench serve --save-result` writes it (the fields serve.py reads)."""
+    data = {"completed": len(input_lens), "failed": 0, "output_throughput": 290.0, "median_ttft_ms": 250.0,
+            "p99_ttft_ms": 300.0, "median_tpot_ms": 23.0, "p99_tpot_ms": 27.0, "input_lens": input_lens,
+            "output_lens": output_lens, **extra}
+    path = tmp_path / "vllm-bench-0.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_the_lengths_vllm_bench_serve_sent_are_read_back_and_held_to_what_was_asked(tmp_path):
+    args = serve.parse_args(["--num-prompts", "4", "--input-len", "128", "--output-len", "64"])
+    figures = serve.read_vllm_result(_vllm_result(tmp_path, [128, 127, 129, 128], [64] * 4), args)
+    assert figures["output_throughput"] == 290.0 and figures["tpot_p99_ms"] == 27.0
+    assert figures["input_lens"] == {"min": 127, "median": 128, "max": 129}
+    assert figures["output_lens"] == {"min": 64, "median": 64, "max": 64}
+    # random-range-ratio read as [ratio x len, len] by another vLLM: prompts of 1-128 tokens, not 128
+    with pytest.raises(RuntimeError, match=r"input_lens: 2 of 4 differ from the 128 asked by more than 5% "
+                                           r"\(range 17-128\).*another workload"):
+        serve.read_vllm_result(_vllm_result(tmp_path, [17, 128, 128, 90], [64] * 4), args)
+    with pytest.raises(RuntimeError, match="output_lens: 1 of 4 differ from the 64 asked"):
+        serve.read_vllm_result(_vllm_result(tmp_path, [128] * 4, [64, 64, 64, 12]), args)
+    with pytest.raises(RuntimeError, match="has 3 input_lens for 4 requests"):
+        serve.read_vllm_result(_vllm_result(tmp_path, [128] * 3, [64] * 4), args)
+    path = _vllm_result(tmp_path, [128] * 4, [64] * 4)
+    data = json.loads(path.read_text())
+    del data["input_lens"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(RuntimeError, match="has no input_lens for 4 requests: the lengths it sent cannot be checked"):
+        serve.read_vllm_result(path, args)
+    with pytest.raises(RuntimeError, match="2 requests failed"):
+        serve.read_vllm_result(_vllm_result(tmp_path, [128] * 4, [64] * 4, failed=2), args)
