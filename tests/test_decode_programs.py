@@ -15,7 +15,7 @@ from runner_core.compile import DecodePrograms, plan_sizes
 from runner_core.compile import decode_plan as dp
 from runner_core.engine import StepBatch
 from runner_core.layers.attention import Attention, set_forward_context
-from tests.conftest import COMPILED
+from tests.conftest import COMPILE_CACHE_DIR, COMPILED
 from tests.test_compile import GREEDY, _prompts
 
 LOGPROBS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -38,7 +38,10 @@ def compiled(tiny_llama_path):
 
 @pytest.fixture(scope="module")
 def eager(tiny_llama_path):
-    return _row_major({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 22})
+    # the compiled runner's max_model_len (its rotary table's length is part of the compile key): switched
+    # to compiled, this runner hits the packages the compiled fixture wrote
+    return _row_major({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 22,
+                       "max_model_len": COMPILED["max_model_len"]})
 
 
 def _run(runner, prompts, params=LOGPROBS):
@@ -251,11 +254,9 @@ def test_cuda_capture_plan_bounds_graph_memory(eager):
 def test_default_keeps_the_decode_program_only_when_it_pays(eager, monkeypatch):
     """With compile_sizes unset the batch-1 program is timed against the general one at load and
     kept only when it is at least 10% faster; dropped, its packed weights are released."""
-    from tests.test_compile import CACHE_DIR
-
     eng = eager.engine
     saved = eng.worker.config
-    eng.worker.config = saved.replace(compile_cache_dir=str(CACHE_DIR))  # test_compile's packages: cache hits
+    eng.worker.config = saved.replace(compile_cache_dir=str(COMPILE_CACHE_DIR))  # the compiled fixture's packages: hits
     switch = lambda: eager.set_compile_mode(True, backend="inductor", mode="default", scope="layer")  # noqa: E731
     try:
         measured = switch()["decode_programs"]["reason"]  # whichever way this machine measures it
