@@ -1,17 +1,19 @@
 """The staged sweep: stage order and best choice, the recommendation and its ties, the Pareto frontier,
-a results file that resumes after an interrupt, overhead accounting (a fake backend with synthetic,
-deterministic figures), the default space from the KV capacity, and one small real sweep on tiny-llama
-through RunnerBackend with live scheduler knobs."""
+a results file that resumes after an interrupt (and refuses rows of another machine or commit), overhead
+accounting (a fake backend with synthetic, deterministic figures), the default space from the KV capacity,
+and one small real sweep on tiny-llama through RunnerBackend with live scheduler knobs."""
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import types
 from collections import Counter
 
 import pytest
 
+from runner_core.host import machine_name, source_commit
 from runner_core.tuning import Arrivals, Lengths, RunResult, Target, Workload
 from runner_core.tuning import sweep as sweep_module
 from runner_core.tuning.space import SweepSpace, held_concurrency, knob_groups, propose_space
@@ -179,6 +181,42 @@ def test_an_interrupted_sweep_resumes_from_its_results_file(tmp_path, suffix):
     path.write_text(text + text.splitlines()[-1][:10])
     again = tune(SPACE, WORKLOAD, TARGET, backend=backend, repeats=3, warmup=1, results=path)
     assert again.timings["measured_repeats"] == 0 and len(again.rows) == len(whole.rows)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".json"])
+def test_rows_of_another_machine_or_commit_are_refused_not_resumed(tmp_path, monkeypatch, suffix):
+    path, space = tmp_path / f"sweep{suffix}", SweepSpace(concurrency=[1, 2])
+    monkeypatch.setattr(sweep_module, "source_commit", lambda: "1234567890" * 4)  # a commit that reads as a number
+    first = tune(space, WORKLOAD, TARGET, backend=FakeBackend(), repeats=1, warmup=0, results=path)
+    here = {"machine": machine_name(), "commit": "1234567890" * 4}
+    assert [{k: r[k] for k in here} for r in first.rows] == [here, here]
+    resumed = tune(space, WORKLOAD, TARGET, backend=FakeBackend(), repeats=1, warmup=0, results=path)
+    assert resumed.timings["resumed_repeats"] == 2 and resumed.timings["measured_repeats"] == 0
+
+    backend = FakeBackend()
+    monkeypatch.setattr(sweep_module, "source_commit", lambda: "f" * 40)
+    with pytest.raises(ValueError, match=rf"{path.name} holds rows measured on another machine or commit: commit "
+                                         rf"'{'1234567890' * 4}' \(this run: '{'f' * 40}'\)\. Resuming would mix.*"
+                                         "pass a new results path, or delete the file"):
+        tune(space, WORKLOAD, TARGET, backend=backend, repeats=1, warmup=0, results=path)
+    monkeypatch.setattr(sweep_module, "source_commit", lambda: "1234567890" * 4)
+    monkeypatch.setattr(sweep_module, "machine_name", lambda: "Other CPU (avx2)")
+    with pytest.raises(ValueError, match=rf"machine '{re.escape(machine_name())}' \(this run: 'Other CPU \(avx2\)'\)"):
+        tune(space, WORKLOAD, TARGET, backend=backend, repeats=1, warmup=0, results=path)
+    assert not backend.measured and backend.applies == 0  # refused before anything ran
+    assert len(path.read_text().splitlines()) == 2 + (suffix == ".csv")  # and nothing appended
+
+
+def test_a_results_file_whose_rows_name_no_machine_is_refused(tmp_path):
+    """Rows written before rows named their machine and commit: their provenance is unknown."""
+    assert re.fullmatch(r"[0-9a-f]{40}", source_commit())  # this checkout's commit
+    path = tmp_path / "sweep.json"
+    tune(SweepSpace(concurrency=[1]), WORKLOAD, TARGET, backend=FakeBackend(), repeats=1, warmup=0, results=path)
+    row = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in row.items() if k not in ("machine", "commit")}) + "\n")
+    with pytest.raises(ValueError, match=rf"machine 'not recorded' \(this run: '{re.escape(machine_name())}'\); commit "
+                                         rf"'not recorded' \(this run: '{source_commit()}'\)"):
+        tune(SweepSpace(concurrency=[1]), WORKLOAD, TARGET, backend=FakeBackend(), repeats=1, warmup=0, results=path)
 
 
 def test_overhead_is_the_wall_time_outside_the_backends_runs(monkeypatch):

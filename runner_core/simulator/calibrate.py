@@ -28,17 +28,16 @@ import dataclasses
 import datetime
 import functools
 import os
-import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from runner_core.config import TORCH_DTYPES
 from runner_core.engine.threads import usable_cores
-from runner_core.kernels import cpu_kernels_available, kernel_tier, pack_panels, panel_linear, panels_support
+from runner_core.host import cpu_model_name, cpu_tier
+from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear, panels_support
 from runner_core.memory.shapes import ModelShape
 from runner_core.model_loader import read_hf_config, resolve_model_path
 from runner_core.sampling_params import SamplingParams
@@ -103,20 +102,6 @@ def _read_bandwidth(calls: int = 5) -> float:
     x = torch.ones(BANDWIDTH_BYTES // 4)
     x.sum()
     return BANDWIDTH_BYTES / min(_seconds(x.sum) for _ in range(calls))
-
-
-def cpu_model_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform says."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def cpu_tier() -> str:
-    """runner_core's native kernel tier, else torch's CPU capability."""
-    return kernel_tier() if cpu_kernels_available() else torch.backends.cpu.get_cpu_capability().lower()
 
 
 def measure_cpu(threads: int | None = None) -> HardwareSpec:

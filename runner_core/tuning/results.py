@@ -1,7 +1,8 @@
 """A sweep's results: the point key that makes a results file resumable, the file itself (CSV or JSON
-Lines, a row appended and flushed as soon as it is measured), the per-point aggregation (median and
-[min, max] over repeats), the best point under a target, the recommendation with its ties, and the
-Pareto frontier of tokens/s per user against tokens/s in all."""
+Lines, a row appended and flushed as soon as it is measured, each naming the machine and commit it was
+measured on: a file of another machine's or commit's rows is refused, not resumed), the per-point
+aggregation (median and [min, max] over repeats), the best point under a target, the recommendation with
+its ties, and the Pareto frontier of tokens/s per user against tokens/s in all."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 THROUGHPUT = "output_throughput"
 PER_USER = "tokens_per_s_per_user"
 ROW_META = ("key", "stage", "label", "repeat")
+PROVENANCE = ("machine", "commit")  # what a stored row was measured on (runner_core.host) and with
 
 
 def settings_label(settings: dict) -> str:
@@ -35,7 +37,8 @@ def point_key(settings: dict, base: dict, workload, target) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-TEXT_COLUMNS = ("key", "label", "stage", "rebuilt")  # read back as written (a hex key can look like 1e5...)
+TEXT_COLUMNS = ("key", "label", "stage", "rebuilt", *PROVENANCE)  # read back as written (a hex key can
+# look like 1e5..., a commit like a number)
 
 
 def _cell(text: str):
@@ -65,8 +68,9 @@ class ResultsFile:
         self.csv = suffix == ".csv"
         self.columns: list[str] | None = None
 
-    def load(self) -> dict[tuple[str, int], dict]:
-        """The rows already in the file, by (point key, repeat)."""
+    def load(self, provenance: dict | None = None) -> dict[tuple[str, int], dict]:
+        """The rows already in the file, by (point key, repeat); with `provenance` ({"machine", "commit"} of
+        this run), a ValueError when any row was measured on another machine or commit (or names none)."""
         if not self.path.exists():
             return {}
         text = self.path.read_text(encoding="utf-8")
@@ -74,7 +78,18 @@ class ResultsFile:
             text = text[:text.rfind("\n") + 1]
             self.path.write_text(text, encoding="utf-8")
         rows = self._parse(text)
+        if provenance is not None:
+            self._check(rows, provenance)
         return {(row["key"], int(row["repeat"])): row for row in rows}
+
+    def _check(self, rows: list[dict], here: dict) -> None:
+        for row in rows:
+            differ = [f"{f} {row.get(f) or 'not recorded'!r} (this run: {here[f]!r})" for f in PROVENANCE
+                      if row.get(f) != here[f]]
+            if differ:
+                raise ValueError(f"results file {self.path} holds rows measured on another machine or commit: "
+                                 f"{'; '.join(differ)}. Resuming would mix their figures with this run's: pass a "
+                                 "new results path, or delete the file to measure again")
 
     def _parse(self, text: str) -> list[dict]:
         if not text.strip():

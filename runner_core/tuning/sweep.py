@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 from runner_core.config import RECONFIGURABLE
+from runner_core.host import machine_name, source_commit
 from runner_core.model_runner import ModelRunner
 from runner_core.tuning.driver import run_workload
 from runner_core.tuning.request_metrics import RunResult, Target
@@ -159,7 +160,9 @@ class _Sweep:
         self.space, self.workload, self.target, self.backend = space, workload, target, backend
         self.repeats, self.warmup, self.on_progress, self.stop = repeats, warmup, on_progress, stop
         self.file = None if results is None else ResultsFile(results)
-        self.stored = {} if self.file is None else self.file.load()
+        # a stored row names the machine and code it was measured on; a file of others' rows is refused
+        self.provenance = {} if self.file is None else {"machine": machine_name(), "commit": source_commit()}
+        self.stored = {} if self.file is None else self.file.load(self.provenance)
         self.fields = space.fields()
         current = self.initial = dict(backend.settings())
         missing = [f for f in self.fields if f not in current]
@@ -262,7 +265,7 @@ class _Sweep:
         row = {"key": key, "stage": stage, "label": label, "repeat": repeat,
                **{f: current.get(f) for f in self.fields}, "concurrency": workload.arrivals.concurrency,
                **result.summary, "apply_seconds": applied["seconds"], "rebuilt": applied["rebuilt"],
-               "run_seconds": seconds}
+               "run_seconds": seconds, **self.provenance}
         if self.file is not None:
             self.file.append(row)
         return row
@@ -310,8 +313,9 @@ def tune(space: SweepSpace | None = None, workload: Workload | None = None, targ
     best kept before the next). Best = highest median output_throughput among points meeting the
     target, else the closest to it. Each point: `backend.apply` (settings equal to an earlier point's
     reuse it), `warmup` unrecorded runs of min(8, n) requests, then `repeats` recorded runs. With
-    `results` (a .csv, or a .json written as JSON Lines) each row is appended as measured and a re-run
-    skips the points x repeats already there. `on_progress` gets a TuneProgress after each repeat;
+    `results` (a .csv, or a .json written as JSON Lines) each row is appended as measured, naming the machine
+    and commit, and a re-run skips the points x repeats already there (a file of another machine's or
+    commit's rows: ValueError). `on_progress` gets a TuneProgress after each repeat;
     `stop` (an Event) is checked before each repeat and ends the sweep with the partial result
     (`cancelled=True`). The backend is left with the settings it had (apply `recommendation["settings"]`
     to keep the best)."""
