@@ -5,6 +5,7 @@ points at a file outside the repository; the docs state current facts, not proje
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -127,3 +128,98 @@ def test_docs_state_current_facts_not_history():
     hits = [f"{name}: {m.group(0)}" for name, (_, text) in DOCUMENTS.items()
             if not name.endswith(".ipynb") for m in pattern.finditer(text)]
     assert hits == [], "history belongs in commit messages; the docs say what is true now"
+
+
+# Figures the docs quote whose truth is a constant of a test, a benchmark or the code: each is read where it
+# is defined (Python constants parsed, not imported; the kernels' header searched) and held to the docs' words.
+FRACTIONS = {"half": 1 / 2, "a third": 1 / 3, "a quarter": 1 / 4, "a fifth": 1 / 5}
+
+
+def constants(path: Path) -> dict:
+    """The module-level constants of a Python file whose values are literals."""
+    out = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return out
+
+
+def quoted(name: str, pattern: str) -> tuple[str, ...]:
+    """The groups of `pattern` in document `name`, its lines joined by single spaces."""
+    m = re.search(pattern, " ".join(DOCUMENTS[name][1].split()))
+    assert m, f"{name} no longer says {pattern!r}: say the figure as the test or code holds it, or change both"
+    return m.groups()
+
+
+def test_the_unload_bounds_the_docs_quote_are_the_tests():
+    bounds = constants(REPO / "tests" / "test_unload_memory.py")
+    share, = quoted("docs/memory.md", r"after unload the process stays within (half|a third|a quarter|a fifth) "
+                                      r"the weights of where it was before, in the median of three cycles")
+    assert FRACTIONS[share] == bounds["UNLOAD_SHARE_OF_WEIGHTS"]
+    shutdown, = quoted("docs/memory.md", r"`runner\.shutdown\(\)` of tiny-llama leaves under (\d+) MiB")
+    growth, = quoted("docs/memory.md", r"20 load/unload cycles of tiny-llama grow under (\d+) MiB after the fifth")
+    assert (int(shutdown), int(growth)) == (bounds["SHUTDOWN_LEFT_MIB"], bounds["GROWTH_MIB"])
+
+
+def test_the_register_tiles_the_docs_quote_are_the_kernels():
+    header = (REPO / "runner_core" / "kernels" / "panel_tile.h").read_text(encoding="utf-8")
+    avx512, rest = header.split("#elif defined(__AVX2__)", 1)
+    avx2 = rest.split("\n#else", 1)[0]
+    kernel = (int(re.search(r"for \(; r \+ (\d+) <= m; r \+= \1\)", avx512)[1]),
+              int(re.search(r"PANELS_PER_TILE = (\d+);", avx512)[1]),
+              *(int(re.search(rf"struct {t} \{{.*?MR = (\d+);", avx2, re.S)[1]) for t in ("F32", "BF16")),
+              int(re.search(r"PANELS_PER_TILE = (\d+);", avx2)[1]))
+    doc = quoted("docs/engine.md", r"Register tiles: AVX512 up to (\d+) rows x (\d+) panels; AVX2 (\d+) rows "
+                                   r"\(float32\) or (\d+) rows \(bfloat16\) x (\d+) panel")
+    assert tuple(map(int, doc)) == kernel
+
+
+def test_the_dtype_bounds_the_docs_quote_are_the_tests():
+    bounds = constants(REPO / "tests" / "test_dtype_accuracy.py")
+    rows = {"largest logit error of a forward": "MAX_LOGIT_ERROR", "mean logit error": "MEAN_LOGIT_ERROR",
+            "held-out perplexity, relative to float32's": "PERPLEXITY_RATIO_ERROR",
+            "prompts whose first 16 greedy tokens equal float32's": "GREEDY_EQUAL_SHARE",
+            "float32's logit gap wherever the greedy tokens part": "NEAR_TIE"}
+    for row, name in rows.items():
+        cells = quoted("docs/reliability.md", rf"\| {re.escape(row)} \| ([^|]+) \| ([^|]+) \|")
+        doc = [float(m[1]) / (100 if m[2] else 1) for m in (re.search(r"([\d.]+)(%?)", c) for c in cells)]
+        assert doc == pytest.approx([bounds[name]["bfloat16"], bounds[name]["float16"]]), row
+
+
+def test_the_whatif_targets_and_verdicts_the_docs_quote_are_the_benchmarks():
+    targets = constants(REPO / "benchmarks" / "whatif.py")["TARGETS"]
+    table = {"held-out steps": "step_median_error", "capacity": "capacity_error", "30% load": "workload_error",
+             "60% load": "workload_error", "85% load": "workload_error"}
+    for row, key in table.items():
+        target, = quoted("docs/whatif.md", rf"\| {re.escape(row)}[^|]*\|[^|]*\| ≤ (\d+)% \|")
+        assert int(target) / 100 == targets[key], row
+    capacity = r"capacity[^;]*? under-predicted by ([\d.]+)% \(target (\d+)%: (met|missed)\)"
+    for name in ("README.md", "docs/benchmarks.md"):
+        error, target, word = quoted(name, capacity)
+        assert int(target) / 100 == targets["capacity_error"] and (float(error) <= int(target)) == (word == "met")
+
+
+def test_the_simulation_options_the_docs_list_are_its_fields():
+    tree = ast.parse((REPO / "runner_core" / "simulator" / "simulation.py").read_text(encoding="utf-8"))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Simulation")
+    fields = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
+    signature, = quoted("docs/whatif.md", r"`Simulation\(([^)]*)\)`")
+    listed = {arg.split("=")[0].strip() for arg in signature.split(",")}
+    assert listed == fields, f"docs/whatif.md's Simulation(...) lists {sorted(listed)}; its fields are {sorted(fields)}"
+
+
+def test_the_readme_states_greedy_parity_in_the_dtype_the_parity_test_runs():
+    dtype, = quoted("README.md", r"In (\w+), greedy output equals transformers' `generate\(do_sample=False\)` token "
+                                 r"for token")
+    assert f'"dtype": "{dtype}"' in (REPO / "tests" / "test_parity.py").read_text(encoding="utf-8")
+    quoted("README.md", r"in bfloat16 it [^.]*within the bounds of \[docs/reliability\.md\]")
+
+
+def test_the_sweeps_warm_up_share_is_its_seconds_over_the_wall_time():
+    wall, warm, share = quoted("docs/benchmarks.md", r"36 runs, (\d+) s;.*?the warm-ups, which that overhead counts "
+                                                     r"as runs, took (\d+) s more \((\d+)% of the wall time\)")
+    assert round(100 * int(warm) / int(wall)) == int(share)
+    assert quoted("README.md", r"in (\d+) s, [\d.]+% of it in setting changes and (\d+)% in warm-ups") == (wall, share)
