@@ -52,7 +52,7 @@ class Job:
         while True:
             try:
                 return await asyncio.wait_for(self._queue.get(), poll_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 if await request.is_disconnected():
                     self.handle.cancel()
 
