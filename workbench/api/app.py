@@ -6,55 +6,36 @@ from __future__ import annotations
 
 import hmac
 import json
-import re
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runner_core import InvalidRequestError, SamplingParams
+from workbench.api.admission import LimitsMiddleware, Slots
 from workbench.api.bridge import Job
+from workbench.api.errors import ApiError, bad, request_error
+from workbench.api.limits import ApiLimits
+from workbench.api.names import served_names, session_name
 from workbench.api.prometheus import ApiMetrics
+from workbench.api.prompts import PromptEncoder, max_model_len
 from workbench.api.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage
-from workbench.handles import GenerationError, SessionError
 
 
-class ApiError(Exception):
-    """An error answered as OpenAI's {"error": {...}} with `status`."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, type=self.type, param=self.param, code=self.code),
-                            status_code=self.status)
-
-
-def bad(param: str | None, message: str) -> ApiError:
-    return ApiError(400, message, param=param)
-
-
-def _request_error(exc: BaseException) -> ApiError:
-    """The engine's refusal of a request (or the session's) as an API error."""
-    message = str(exc)
-    if isinstance(exc, InvalidRequestError):
-        m = re.match(r"SamplingParams\.(\w+)", message)
-        param = m.group(1) if m else "prompt" if re.match(r"(prompt|token id)", message) else None
-        return bad(param, message)
-    if isinstance(exc, SessionError):  # NoModelError included: the model went away
-        return ApiError(503, message, type="service_unavailable")
-    return ApiError(500, message if isinstance(exc, GenerationError) else f"{type(exc).__name__}: {message}",
-                    type="server_error")
-
-
-def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | None = None) -> FastAPI:
-    """The FastAPI app over `session`; with `api_key` every route but /health needs `Authorization: Bearer`."""
+def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | None = None,
+               limits: ApiLimits | dict | None = None) -> FastAPI:
+    """The FastAPI app over `session`; with `api_key` every route but /health needs `Authorization: Bearer`;
+    `limits` (ApiLimits, or a dict of its fields) bound what requests may ask. `app.state.prompts.close()`
+    ends its prompt threads."""
+    limits = ApiLimits.coerce(limits)
     app = FastAPI(title="runner-workbench OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics = metrics or ApiMetrics()
     app.state.jobs = jobs = set()
+    app.state.limits = limits
+    app.state.slots = Slots(limits.max_concurrent_requests, limits.max_queued_requests)
+    app.state.prompts = prompts = PromptEncoder()
+    app.add_middleware(LimitsMiddleware, limits=limits, slots=app.state.slots)
 
     async def authorized(request: Request) -> None:
         if api_key is None:
@@ -86,11 +67,12 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
         if not models:
             raise ApiError(503, "no model is loaded: load one in the session (session.load_model(...)) or start the "
                                 "server with --model", type="service_unavailable")
-        name = name or session.active
-        entry = models.get(name)
+        found = session_name(session, name) if name else session.active
+        entry = models.get(found) if found else None
         if entry is None:
-            raise ApiError(404, f"the model {name!r} is not loaded; loaded: {', '.join(_ordered(session))}",
+            raise ApiError(404, f"the model {name!r} is not loaded; loaded: {', '.join(_ordered(session).values())}",
                            type="not_found_error", param="model", code="model_not_found")
+        name = served_names(session).get(entry.name, name)
         if entry.status == "loading":
             raise ApiError(503, f"the model {name!r} is still loading; retry when it is ready",
                            type="service_unavailable")
@@ -98,16 +80,18 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
 
     @app.get("/health")
     async def health():
-        ready = [n for n, e in session.models.items() if e.status != "loading"]
+        served = served_names(session)
+        ready = [served[n] for n, e in session.models.items() if e.status != "loading" and n in served]
         if not ready:
             return ApiError(503, "no model is loaded", type="service_unavailable").response()
         return {"status": "ok", "models": ready}
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def list_models():
-        data = [{"id": name, "object": "model", "created": now(), "owned_by": "runner-workbench",
-                 "root": str(session.models[name].config.model),
-                 "max_model_len": _max_model_len(session.models[name])} for name in _ordered(session)]
+        models = session.models
+        data = [{"id": served, "object": "model", "created": now(), "owned_by": "runner-workbench",
+                 "root": served, "max_model_len": max_model_len(models[name])}
+                for name, served in _ordered(session).items() if name in models]
         return {"object": "list", "data": data}
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
@@ -124,32 +108,34 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
         if body.best_of not in (None, 1):
             raise bad("best_of", "only best_of=1 is supported; send several requests and compare them")
         prompt = _one_prompt(body.prompt)
+        limits.check_stop(body.stop)
         entry = entry_for(body.model)
         params = _sampling(body, body.max_tokens)
-        known = len(prompt) if isinstance(prompt, list) else None
-        if known is None and body.stream and body.continuous_usage:  # every chunk's usage names the prompt's size
-            known = len(entry.runner.tokenizer.encode(prompt))
-        return await _serve(request, body, entry.name, prompt, params, known, _CompletionFormat())
+        ids = await prompts.completion(entry, prompt)
+        return await _serve(request, body, entry, ids, params, _CompletionFormat())
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _refuse_unsupported(body)
         if body.top_logprobs:
             raise bad("top_logprobs", "logprobs are not supported by this server")
+        limits.check_stop(body.stop)
+        limits.check_messages(body.messages)
         entry = entry_for(body.model)
-        ids = _chat_prompt(entry, body)
+        ids = await prompts.chat(entry, body, served_names(session).get(entry.name, entry.name))
         limit = body.max_completion_tokens or body.max_tokens
         if limit is None:
-            limit = max(1, _max_model_len(entry) - len(ids))  # the rest of the context, as OpenAI does
+            limit = max(1, max_model_len(entry) - len(ids))  # the rest of the context, as OpenAI does
         params = _sampling(body, limit)
-        return await _serve(request, body, entry.name, ids, params, len(ids), _ChatFormat())
+        return await _serve(request, body, entry, ids, params, _ChatFormat())
 
-    async def _serve(request, body, model, prompt, params, prompt_tokens, fmt):
+    async def _serve(request, body, entry, ids, params, fmt):
+        model = served_names(session).get(entry.name, entry.name)
         try:
-            handle = session.submit(prompt, model=model, sampling_params=params)
+            handle = session.submit(ids, model=entry.name, sampling_params=params)
         except Exception as exc:  # the model went away, or the session closed
-            raise _request_error(exc) from exc
-        job = Job(handle, metrics, prompt_tokens, stream=body.stream)
+            raise request_error(exc) from exc
+        job = Job(handle, metrics, len(ids), stream=body.stream)
         jobs.add(job)
         try:
             first = await job.next(request)
@@ -159,7 +145,7 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
             raise
         if job.finished and handle.exception is not None:
             jobs.discard(job)
-            return _request_error(handle.exception).response()
+            return request_error(handle.exception).response()
         if body.stream:
             return StreamingResponse(_events(job, first, body, model, fmt), media_type="text/event-stream")
         try:
@@ -169,7 +155,7 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
             job.close()
             jobs.discard(job)
         if handle.exception is not None:
-            return _request_error(handle.exception).response()
+            return request_error(handle.exception).response()
         out = handle.output
         return fmt.final(new_id(fmt.prefix), model, out.text, out.finish_reason,
                          usage(job.usage_prompt_tokens(), len(out.token_ids)))
@@ -191,7 +177,7 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
                     break
                 text = await job.next()
             if job.handle.exception is not None:
-                err = _request_error(job.handle.exception)
+                err = request_error(job.handle.exception)
                 yield from_chunk(error_body(err.message, type=err.type, param=err.param, code=err.code))
             elif body.include_usage:
                 yield from_chunk({**fmt.chunk(rid, model, "", None), "choices": [],
@@ -208,17 +194,11 @@ def from_chunk(obj: dict | None) -> str:
     return "" if obj is None else f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _ordered(session) -> list[str]:
-    """The loaded models' names, the active one first."""
-    names = list(session.models)
+def _ordered(session) -> dict[str, str]:
+    """The loaded models' names in the session -> their served names, the active one first."""
+    served = served_names(session)
     active = session.active
-    return ([active] if active in names else []) + [n for n in names if n != active]
-
-
-def _max_model_len(entry) -> int | None:
-    """The model's context limit in effect (the engine's: the config may leave it to the model)."""
-    engine = entry.runner.engine if entry.runner is not None else None
-    return engine.max_model_len if engine is not None else entry.config.max_model_len
+    return {n: served[n] for n in ([active] if active in served else []) + [n for n in served if n != active]}
 
 
 def _refuse_unsupported(body) -> None:
@@ -246,23 +226,7 @@ def _sampling(body, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, **body.sampling_fields())
     except InvalidRequestError as exc:
-        raise _request_error(exc) from exc
-
-
-def _chat_prompt(entry, body: ChatCompletionRequest) -> list[int]:
-    """The messages through the tokenizer's chat template, as token ids."""
-    tokenizer = entry.runner.tokenizer
-    hf = tokenizer.hf
-    if hf is None or not getattr(hf, "chat_template", None):
-        raise bad("messages", f"the tokenizer of {entry.name!r} has no chat template, so messages cannot be turned "
-                              "into a prompt; use /v1/completions with a prompt, or load a model whose tokenizer "
-                              "has a chat_template (tokenizer_config.json)")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    try:
-        text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # the template refused these messages (roles, order...)
-        raise bad("messages", f"the chat template refused the messages: {type(exc).__name__}: {exc}") from exc
-    return list(hf.encode(text, add_special_tokens=False))
+        raise request_error(exc) from exc
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:

@@ -1,7 +1,8 @@
-"""`serve_api(session, port=, host=, api_key=)`: the OpenAI-compatible API served by uvicorn from a daemon
-thread, so the notebook (or the dashboard's loop) stays free; loopback by default, any other host only with
-an API key. FastAPI on uvicorn because it is what vLLM's own server uses: pydantic request models give
-field-named validation errors, and streamed responses are plain async generators."""
+"""`serve_api(session, port=, host=, api_key=, limits=)`: the OpenAI-compatible API served by uvicorn from a
+daemon thread, so the notebook (or the dashboard's loop) stays free; loopback by default, any other host only
+with an API key; `limits` (ApiLimits) bound body size, requests at once and waiting, stop strings, messages.
+FastAPI on uvicorn because it is what vLLM's own server uses: pydantic request models give field-named
+validation errors, and streamed responses are plain async generators."""
 
 from __future__ import annotations
 
@@ -13,19 +14,22 @@ import time
 import uvicorn
 
 from workbench.api.app import create_app
+from workbench.api.limits import ApiLimits
 from workbench.handles import SessionError
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 class ApiServer:
-    """A running API: `url` (http://host:port), `port`, `stop()` (idempotent; ends the streams it serves)."""
+    """A running API: `url` (http://host:port), `port`, `limits`, `stop()` (idempotent; ends the streams it
+    serves)."""
 
     def __init__(self, session, *, port: int = 0, host: str = "127.0.0.1", api_key: str | None = None,
-                 start_timeout: float = 30.0):
+                 limits: ApiLimits | dict | None = None, start_timeout: float = 30.0):
         check_exposure(host, api_key)
         self.host, self.session = host, session
-        self.app = create_app(session, api_key=api_key)
+        self.limits = ApiLimits.coerce(limits)
+        self.app = create_app(session, api_key=api_key, limits=self.limits)
         self._socket = _bind(host, port)
         self.port = self._socket.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", loop="auto", lifespan="off",
@@ -58,6 +62,7 @@ class ApiServer:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._socket.close()
+        self.app.state.prompts.close()
 
     def __repr__(self) -> str:
         return f"<ApiServer {self.url} {'running' if self.running else 'stopped'}>"
@@ -87,6 +92,8 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_api(session, port: int = 0, *, host: str = "127.0.0.1", api_key: str | None = None) -> ApiServer:
-    """Start the API over `session` in a background thread; returns the running ApiServer."""
-    return ApiServer(session, port=port, host=host, api_key=api_key)
+def serve_api(session, port: int = 0, *, host: str = "127.0.0.1", api_key: str | None = None,
+              limits: ApiLimits | dict | None = None) -> ApiServer:
+    """Start the API over `session` in a background thread; returns the running ApiServer. `limits`: an
+    ApiLimits or a dict of its fields (None: the defaults)."""
+    return ApiServer(session, port=port, host=host, api_key=api_key, limits=limits)
