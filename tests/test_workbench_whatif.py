@@ -165,3 +165,30 @@ def test_widgets_whatif_tab_runs_a_whatif_and_shows_its_figures(tiny_llama_path)
     finally:
         w.close()
         s.close()
+
+
+def test_both_views_take_the_same_form_and_a_served_one_checks_its_bounds_and_roots(session, tiny_llama_path, tmp_path):
+    """The What-if and Tuning forms are one definition: the Panel and ipywidgets fields have the same bounds and
+    defaults; what a browser sends past a bound is refused by name, and a served dashboard simulates a model
+    directory only inside its model roots (a notebook's own dashboard, any)."""
+    import shutil
+
+    from workbench import SessionDashboard, SessionWidgets
+    from workbench.model_roots import ModelRoots
+
+    panel_view, widgets_view = SessionDashboard(session), SessionWidgets(session, auto_refresh=False)
+    for attr in ("whatif_requests", "tune_requests", "tune_repeats"):
+        p, w = getattr(panel_view, attr), getattr(widgets_view, attr)
+        assert (p.start, p.end, p.value) == (w.min, w.max, w.value), attr
+    assert panel_view.whatif_requests.end == 100_000 and panel_view.tune_requests.end == 4096
+    for attr in ("tune_limit", "whatif_hardware", "whatif_format", "tune_metric"):
+        assert getattr(panel_view, attr).value == getattr(widgets_view, attr).value, attr
+
+    served = SessionDashboard(session, model_roots=ModelRoots())
+    assert served.start_whatif("llama-3-70b", "h100-sxm", "8", "1", "none", 100_001) is None
+    assert "requests per run 100001: must be from 1 to 100000" in served.error.object
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(tiny_llama_path, outside)
+    assert served.draw_memory(str(outside), "h100-sxm", "1", "1", "none") is None
+    assert "is outside the folders this dashboard loads models from" in html.unescape(served.error.object)
+    assert panel_view.draw_memory(str(outside), "h100-sxm", "1", "1", "none")  # the notebook's own: any path

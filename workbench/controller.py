@@ -13,6 +13,7 @@ from pathlib import Path
 
 from runner_core.config import QUANTIZATIONS
 from workbench import charts, tuning_charts
+from workbench.fields import WIDTH, Action, Field
 from workbench.handles import RequestHandle
 from workbench.model_roots import ModelRoots
 from workbench.session import Session
@@ -27,10 +28,20 @@ WINDOW_CHOICES = {"last minute": ("minutes", 1.0), "last 2 minutes": ("minutes",
                   "last 5 minutes": ("minutes", 5.0), "last 10 minutes": ("minutes", 10.0),
                   "last run": ("run", charts.WINDOW_MINUTES)}
 DEFAULT_WINDOW = "last 2 minutes"
-# the Tuning form: the target metrics offered and the defaults before a model's KV capacity proposes values
+# the Tuning form, both views: its fields with the defaults they show before a model's KV capacity proposes values
 TUNE_METRICS = ("tpot_p99_ms", "ttft_p99_ms", "e2e_p99_ms", "itl_p99_ms", "tpot_p50_ms", "ttft_p50_ms")
-TUNE_DEFAULTS = {"concurrency": "1, 2, 4, 8", "max_num_seqs": "", "metric": "tpot_p99_ms", "limit": 100.0,
-                 "repeats": 3, "requests": 16}
+TUNE_FIELDS = {
+    "concurrency": Field("tune_concurrency", "concurrency values", "text", "1, 2, 4, 8", width=2 * WIDTH),
+    "max_num_seqs": Field("tune_seqs", "max_num_seqs values", "text", "", placeholder="as loaded", width=2 * WIDTH),
+    "metric": Field("tune_metric", "target metric", "choice", "tpot_p99_ms", options=TUNE_METRICS),
+    "limit": Field("tune_limit", "limit (ms)", "float", 100.0, low=0),
+    "repeats": Field("tune_repeats", "repeats", "int", 3, low=1, high=20),
+    "requests": Field("tune_requests", "requests per run", "int", 16, low=1, high=4096),
+}
+TUNE_DEFAULTS = {key: field.default for key, field in TUNE_FIELDS.items()}
+_tune = list(TUNE_FIELDS.values())
+TUNE_FORM = (_tune[:2], _tune[2:], (Action("tune_start", "Start sweep", primary=True, icon="play"),
+                                    Action("tune_cancel", "Cancel sweep", icon="stop")))
 
 
 def parse_values(text: str, field: str) -> list[int]:
@@ -53,10 +64,10 @@ def tune_plan(concurrency: str, max_num_seqs: str, metric: str, limit: float, re
     if not levels:
         raise ValueError("concurrency values: give at least one, such as 1, 2, 4, 8")
     seqs = parse_values(max_num_seqs, "max_num_seqs values")
-    if int(repeats) < 1 or int(requests) < 1:
-        raise ValueError(f"repeats {repeats} and requests per run {requests}: both must be at least 1")
+    f = TUNE_FIELDS
     space = SweepSpace(concurrency=levels, scheduler={"max_num_seqs": seqs} if seqs else {})
-    return space, Workload(num_requests=int(requests)), Target(metric, float(limit)), int(repeats)
+    return (space, Workload(num_requests=f["requests"].check(requests)),
+            Target(f["metric"].check(metric), f["limit"].check(limit)), f["repeats"].check(repeats))
 STORAGE_NONE = "none"  # the load form's storage choice for weights kept in the compute dtype
 STORAGE_CHOICES = (STORAGE_NONE, *(q for q in QUANTIZATIONS if q))  # none, int8, int4
 IMAGE_PLACEHOLDER = "<image>"  # where a multimodal prompt's image goes (LLaVA's placeholder)

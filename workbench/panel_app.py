@@ -25,14 +25,14 @@ from workbench.controller import (
     DEFAULT_WINDOW,
     STORAGE_CHOICES,
     STORAGE_NONE,
-    TUNE_DEFAULTS,
-    TUNE_METRICS,
+    TUNE_FORM,
     WINDOW_CHOICES,
     ViewController,
     default_device,
     load_config,
     model_choice,
 )
+from workbench.fields import panel_form
 from workbench.handles import SessionError
 from workbench.loaded_models import ModelEntry
 from workbench.model_roots import ModelRoots
@@ -167,21 +167,6 @@ class SessionDashboard(ViewController, whatif_view.WhatifControls):
 
     def _build_tuning(self) -> None:
         """The Tuning tab: the sweep's form, Start / Cancel, its progress and the three charts."""
-        w, d = pn.widgets, TUNE_DEFAULTS
-        self.tune_concurrency = w.TextInput(name="concurrency values", value=d["concurrency"],
-                                            css_classes=["wb-tune-concurrency"], width=2 * SAMPLING_FIELD)
-        self.tune_seqs = w.TextInput(name="max_num_seqs values", value=d["max_num_seqs"], placeholder="as loaded",
-                                     css_classes=["wb-tune-seqs"], width=2 * SAMPLING_FIELD)
-        self.tune_metric = w.Select(name="target metric", options=list(TUNE_METRICS), value=d["metric"],
-                                    width=SAMPLING_FIELD)
-        self.tune_limit = w.FloatInput(name="limit (ms)", value=d["limit"], start=0, width=SAMPLING_FIELD,
-                                       css_classes=["wb-tune-limit"])
-        self.tune_repeats = w.IntInput(name="repeats", value=d["repeats"], start=1, width=SAMPLING_FIELD,
-                                       css_classes=["wb-tune-repeats"])
-        self.tune_requests = w.IntInput(name="requests per run", value=d["requests"], start=1, width=SAMPLING_FIELD,
-                                        css_classes=["wb-tune-requests"])
-        self.tune_start = w.Button(name="Start sweep", button_type="primary", css_classes=["wb-tune-start"])
-        self.tune_cancel = w.Button(name="Cancel sweep", css_classes=["wb-tune-cancel"])
         self.tune_progress = pn.indicators.Progress(value=0, max=100, width=300, css_classes=["wb-tune-progress"])
         self.tune_status = pn.pane.Markdown("", css_classes=["wb-tune-status"])
         self.tune_recommendation = pn.pane.Markdown("", css_classes=["wb-tune-recommendation"])
@@ -189,12 +174,12 @@ class SessionDashboard(ViewController, whatif_view.WhatifControls):
                                                  css_classes=[f"wb-tune-{name.replace('_', '-')}"],
                                                  config={"displaylogo": False, "responsive": True})
                             for name, fig in tuning_charts.all_figures([], Target()).items()}
-        form = pn.Row(self.tune_concurrency, self.tune_seqs, self.tune_metric, self.tune_limit, self.tune_repeats,
-                      self.tune_requests, sizing_mode="stretch_width")
+        *form, buttons = panel_form(self, TUNE_FORM)
+        buttons.append(self.tune_progress)
         self.tuning = pn.Column(
             pn.pane.Markdown("**Sweep** the loaded model's scheduler live (no reload): the most output tokens/s "
                              "whose target metric stays under the limit. The values come from its KV capacity."),
-            form, pn.Row(self.tune_start, self.tune_cancel, self.tune_progress), self.tune_status,
+            *form, buttons, self.tune_status,
             self.tune_recommendation, pn.GridBox(*self.tune_charts.values(), ncols=2, sizing_mode="stretch_width"),
             sizing_mode="stretch_width")
 

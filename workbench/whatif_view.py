@@ -1,11 +1,10 @@
-"""The What-if tab of both dashboards: `WhatifControls` (what both views add to their ViewController for it:
-the form's plan, the Memory picture and Simulate actions, the job's state and charts) and the tab's layout in
-Panel (`panel_tab`) and in ipywidgets (`widgets_tab`), which also wire its buttons. The layouts create the
-widgets the controls read:
-`whatif_model`, `whatif_hardware`, `whatif_tp`, `whatif_pp` (lists as text: "4, 8"), `whatif_format`,
-`whatif_requests` (each with `.value`), the buttons `whatif_memory_button`, `whatif_start`, `whatif_cancel` and
-`whatif_progress` (0 to 100). No engine logic here: the job and the memory figures come from
-workbench.whatif_job.
+"""The What-if tab of both dashboards: its form (`WHATIF_FORM`, workbench.fields: each control defined once,
+with its bounds, which `whatif_plan` applies to what a view sends), `WhatifControls` (what both views add to
+their ViewController for it: the Memory picture and Simulate actions, the job's state and charts) and the tab's
+layout in Panel (`panel_tab`) and in ipywidgets (`widgets_tab`), which create the form's widgets
+(`whatif_model`, `whatif_hardware`, `whatif_format`, `whatif_tp`, `whatif_pp`, `whatif_requests`, the buttons
+`whatif_memory_button`, `whatif_start`, `whatif_cancel`), `whatif_progress` (0 to 100) and wire the buttons.
+No engine logic here: the job and the memory figures come from workbench.whatif_job.
 """
 
 from __future__ import annotations
@@ -17,13 +16,26 @@ from runner_core.simulator.simulation import WEIGHT_FORMATS
 from runner_core.tuning import Target, Workload
 from workbench import charts, tuning_charts, whatif_charts
 from workbench.controller import parse_values
+from workbench.fields import Action, Field, panel_form, widgets_form
 from workbench.tune_job import TuneJob
 from workbench.whatif_job import layout_label, memory_layouts, model_source
 
 FORMAT_NONE = "none"  # the form's weight format for weights kept in the compute dtype
 FORMATS = [FORMAT_NONE, *(f for f in WEIGHT_FORMATS if f)]
-WHATIF_DEFAULTS = {"model": "llama-3-70b", "hardware": "h100-sxm", "tp": "1, 8", "pp": "1", "format": FORMAT_NONE,
-                   "requests": 64}
+# the tab's form, both views (the model's choices are the view's: whatif_models)
+WHATIF_FIELDS = {
+    "model": Field("whatif_model", "model", "choice", "llama-3-70b", width=200),
+    "hardware": Field("whatif_hardware", "hardware", "choice", "h100-sxm", options=tuple(HARDWARE), width=160),
+    "format": Field("whatif_format", "weights stored as", "choice", FORMAT_NONE, options=tuple(FORMATS), width=140),
+    "tp": Field("whatif_tp", "TP sizes", "text", "1, 8"),
+    "pp": Field("whatif_pp", "PP sizes", "text", "1"),
+    "requests": Field("whatif_requests", "requests per run", "int", 64, low=1, high=100_000, width=140),
+}
+WHATIF_DEFAULTS = {key: field.default for key, field in WHATIF_FIELDS.items()}
+_whatif = list(WHATIF_FIELDS.values())
+WHATIF_FORM = (_whatif[:3], _whatif[3:], (Action("whatif_memory_button", "Memory picture", icon="th-large"),
+                                          Action("whatif_start", "Simulate", primary=True, icon="play"),
+                                          Action("whatif_cancel", "Cancel what-if", icon="stop")))
 WHATIF_CONFIG = {"dtype": "bfloat16"}  # the simulated runners' compute dtype (a loaded model keeps its own)
 INTRO = ("**What-if**: the engine's real scheduler on a virtual clock, each step's time predicted for the device "
          "(no weights loaded). *Memory picture* shows at once what one device of each layout holds; *Simulate* "
@@ -33,13 +45,14 @@ INTRO = ("**What-if**: the engine's real scheduler on a virtual clock, each step
 
 def whatif_plan(hardware: str, tp: str, pp: str, weight_format: str, requests: int) -> tuple[list[dict], Workload]:
     """(layouts, workload) from the form: one layout per TP x PP size on `hardware`; ValueError naming the field."""
-    tps, pps = parse_values(tp, "TP sizes") or [1], parse_values(pp, "PP sizes") or [1]
-    if int(requests) < 1:
-        raise ValueError(f"requests per run {requests}: must be at least 1")
+    f = WHATIF_FIELDS
+    tps, pps = parse_values(tp, f["tp"].label) or [1], parse_values(pp, f["pp"].label) or [1]
+    hardware, weight_format = f["hardware"].check(hardware), f["format"].check(weight_format)
+    requests = f["requests"].check(requests)
     fmt = {} if weight_format == FORMAT_NONE else {"weight_format": weight_format}
     layouts = [{"hardware": hardware, "tensor_parallel_size": t, "pipeline_parallel_size": p, **fmt}
                for p in pps for t in tps]
-    return layouts, Workload(num_requests=int(requests))
+    return layouts, Workload(num_requests=requests)
 
 
 class WhatifControls:
@@ -58,6 +71,13 @@ class WhatifControls:
         """The model picker's choices: the models loaded in the session, then the published configs."""
         return [*self.session.models, *config_model_names()]
 
+    def whatif_source(self, model: str) -> str:
+        """`model` if the tab may simulate it: a model loaded in the session, a published config or a preset by
+        name, or (a served dashboard) a directory inside its model roots; else ModelPathRefused."""
+        if self.model_roots is None or model in self.session.models or model in config_model_names():
+            return model
+        return self.model_roots.check(model)
+
     def on_whatif_memory(self) -> None:
         self.draw_memory(self.whatif_model.value, self.whatif_hardware.value, self.whatif_tp.value,
                          self.whatif_pp.value, self.whatif_format.value)
@@ -70,7 +90,7 @@ class WhatifControls:
         """The memory picture of the form's layouts (no run); its layouts, or None after an error message."""
         def draw():
             layouts, _ = whatif_plan(hardware, tp, pp, weight_format, 1)
-            path, config = model_source(self.session, model, WHATIF_CONFIG)
+            path, config = model_source(self.session, self.whatif_source(model), WHATIF_CONFIG)
             return memory_layouts(path, layouts, **config)
 
         memory = self.guard("Memory picture", draw)
@@ -82,7 +102,7 @@ class WhatifControls:
         """Start a what-if of the form's layouts (and draw their memory picture); the job or None."""
         def start():
             layouts, workload = whatif_plan(hardware, tp, pp, weight_format, requests)
-            return self.session.whatif(model, layouts, workload, **WHATIF_CONFIG)
+            return self.session.whatif(self.whatif_source(model), layouts, workload, **WHATIF_CONFIG)
 
         job = self.guard("Simulate", start)
         if job is not None:
@@ -130,58 +150,30 @@ def panel_tab(view):
     """The tab in Panel: the form, the buttons, progress, status and the three charts (`view.whatif_charts`)."""
     import panel as pn
 
-    w, d = pn.widgets, WHATIF_DEFAULTS
-    view.whatif_model = w.Select(name="model", options=view.whatif_models(), value=d["model"], width=200,
-                                 css_classes=["wb-whatif-model"])
-    view.whatif_hardware = w.Select(name="hardware", options=list(HARDWARE), value=d["hardware"], width=160,
-                                    css_classes=["wb-whatif-hardware"])
-    view.whatif_tp = w.TextInput(name="TP sizes", value=d["tp"], width=120, css_classes=["wb-whatif-tp"])
-    view.whatif_pp = w.TextInput(name="PP sizes", value=d["pp"], width=120, css_classes=["wb-whatif-pp"])
-    view.whatif_format = w.Select(name="weights stored as", options=FORMATS,
-                                  value=d["format"], width=140, css_classes=["wb-whatif-format"])
-    view.whatif_requests = w.IntInput(name="requests per run", value=d["requests"], start=1, width=140,
-                                      css_classes=["wb-whatif-requests"])
-    view.whatif_memory_button = w.Button(name="Memory picture", css_classes=["wb-whatif-memory-button"])
-    view.whatif_start = w.Button(name="Simulate", button_type="primary", css_classes=["wb-whatif-start"])
-    view.whatif_cancel = w.Button(name="Cancel what-if", css_classes=["wb-whatif-cancel"])
     view.whatif_progress = pn.indicators.Progress(value=0, max=100, width=300, css_classes=["wb-whatif-progress"])
     view.whatif_status = pn.pane.Markdown("", css_classes=["wb-whatif-status"])
     view.whatif_charts = {name: pn.pane.Plotly(None, height=charts.HEIGHT + 10, sizing_mode="stretch_width",
                                                css_classes=[f"wb-whatif-{name}"],
                                                config={"displaylogo": False, "responsive": True})
                           for name in CHART_NAMES}
+    *form, buttons = panel_form(view, WHATIF_FORM, {"whatif_model": view.whatif_models()})
+    buttons.append(view.whatif_progress)
     view.wire_whatif()
-    return pn.Column(
-        pn.pane.Markdown(INTRO), pn.Row(view.whatif_model, view.whatif_hardware, view.whatif_tp, view.whatif_pp,
-                                        view.whatif_format, view.whatif_requests, sizing_mode="stretch_width"),
-        pn.Row(view.whatif_memory_button, view.whatif_start, view.whatif_cancel, view.whatif_progress),
-        view.whatif_status, pn.GridBox(*view.whatif_charts.values(), ncols=2, sizing_mode="stretch_width"),
-        sizing_mode="stretch_width")
+    return pn.Column(pn.pane.Markdown(INTRO), *form, buttons, view.whatif_status,
+                     pn.GridBox(*view.whatif_charts.values(), ncols=2, sizing_mode="stretch_width"),
+                     sizing_mode="stretch_width")
 
 
-def widgets_tab(view, grid: dict, label: dict):
+def widgets_tab(view, grid: dict):
     """The tab in ipywidgets (FigureWidgets in `view.whatif_figures`), laid out as the Tuning tab is."""
     import ipywidgets as W
     import plotly.graph_objects as go
 
-    d = WHATIF_DEFAULTS
-    view.whatif_model = W.Dropdown(options=view.whatif_models(), value=d["model"], description="model", style=label)
-    view.whatif_hardware = W.Dropdown(options=list(HARDWARE), value=d["hardware"], description="hardware",
-                                      style=label, layout=W.Layout(width="210px"))
-    view.whatif_tp = W.Text(value=d["tp"], description="TP sizes", style=label, layout=W.Layout(width="170px"))
-    view.whatif_pp = W.Text(value=d["pp"], description="PP sizes", style=label, layout=W.Layout(width="170px"))
-    view.whatif_format = W.Dropdown(options=FORMATS, value=d["format"],
-                                    description="weights stored as", style=label, layout=W.Layout(width="230px"))
-    view.whatif_requests = W.BoundedIntText(value=d["requests"], min=1, max=100_000, description="requests per run",
-                                            style=label, layout=W.Layout(width="200px"))
-    view.whatif_memory_button = W.Button(description="Memory picture", icon="th-large")
-    view.whatif_start = W.Button(description="Simulate", button_style="primary", icon="play")
-    view.whatif_cancel = W.Button(description="Cancel what-if", icon="stop")
     view.whatif_progress = W.IntProgress(value=0, min=0, max=100)
     view.whatif_status = W.HTML("")
     view.whatif_figures = {name: go.FigureWidget() for name in CHART_NAMES}
+    *form, buttons = widgets_form(view, WHATIF_FORM, {"whatif_model": view.whatif_models()})
+    buttons.children = (*buttons.children, view.whatif_progress)
     view.wire_whatif()
-    return W.VBox([W.HBox([view.whatif_model, view.whatif_hardware, view.whatif_format]),
-                   W.HBox([view.whatif_tp, view.whatif_pp, view.whatif_requests]),
-                   W.HBox([view.whatif_memory_button, view.whatif_start, view.whatif_cancel, view.whatif_progress]),
-                   view.whatif_status, W.GridBox(list(view.whatif_figures.values()), layout=W.Layout(**grid))])
+    return W.VBox([*form, buttons, view.whatif_status,
+                   W.GridBox(list(view.whatif_figures.values()), layout=W.Layout(**grid))])

@@ -28,14 +28,14 @@ from workbench.controller import (
     DEFAULT_WINDOW,
     STORAGE_CHOICES,
     STORAGE_NONE,
-    TUNE_DEFAULTS,
-    TUNE_METRICS,
+    TUNE_FORM,
     WINDOW_CHOICES,
     ViewController,
     default_device,
     load_config,
     model_choice,
 )
+from workbench.fields import widgets_form
 from workbench.session import Session
 
 FIGURES = ("throughput", "memory", "weights", "blocks", "block_map", "expert_load")
@@ -91,7 +91,7 @@ class SessionWidgets(ViewController, whatif_view.WhatifControls, W.VBox):
         empty = charts.all_figures([])
         self.figures = {name: go.FigureWidget(empty[name]) for name in figures}
         tuning = self._build_tuning()
-        whatif = whatif_view.widgets_tab(self, GRID, LABEL)
+        whatif = whatif_view.widgets_tab(self, GRID)
 
         self.wire_buttons()
         self.active.observe(lambda change: self.on_active(change["new"]), names="value")
@@ -118,27 +118,14 @@ class SessionWidgets(ViewController, whatif_view.WhatifControls, W.VBox):
 
     def _build_tuning(self) -> W.VBox:
         """The Tuning tab: the sweep's form, Start / Cancel, its progress and the three charts."""
-        d, field = TUNE_DEFAULTS, W.Layout(width="170px")
-        self.tune_concurrency = W.Text(value=d["concurrency"], description="concurrency values", style=LABEL)
-        self.tune_seqs = W.Text(value=d["max_num_seqs"], placeholder="as loaded", description="max_num_seqs values",
-                                style=LABEL)
-        self.tune_metric = W.Dropdown(options=TUNE_METRICS, value=d["metric"], description="target", style=LABEL,
-                                      layout=W.Layout(width="210px"))
-        self.tune_limit = W.FloatText(value=d["limit"], description="limit (ms)", style=LABEL, layout=field)
-        self.tune_repeats = W.BoundedIntText(value=d["repeats"], min=1, max=20, description="repeats", style=LABEL,
-                                             layout=field)
-        self.tune_requests = W.BoundedIntText(value=d["requests"], min=1, max=4096, description="requests per run",
-                                              style=LABEL, layout=W.Layout(width="200px"))
-        self.tune_start = W.Button(description="Start sweep", button_style="primary", icon="play")
-        self.tune_cancel = W.Button(description="Cancel sweep", icon="stop")
         self.tune_progress = W.IntProgress(value=0, min=0, max=100)
         self.tune_status = W.HTML("")
         self.tune_recommendation = W.HTML("")
         self.tune_figures = {name: go.FigureWidget(fig)
                              for name, fig in tuning_charts.all_figures([], Target()).items()}
-        return W.VBox([W.HBox([self.tune_concurrency, self.tune_seqs]),
-                       W.HBox([self.tune_metric, self.tune_limit, self.tune_repeats, self.tune_requests]),
-                       W.HBox([self.tune_start, self.tune_cancel, self.tune_progress]), self.tune_status,
+        *form, buttons = widgets_form(self, TUNE_FORM)
+        buttons.children = (*buttons.children, self.tune_progress)
+        return W.VBox([*form, buttons, self.tune_status,
                        self.tune_recommendation, W.GridBox(list(self.tune_figures.values()), layout=W.Layout(**GRID))])
 
     # ---- messages -----------------------------------------------------------------------------
