@@ -1,14 +1,15 @@
 """The API under one bad client: a wait past the disconnect poll on Python 3.10's asyncio; bodies over the
 limit are 413s, requests beyond the slots and the queue 429s, too many stop strings or messages 400s, all in
 OpenAI's error shape; prompts are tokenized and templated off the engine thread and the event loop; a model
-loaded from a directory is served by its name, not its path; and a flood from many clients at once leaves a
-well-behaved client served, every refused client answered, and no KV block held."""
+loaded from a directory is served, and labelled in /metrics, by its name, not its path; and a flood from many
+clients at once leaves a well-behaved client served, every refused client answered, and no KV block held."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import re
 import threading
 import types
 from pathlib import Path
@@ -189,7 +190,7 @@ def test_prompts_are_tokenized_and_templated_off_the_engine_thread_and_the_event
     assert all(thread.startswith("workbench-api-prompt") for _, thread in threads), threads
 
 
-def test_a_model_loaded_from_a_directory_is_served_by_its_name_not_its_path(tiny_llama_path):
+def test_a_model_loaded_from_a_directory_is_served_and_counted_by_its_name_not_its_path(tiny_llama_path):
     path = str(tiny_llama_path)
     s = Session()
     try:
@@ -205,6 +206,11 @@ def test_a_model_loaded_from_a_directory_is_served_by_its_name_not_its_path(tiny
             assert got.status_code == 200 and got.json()["model"] == Path(path).name
         missing = httpx.post(srv.url + "/v1/completions", json={"model": "gpt-4", "prompt": "hi"}, timeout=60)
         assert path not in missing.text and Path(path).name in _error(missing, 404)["message"]
+        metrics = httpx.get(srv.url + "/metrics").text  # gauges read at the scrape, counters of the two requests
+        assert path not in metrics
+        label = f'{{model_name="{Path(path).name}"}}'
+        assert f"runner_workbench:kv_cache_blocks_total{label}" in metrics
+        assert re.search(rf"^runner_workbench:generation_tokens_total{re.escape(label)} [1-9]", metrics, re.M)
     finally:
         s.close()
 

@@ -135,7 +135,7 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
             handle = session.submit(ids, model=entry.name, sampling_params=params)
         except Exception as exc:  # the model went away, or the session closed
             raise request_error(exc) from exc
-        job = Job(handle, metrics, len(ids), stream=body.stream)
+        job = Job(handle, metrics, len(ids), stream=body.stream, model=model)
         jobs.add(job)
         try:
             first = await job.next(request)

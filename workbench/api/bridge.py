@@ -12,10 +12,13 @@ class Job:
     """One served request (`stream`: its text pieces are wanted as they come). `next()` waits for new
     text (every piece that arrived, joined; `finished` says whether the request ended); given the HTTP
     request, a client gone while it waits cancels the generation. When the request ends it is counted in
-    the server's metrics; `close()` cancels it if it still runs (the client left)."""
+    the server's metrics under `model` (the served name; default the handle's); `close()` cancels it if it
+    still runs (the client left)."""
 
-    def __init__(self, handle, metrics, prompt_tokens: int | None = None, *, stream: bool = True):
+    def __init__(self, handle, metrics, prompt_tokens: int | None = None, *, stream: bool = True,
+                 model: str | None = None):
         self.handle, self.metrics, self.stream = handle, metrics, stream
+        self.model = model
         self.prompt_tokens = prompt_tokens  # known up front for token ids; else from the final output
         self.sent_tokens = 0
         self.finished = False
@@ -34,7 +37,7 @@ class Job:
             pass
 
     def _done(self, handle) -> None:
-        self.metrics.observe(handle, self.usage_prompt_tokens(), time.perf_counter())
+        self.metrics.observe(handle, self.usage_prompt_tokens(), time.perf_counter(), model=self.model)
         self._wake(None)
 
     async def next(self, request=None, poll_s: float = 0.5) -> str:

@@ -1,10 +1,13 @@
 """The API's /metrics: Prometheus text from a registry of its own (one per server, not prometheus_client's
-global one), with vLLM-like names under `runner_workbench:`. Gauges are read from the session when scraped;
-counters and histograms count the requests this server answered."""
+global one), with vLLM-like names under `runner_workbench:`, each model labelled by the name the API serves it
+under (names.py: a directory's name, never its path). Gauges are read from the session when scraped; counters
+and histograms count the requests this server answered."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from workbench.api.names import served_names
 
 PREFIX = "runner_workbench:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -43,9 +46,10 @@ class ApiMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end latency of served requests.",
                              label, buckets=E2E_BUCKETS, registry=reg)
 
-    def observe(self, handle, prompt_tokens: int, end: float) -> None:
-        """Count a finished request (its RequestHandle: submitted, first/last token times, token ids)."""
-        model, n = handle.model, len(handle.token_ids)
+    def observe(self, handle, prompt_tokens: int, end: float, model: str | None = None) -> None:
+        """Count a finished request (its RequestHandle: submitted, first/last token times, token ids) under
+        `model`, the name it was served under (default: the handle's)."""
+        model, n = model or handle.model, len(handle.token_ids)
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(n)
         self.finished.labels(model, handle.finish_reason or "error").inc()
@@ -61,17 +65,17 @@ class ApiMetrics:
         for g in (self.running, self.waiting, self.kv_usage, self.blocks_used, self.blocks_total,
                   self.prefix_hit_rate):
             g.clear()
-        memory = session.memory()
+        memory, served = session.memory(), served_names(session)
         for name in session.models:
-            inflight = session.inflight(name)
+            inflight, label = session.inflight(name), served.get(name, name)
             rows = session.metrics.rows(model=name, last=1) if inflight else []
             running = rows[0].get("num_running", len(inflight)) if rows else len(inflight)
-            self.running.labels(name).set(running)
-            self.waiting.labels(name).set(rows[0].get("num_waiting", 0) if rows else 0)
+            self.running.labels(label).set(running)
+            self.waiting.labels(label).set(rows[0].get("num_waiting", 0) if rows else 0)
             mem = memory.get(name, {})
             used, total = mem.get("blocks_used", 0), mem.get("blocks_total", 0)
-            self.blocks_used.labels(name).set(used)
-            self.blocks_total.labels(name).set(total)
-            self.kv_usage.labels(name).set(used / total if total else 0.0)
-            self.prefix_hit_rate.labels(name).set(mem.get("prefix_cache_hit_rate") or 0.0)
+            self.blocks_used.labels(label).set(used)
+            self.blocks_total.labels(label).set(total)
+            self.kv_usage.labels(label).set(used / total if total else 0.0)
+            self.prefix_hit_rate.labels(label).set(mem.get("prefix_cache_hit_rate") or 0.0)
         return generate_latest(self.registry)
