@@ -214,7 +214,7 @@ def test_str_and_as_dict(tiny_llama_path):
     for word in ("weights", "KV pool", "activation peak", "total", "MiB"):
         assert word in text
     d = est.as_dict()
-    assert d["kv_pool_bytes"] == 1 << 20 and d["max_model_len"] == 256 and "_inputs" not in d
+    assert d["kv_pool_bytes"] == 1 << 20 and d["max_model_len"] == 256 and "inputs" not in d
 
 
 def test_max_model_len_beyond_the_model_is_refused(tiny_llama_path):

@@ -1,6 +1,8 @@
 """The layout's promises (ARCHITECTURE.md): no import cycle among the project's modules, module-level
 or lazy (a name imported through a package's __init__ counts as an import of the module defining
-it); runner_core imports neither workbench nor a UI package; no module over 400 lines."""
+it); runner_core imports neither workbench nor a UI package; no module over 400 lines; no module reads
+or imports a private name (`_x`) that another of the project's modules defines, other than a class's own
+through `self` (a library's privates, such as torch's, are another matter)."""
 
 from __future__ import annotations
 
@@ -114,3 +116,52 @@ def test_runner_core_imports_no_ui_and_no_workbench():
 def test_no_module_is_over_400_lines():
     sizes = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
     assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_privates(tree: ast.AST) -> set[str]:
+    """The private names a module defines: functions, classes, assignments (module, class, `self.`/`cls.`)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+            names.add(node.id if isinstance(node, ast.Name) else node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if _private(n)}
+
+
+def _own(value: ast.AST) -> bool:
+    """`self`, `cls` or `super()`: a class reading what it inherits (a base's `_x` is its subclasses' too)."""
+    return (isinstance(value, ast.Name) and value.id in ("self", "cls")) or (
+        isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super")
+
+
+def _private_reads(modules: dict[str, Path]) -> list[str]:
+    trees = {name: ast.parse(path.read_text()) for name, path in modules.items()}
+    defined = {name: _defined_privates(tree) for name, tree in trees.items()}
+    ours = set().union(*defined.values())
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGES):
+                found += [f"{name}:{node.lineno} imports {a.name}" for a in node.names if _private(a.name)]
+            elif (isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in ours
+                  and node.attr not in defined[name] and not _own(node.value)):
+                found.append(f"{name}:{node.lineno} reads {ast.unparse(node)}")
+    return sorted(found)
+
+
+def test_no_module_reads_another_modules_private_names():
+    assert _private_reads(MODULES) == []
+
+
+def test_the_private_check_sees_a_read_and_an_import(tmp_path):
+    (tmp_path / "a.py").write_text("class A:\n    def _hidden(self):\n        self._state = 1\n")
+    (tmp_path / "b.py").write_text("from runner_core.x import _helper\n\ndef f(a):\n    return a._hidden(), a._state\n")
+    found = _private_reads({"a": tmp_path / "a.py", "b": tmp_path / "b.py"})
+    assert found == ["b:1 imports _helper", "b:4 reads a._hidden", "b:4 reads a._state"]

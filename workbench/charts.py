@@ -45,7 +45,7 @@ HEAT_SCALE = [[0.0, "#FFFFFF"], [1.0, PALETTE[0]]]
 Rows = Sequence[Mapping[str, Any]]
 
 
-def _layout(title: str, y_title: str = "", **extra) -> dict:
+def base_layout(title: str, y_title: str = "", **extra) -> dict:
     return dict(
         title=dict(text=title, x=0.01, xanchor="left", y=0.98, yanchor="top", font=dict(size=14)),
         height=HEIGHT, autosize=True, template="plotly_white", font=dict(size=12),
@@ -58,7 +58,7 @@ def _layout(title: str, y_title: str = "", **extra) -> dict:
         **extra)
 
 
-def _empty(fig: go.Figure, note: str) -> go.Figure:
+def empty_note(fig: go.Figure, note: str) -> go.Figure:
     """`fig` without data: the note says what will appear; no ticks (they would mean nothing)."""
     fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
     fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False)
@@ -144,10 +144,10 @@ def _get(key: str, scale: float = 1.0) -> Callable[[Mapping[str, Any]], Any]:
 def memory_breakdown(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
     """Stacked memory of the model over time (MiB): weights, KV pool split into blocks in use,
     cached (reusable prefix blocks) and free, plus the activation peak when the runner reports it."""
-    fig = go.Figure(layout=_layout("Memory of the model (MiB)", "MiB"))
+    fig = go.Figure(layout=base_layout("Memory of the model (MiB)", "MiB"))
     rows = [r for r in rows if r.get("kv_pool_bytes") is not None]
     if not rows:
-        return _empty(fig, "no data yet: load a model")
+        return empty_note(fig, "no data yet: load a model")
 
     def kv(key):  # MiB held by the blocks counted in `key`
         return lambda r: r.get(key, 0) * r["kv_pool_bytes"] / r["blocks_total"] / MIB if r.get("blocks_total") else 0
@@ -167,11 +167,11 @@ def weights_storage(info: Mapping[str, Any] | None) -> go.Figure:
     """The weights at their stored size beside what they would take in the compute dtype (MiB), from
     `info`: model_info()["quantization"] with the compute "dtype" ({"format", "group_size", "lm_head",
     "weights_bytes", "dense_bytes", "dtype"}); the title says what the storage format saved."""
-    fig = go.Figure(layout=_layout("Weights: stored vs the compute dtype (MiB)", "", barmode="group"))
+    fig = go.Figure(layout=base_layout("Weights: stored vs the compute dtype (MiB)", "", barmode="group"))
     fig.update_xaxes(title_text="MiB", rangemode="tozero")
     fig.update_yaxes(title_text="weights", autorange="reversed")
     if not info or info.get("dense_bytes") is None:
-        return _empty(fig, "no data yet: load a model")
+        return empty_note(fig, "no data yet: load a model")
     fmt, dtype = info.get("format"), info.get("dtype", "compute dtype")
     stored = fmt + (f" g{info['group_size']}" if fmt == "int4" else "") + (
         " + LM head" if info.get("lm_head") else "") if fmt else dtype
@@ -189,10 +189,10 @@ def weights_storage(info: Mapping[str, Any] | None) -> go.Figure:
 
 def kv_blocks(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
     """KV pool blocks used / cached / free over time."""
-    fig = go.Figure(layout=_layout("KV cache blocks", "blocks"))
+    fig = go.Figure(layout=base_layout("KV cache blocks", "blocks"))
     rows = [r for r in rows if r.get("blocks_total") is not None]
     if not rows:
-        return _empty(fig, "no data yet: load a model")
+        return empty_note(fig, "no data yet: load a model")
     _stacked(fig, rows, [("used", _get("blocks_used"), COLORS["kv_used"]),
                          ("cached", _get("blocks_cached"), COLORS["kv_cached"]),
                          ("free", _get("blocks_free"), COLORS["kv_free"])], "blocks", gap_s, "blocks")
@@ -202,11 +202,11 @@ def kv_blocks(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
 def waste(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
     """Wasted KV slots (%): the paged pool (unused slots in partly filled blocks) against a
     contiguous per-request max_model_len reservation of the same requests (a static cache)."""
-    fig = go.Figure(layout=_layout("Wasted KV slots: paged vs contiguous reservation (%)", "% of reserved slots"))
+    fig = go.Figure(layout=base_layout("Wasted KV slots: paged vs contiguous reservation (%)", "% of reserved slots"))
     fig.update_yaxes(range=[0, 100], dtick=25)
     rows = [r for r in rows if r.get("internal_fragmentation") is not None]
     if not rows:
-        return _empty(fig, "no data yet: generate something")
+        return empty_note(fig, "no data yet: generate something")
     for name, key, color in (("contiguous max_model_len reservation", "static_reservation_waste", COLORS["contiguous"]),
                              ("paged (partly filled blocks)", "internal_fragmentation", COLORS["paged"])):
         x, y = _broken(rows, _get(key, 100), gap_s)
@@ -219,10 +219,10 @@ def waste(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
 def throughput(rows: Rows, window: float = 1.0, gap_s: float = GAP_S) -> go.Figure:
     """Prompt tokens (prefill) and generated tokens (decode) per second, each averaged over the
     busy time of the last `window` seconds: one axis, one unit."""
-    fig = go.Figure(layout=_layout("Throughput (tokens/s)", "tokens/s"))
+    fig = go.Figure(layout=base_layout("Throughput (tokens/s)", "tokens/s"))
     rows = [r for r in rows if r.get("steps")]
     if not rows:
-        return _empty(fig, "no steps yet: generate something")
+        return empty_note(fig, "no steps yet: generate something")
     for name, key, color in (("prompt tokens/s (prefill)", "prefill_tokens", COLORS["prefill"]),
                              ("generated tokens/s (decode)", "sampled_tokens", COLORS["decode"])):
         rate = dict(zip(map(id, rows), rolling_rate(rows, key, window)))
@@ -250,13 +250,13 @@ def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_bloc
     """Which request owns which KV block, one cell per block (a colour per request; cached
     prefix blocks grey when the snapshot names them). Pools larger than `max_blocks` show
     the low end, where the allocator places blocks first."""
-    fig = go.Figure(layout=_layout("KV block map (who owns which block)", ""))
+    fig = go.Figure(layout=base_layout("KV block map (who owns which block)", ""))
     fig.update_layout(xaxis=dict(title=dict(text=f"block id mod {columns} (one cell per block)"), showticklabels=False,
                                  showgrid=False, zeroline=False, rangemode="normal"),
                       yaxis=dict(title=dict(text=f"block id ÷ {columns}"), autorange="reversed", showgrid=False,
                                  zeroline=False, rangemode="normal"), showlegend=False)
     if not snapshot or not snapshot.get("num_blocks"):
-        return _empty(fig, "no data yet: load a model")
+        return empty_note(fig, "no data yet: load a model")
     total = int(snapshot["num_blocks"])
     owners: Mapping[str, Sequence[int]] = snapshot.get("owners", {})
     cached = set(snapshot.get("cached_block_ids", ()))
@@ -295,7 +295,7 @@ def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_bloc
 def compile_timings(events: Sequence[Mapping[str, Any]], stats: Mapping[str, Any] | None = None) -> go.Figure:
     """Seconds spent in each compile mode switch (from session events), and per-size compile
     and decode-program build seconds when the runner's compile_stats() reports them."""
-    fig = go.Figure(layout=_layout("Compile time (s)", "seconds"))
+    fig = go.Figure(layout=base_layout("Compile time (s)", "seconds"))
     fig.update_layout(xaxis=dict(title=dict(text="mode switch, compile size, decode program"), rangemode="normal"))
     events = [e for e in events if e.get("kind") == "compile"]
     if stats is None:  # the latest compile that reported statistics
@@ -303,7 +303,7 @@ def compile_timings(events: Sequence[Mapping[str, Any]], stats: Mapping[str, Any
     per_size = _per_size_seconds(stats)
     decode = (stats.get("decode_programs") or {}).get("build_seconds") or {}
     if not events and not per_size and not decode:
-        return _empty(fig, "no compile events yet: toggle compile mode")
+        return empty_note(fig, "no compile events yet: toggle compile mode")
     if events:
         labels = [f"#{i + 1} {_compile_label(e)}" for i, e in enumerate(events)]
         colors = [COLORS["ok"] if e.get("ok", True) else COLORS["failed"] for e in events]
@@ -324,13 +324,13 @@ def expert_load(rows: Rows, window: float = 5.0) -> go.Figure:
     """An MoE model's tokens routed to each expert of each MoE layer over the rows of the last
     `window` seconds (rows carry `expert_counts` [MoE layers][experts] and `moe_layers`, the
     layers' global indices): a layers x experts heat map."""
-    fig = go.Figure(layout=_layout(f"Expert load (tokens routed, last {window:g} s)", ""))
+    fig = go.Figure(layout=base_layout(f"Expert load (tokens routed, last {window:g} s)", ""))
     fig.update_layout(xaxis=dict(title=dict(text="expert"), showgrid=False, rangemode="normal"),
                       yaxis=dict(title=dict(text="MoE layer"), autorange="reversed", showgrid=False,
                                  rangemode="normal"))
     rows = [r for r in rows if r.get("expert_counts")]
     if not rows:
-        return _empty(fig, "no expert routing yet:<br>load an MoE model (tiny-mixtral) and generate")
+        return empty_note(fig, "no expert routing yet:<br>load an MoE model (tiny-mixtral) and generate")
     last = rows[-1]
     shape = (len(last["expert_counts"]), len(last["expert_counts"][0]))
     recent = [r for r in rows if last["t"] - r["t"] < window

@@ -52,8 +52,9 @@ class RequestHandle:
         self._done_callbacks: list[Callable[[RequestHandle], None]] = []
         self._update_callbacks: list[Callable[[RequestHandle], None]] = []
 
-    # ---- written by the engine thread -------------------------------------------------------
-    def _push(self, out) -> None:
+    # ---- written by the engine thread (workbench.routing) -----------------------------------
+    def deliver(self, out) -> None:
+        """Take the engine's next RequestOutput of this request."""
         now = time.perf_counter()
         with self._cond:
             if out.delta_token_ids:
@@ -72,7 +73,8 @@ class RequestHandle:
         if out.finished:
             self._run_done_callbacks()
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """End the request with `exc` (it never reached the engine, or its model went away)."""
         with self._cond:
             if self.output is None and self.exception is None:
                 self.exception = exc

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from workbench.charts import PALETTE
+from workbench.charts import PALETTE, empty_note
 
 GIB = 2**30
 HEIGHT = 380
@@ -27,17 +27,12 @@ def _figure(title: str, x_title: str, y_title: str, height: int = HEIGHT) -> go.
         xaxis=dict(title=x_title), yaxis=dict(title=y_title)))
 
 
-def _empty(fig: go.Figure, note: str) -> go.Figure:
-    fig.add_annotation(text=note, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5, font=dict(color="#888"))
-    return fig
-
-
 def engine_throughput(rows: Sequence[Mapping], title: str = "Useful tokens/s by engine") -> go.Figure:
     """Bars of tokens/s, one per engine: rows of {"engine", "tok_s"} and optionally "mfu" (a
     fraction, printed on the bar) and "note" (shown on hover, e.g. the greedy match)."""
     fig = _figure(title, "", "useful tokens/s")
     if not rows:
-        return _empty(fig, "no engine measured yet")
+        return empty_note(fig, "no engine measured yet")
     labels = [f"{r['tok_s']:.3g} tok/s" + (f"<br>MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "")
               for r in rows]
     fig.add_trace(go.Bar(x=[r["engine"] for r in rows], y=[r["tok_s"] for r in rows], text=labels,
@@ -54,7 +49,7 @@ def time_by_kind(cases: Mapping[str, Mapping[str, float]], title: str = "Where a
     stack and the step time goes into the case's label)."""
     fig = _figure(title, "share of the step's CPU time (%)", "", height=max(300, 170 + 60 * len(cases)))
     if not cases:
-        return _empty(fig, "no profiled case yet")
+        return empty_note(fig, "no profiled case yet")
     skip = {"step_ms", "outside_forward"}
     kinds = list(dict.fromkeys(k for shares in cases.values() for k in shares if k not in skip))
     labels = [f"{case} ({shares['step_ms']:.1f} ms/step)" if "step_ms" in shares else case
@@ -76,7 +71,7 @@ def comm_per_step(layouts: Mapping[str, Mapping[str, Mapping[str, float]]],
     fig = _figure(title, "collective", "KiB per step")
     kinds = list(dict.fromkeys(k for per_kind in layouts.values() for k, v in per_kind.items() if v.get("calls")))
     if not kinds:
-        return _empty(fig, "no communication: a one-process runner has none")
+        return empty_note(fig, "no communication: a one-process runner has none")
     for i, (layout, per_kind) in enumerate(layouts.items()):
         figures = [per_kind.get(k, {}) for k in kinds]
         fig.add_trace(go.Bar(name=layout, x=kinds, y=[f.get("bytes", 0) / 1024 for f in figures],
@@ -98,7 +93,7 @@ def parallel_layouts(candidates: Sequence[Mapping], device_bytes: int, chosen: t
     fig = _figure(title, "layout: tensor parallel x pipeline parallel (devices)", "GiB per device")
     sized = [c for c in candidates if c.get("need_bytes") is not None]
     if not sized:
-        return _empty(fig, "no layout could be sized")
+        return empty_note(fig, "no layout could be sized")
     names = [f"{c['tp']}x{c['pp']} ({c['tp'] * c['pp']})" + (f" {c['storage']}" if c.get("storage") else "")
              for c in sized]
     want = None if chosen is None else (*chosen, "")[:3]  # (tp, pp, storage: "" as configured)

@@ -122,13 +122,13 @@ class Router:
                 self._inflight.pop(key, None)
             if out.finish_reason == "error":
                 self._telemetry.note_error(out.error)
-        handle._push(out)
+        handle.deliver(out)
 
     def _fail(self, handle: RequestHandle, exc: BaseException) -> None:
         with self._lock:
             self._inflight.pop((handle.model, handle.request_id), None)
         self._telemetry.note_error(str(exc))
-        handle._fail(exc)
+        handle.fail(exc)
 
 
 def _aborted(handle: RequestHandle) -> RequestOutput:

@@ -98,6 +98,18 @@ class Session:
     def loading(self) -> str | None:
         return self._models.loading
 
+    def entry(self, model: str | None = None) -> ModelEntry:
+        """The loaded model `model` (the active one by default); SessionError naming the loaded ones."""
+        return self._models.entry(model)
+
+    def on_engine_thread(self, fn) -> Future:
+        """Run `fn()` on the engine thread between steps; its result (or exception) in the Future."""
+        return self._thread.call(fn)
+
+    def record_event(self, kind: str, **fields) -> dict:
+        """Add an event to the session's record (`metrics.events()`)."""
+        return self._telemetry.event(kind, **fields)
+
     def inflight(self, model: str | None = None) -> list[RequestHandle]:
         return self._router.inflight(model)
 
@@ -193,13 +205,13 @@ class Session:
                                             when_idle=when_idle)
         return Stats(fut.result(), f"compile stats of {entry.name}") if wait else fut
 
-    def reconfigure(self, model: str | None = None, *, wait: bool = True, **fields):
+    def reconfigure(self, model: str | None = None, *, wait: bool = True, by_sweep: bool = False, **fields):
         """Change scheduler, KV-pool or compile settings of a loaded model without reloading its weights
         (max_num_seqs, max_num_batched_tokens; block_size, kv_cache_memory, enable_prefix_caching; compile
         settings), on the engine thread; refused while its generations run. Returns the runner's answer
         ({"changed", "rebuilt", "seconds", "kv_tokens"}) as a `Stats` table (or a Future with wait=False)."""
         entry = self._models.entry(model)
-        fut = self._models.reconfigure(entry, fields, running=len(self.inflight(entry.name)))
+        fut = self._models.reconfigure(entry, fields, running=len(self.inflight(entry.name)), by_sweep=by_sweep)
         return Stats(fut.result(), f"reconfigured {entry.name}") if wait else fut
 
     def compile_stats(self, model: str | None = None) -> Stats:

@@ -53,6 +53,11 @@ class SweepJob:
         self.version = 0
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
 
+    def launch(self):
+        """Start the sweep's thread; the job."""
+        self._thread.start()
+        return self
+
     @classmethod
     def latest(cls, session):
         """The session's latest job of this kind (running or finished), or None."""
@@ -210,11 +215,10 @@ class TuneJob(SweepJob):
         job = cls._register(session, lambda: cls(
             session, space, DEFAULT_WORKLOAD if workload is None else workload, Target() if target is None else target,
             model=model, repeats=repeats, warmup=warmup, results=results))
-        job.backend._entry().sweeping = True
-        session._telemetry.event("tune", model=job.model, workload=job.workload.label, target=job.target.label,
+        job.backend.entry().sweeping = True
+        session.record_event("tune", model=job.model, workload=job.workload.label, target=job.target.label,
                                  repeats=repeats, warmup=warmup)
-        job._thread.start()
-        return job
+        return job.launch()
 
     def _sweep(self):
         return tune(self.space, self.workload, self.target, backend=self.backend, repeats=self.repeats,
@@ -224,7 +228,7 @@ class TuneJob(SweepJob):
         entry = self.session.models.get(self.model)
         if entry is not None:
             entry.sweeping = False
-        self.session._telemetry.event("tune_end", model=self.model, status=self.status)
+        self.session.record_event("tune_end", model=self.model, status=self.status)
 
     def _fields(self) -> list[str]:
         entry = self.session.models.get(self.model)

@@ -32,18 +32,18 @@ def run_load(session, workload: Workload | None = None, *, target: Target | None
     if not isinstance(workload, Workload):
         raise TypeError(f"workload must be a runner_core.tuning.Workload, not {type(workload).__name__}; "
                         "build one with Workload(num_requests=..., arrivals=Arrivals.poisson(4.0), ...)")
-    entry = session._models.entry(model)
+    entry = session.entry(model)
     runner = entry.runner
-    vocab_size, tokenizer = session._thread.call(lambda: vocab_and_tokenizer(runner)).result()
+    vocab_size, tokenizer = session.on_engine_thread(lambda: vocab_and_tokenizer(runner)).result()
     requests = workload.requests(vocab_size, tokenizer)
     params = [SamplingParams(**r.sampling) for r in requests]  # a bad value raises here, before any request goes
     settings = {**entry.config.to_dict(), "name": entry.name}
-    session._telemetry.event("load_start", model=entry.name, workload=workload.label, num_requests=len(requests))
+    session.record_event("load_start", model=entry.name, workload=workload.label, num_requests=len(requests))
     sent, t0 = _send(session, entry.name, requests, params, workload.arrivals.concurrency, stop)
     duration = time.perf_counter() - t0
     records = [_record(r.index, h, r.prompt) for r, h in sent]
     summary = summarize(records, duration, target)
-    session._telemetry.event("load_end", model=entry.name, workload=workload.label,
+    session.record_event("load_end", model=entry.name, workload=workload.label,
                              stopped=bool(stop and stop.is_set()), **{k: summary.get(k) for k in _EVENT_FIGURES})
     return RunResult(records=records, summary=summary, workload=workload, settings=settings)
 
@@ -129,26 +129,27 @@ class SessionBackend:
 
     def __init__(self, session, model: str | None = None, *, stop: threading.Event | None = None):
         self.session = session
-        self.model = session._models.entry(model).name
+        self.model = session.entry(model).name
         self.stop = stop
 
-    def _entry(self):
-        return self.session._models.entry(self.model)
+    def entry(self):
+        """The swept model's ModelEntry (a reload replaces it under the same name)."""
+        return self.session.entry(self.model)
 
     def settings(self) -> dict:
         """Every RunnerConfig field's current value (any of them may be swept; RECONFIGURABLE ones live)."""
-        return self._entry().config.to_dict()
+        return self.entry().config.to_dict()
 
     def capacity(self) -> dict:
         memory = self.session.memory_stats(self.model)
-        cfg = self._entry().config
+        cfg = self.entry().config
         return {"kv_tokens": int(memory["blocks_total"]) * int(memory["block_size"]),
                 "block_size": int(memory["block_size"]), "max_model_len": int(memory["max_model_len"]),
                 "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                 "kv_bytes_per_token": memory.get("kv_bytes_per_token")}
 
     def apply(self, settings: dict) -> dict:
-        entry = self._entry()
+        entry = self.entry()
         current = entry.config.to_dict()
         unknown = sorted(set(settings) - set(current))
         if unknown:
@@ -162,8 +163,7 @@ class SessionBackend:
             self._reload(entry, {**current, **changes})
             rebuilt = "reload"
         elif changes:
-            running = len(self.session.inflight(entry.name))
-            answer = self.session._models.reconfigure(entry, changes, running=running, by_sweep=True).result()
+            answer = self.session.reconfigure(entry.name, by_sweep=True, **changes)
             rebuilt = answer["rebuilt"]
         else:
             rebuilt = "none"

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from runner_core.tuning.results import pareto_frontier
-from workbench.charts import COLORS, PALETTE, _empty, _layout
+from workbench.charts import COLORS, PALETTE, base_layout, empty_note
 
 Point = Mapping[str, Any]
 THROUGHPUT, PER_USER = "output_throughput", "tokens_per_s_per_user"
@@ -28,7 +28,7 @@ SHORT = {"concurrency": "c", "max_num_seqs": "seqs", "max_num_batched_tokens": "
 EMPTY_NOTE = "no sweep points yet: start a sweep"
 
 
-def _stat(point: Point, column: str, which: str = "median") -> float | None:
+def stat(point: Point, column: str, which: str = "median") -> float | None:
     return (point.get(which) or {}).get(column)
 
 
@@ -46,10 +46,10 @@ def short_labels(points: Sequence[Point]) -> list[str]:
             for p, s in zip(points, settings)]
 
 
-def _hover(point: Point, label: str, target) -> str:
+def hover_text(point: Point, label: str, target) -> str:
     lines = [f"<b>{label}</b>", str(point.get("label", ""))]
     for column, unit in ((THROUGHPUT, "tok/s"), (PER_USER, "tok/s per user"), (target.metric, "ms")):
-        value = _stat(point, column)
+        value = stat(point, column)
         if value is not None:
             lines.append(f"{column}: {value:.4g} {unit}")
     lines.append("meets the target" if point.get("met") else f"misses {target.metric} ≤ {target.limit:g}")
@@ -62,24 +62,24 @@ def pareto(points: Sequence[Point], frontier: Sequence[Mapping] | None = None,
     labelled with the settings that differ (every point names them on hover, so many points stay readable),
     those missing the target grey crosses, the frontier (default: from the points) as a line, the
     recommended point ringed."""
-    fig = go.Figure(layout=_layout("Pareto: per-user speed against device throughput", "tokens/s per user"))
+    fig = go.Figure(layout=base_layout("Pareto: per-user speed against device throughput", "tokens/s per user"))
     fig.update_xaxes(title_text="output tokens/s (device)")
-    scored = [p for p in points if _stat(p, THROUGHPUT) is not None and _stat(p, PER_USER) is not None]
+    scored = [p for p in points if stat(p, THROUGHPUT) is not None and stat(p, PER_USER) is not None]
     if not scored:
-        return _empty(fig, EMPTY_NOTE)
+        return empty_note(fig, EMPTY_NOTE)
     labels = dict(zip(map(id, scored), short_labels(scored)))
     line = sorted(frontier if frontier is not None else pareto_frontier(list(scored)), key=lambda f: f[THROUGHPUT])
     on_line = {(f[THROUGHPUT], f[PER_USER]) for f in line}
-    shown = {id(p): labels[id(p)] if (_stat(p, THROUGHPUT), _stat(p, PER_USER)) in on_line else "" for p in scored}
+    shown = {id(p): labels[id(p)] if (stat(p, THROUGHPUT), stat(p, PER_USER)) in on_line else "" for p in scored}
     for name, met, color, symbol in (("meets the target", True, PASS, "circle"),
                                      ("misses the target", False, MISSED, "x")):
         group = [p for p in scored if bool(p.get("met")) is met]
         if group:
             fig.add_trace(go.Scatter(
-                x=[_stat(p, THROUGHPUT) for p in group], y=[_stat(p, PER_USER) for p in group], name=name,
+                x=[stat(p, THROUGHPUT) for p in group], y=[stat(p, PER_USER) for p in group], name=name,
                 mode="markers+text", text=[shown[id(p)] for p in group], textposition="top center",
                 textfont=dict(size=10), marker=dict(color=color, size=10, symbol=symbol),
-                hovertext=[_hover(p, labels[id(p)], target) if target else labels[id(p)] for p in group],
+                hovertext=[hover_text(p, labels[id(p)], target) if target else labels[id(p)] for p in group],
                 hoverinfo="text"))
     if line:
         fig.add_trace(go.Scatter(x=[f[THROUGHPUT] for f in line], y=[f[PER_USER] for f in line],
@@ -87,24 +87,24 @@ def pareto(points: Sequence[Point], frontier: Sequence[Mapping] | None = None,
                                  hoverinfo="skip"))
     best = next((p for p in scored if recommendation and p.get("settings") == recommendation.get("settings")), None)
     if best is not None:
-        fig.add_trace(go.Scatter(x=[_stat(best, THROUGHPUT)], y=[_stat(best, PER_USER)],
+        fig.add_trace(go.Scatter(x=[stat(best, THROUGHPUT)], y=[stat(best, PER_USER)],
                                  name=f"recommended: {labels[id(best)]}", mode="markers", hoverinfo="skip",
                                  marker=dict(size=22, symbol="circle-open", color=PALETTE[3], line=dict(width=3))))
     return fig
 
 
 def _range_bars(points: Sequence[Point], column: str) -> dict:
-    med = [_stat(p, column) for p in points]
+    med = [stat(p, column) for p in points]
     return dict(type="data", symmetric=False,
-                array=[(_stat(p, column, "max") or m) - m for p, m in zip(points, med)],
-                arrayminus=[m - (_stat(p, column, "min") or m) for p, m in zip(points, med)])
+                array=[(stat(p, column, "max") or m) - m for p, m in zip(points, med)],
+                arrayminus=[m - (stat(p, column, "min") or m) for p, m in zip(points, med)])
 
 
 def latency_vs_concurrency(points: Sequence[Point], target) -> go.Figure:
     """TTFT p99 and TPOT p99 (ms) against concurrency, the median of each point with its repeats'
     [min, max] as a range bar; the target's limit a dashed line on the panel of the metric it constrains."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("TTFT p99 (ms)", "TPOT p99 (ms)"), horizontal_spacing=0.12)
-    layout = _layout("Latency against concurrency", "")
+    layout = base_layout("Latency against concurrency", "")
     for key in ("xaxis", "yaxis", "uirevision"):
         layout.pop(key)
     fig.update_layout(**layout, uirevision="latency")
@@ -112,16 +112,16 @@ def latency_vs_concurrency(points: Sequence[Point], target) -> go.Figure:
     fig.update_yaxes(title_text="ms", rangemode="tozero")
     shown = sorted((p for p in points if concurrency(p) is not None), key=concurrency)
     if not shown:
-        return _empty(fig, EMPTY_NOTE)
+        return empty_note(fig, EMPTY_NOTE)
     labels = short_labels(shown)
     fig.update_xaxes(tickmode="array", tickvals=sorted({concurrency(p) for p in shown}))  # the levels measured
     for col, (column, color) in enumerate((("ttft_p99_ms", COLORS["prefill"]), ("tpot_p99_ms", COLORS["decode"])), 1):
-        kept = [(p, lab) for p, lab in zip(shown, labels) if _stat(p, column) is not None]
+        kept = [(p, lab) for p, lab in zip(shown, labels) if stat(p, column) is not None]
         if not kept:
             continue
         one_per_c = len({concurrency(p) for p, _ in kept}) == len(kept)
         fig.add_trace(go.Scatter(
-            x=[concurrency(p) for p, _ in kept], y=[_stat(p, column) for p, _ in kept], name=column,
+            x=[concurrency(p) for p, _ in kept], y=[stat(p, column) for p, _ in kept], name=column,
             mode="lines+markers" if one_per_c else "markers", marker=dict(color=color, size=8),
             line=dict(color=color), error_y=_range_bars([p for p, _ in kept], column), text=[lab for _, lab in kept],
             hovertemplate=f"%{{text}}: {column} %{{y:.1f}} ms<extra></extra>"), row=1, col=col)
@@ -135,14 +135,14 @@ def latency_vs_concurrency(points: Sequence[Point], target) -> go.Figure:
 def pass_fail(points: Sequence[Point], target) -> go.Figure:
     """Each point's target metric (median, [min, max] over repeats) against the limit: green bars pass,
     red ones fail; the title counts them."""
-    fig = go.Figure(layout=_layout(f"Target: {target.metric} ≤ {target.limit:g}", target.metric))
+    fig = go.Figure(layout=base_layout(f"Target: {target.metric} ≤ {target.limit:g}", target.metric))
     fig.update_xaxes(title_text="point (the settings that differ)", rangemode="normal")
-    shown = [p for p in points if _stat(p, target.metric) is not None]
+    shown = [p for p in points if stat(p, target.metric) is not None]
     if not shown:
-        return _empty(fig, EMPTY_NOTE)
+        return empty_note(fig, EMPTY_NOTE)
     labels = short_labels(shown)
     passed = sum(bool(p.get("met")) for p in shown)
-    fig.add_trace(go.Bar(x=labels, y=[_stat(p, target.metric) for p in shown], showlegend=False,
+    fig.add_trace(go.Bar(x=labels, y=[stat(p, target.metric) for p in shown], showlegend=False,
                          marker_color=[PASS if p.get("met") else FAIL for p in shown],
                          error_y=_range_bars(shown, target.metric),
                          hovertemplate=f"%{{x}}: {target.metric} %{{y:.1f}}<extra></extra>"))

@@ -16,8 +16,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from workbench.charts import COLORS, PALETTE, _empty, _layout
-from workbench.tuning_charts import PER_USER, THROUGHPUT, _hover, _stat, latency_vs_concurrency, short_labels
+from workbench.charts import COLORS, PALETTE, base_layout, empty_note
+from workbench.tuning_charts import PER_USER, THROUGHPUT, hover_text, latency_vs_concurrency, short_labels, stat
 
 Point = Mapping[str, Any]
 GIB = 2**30
@@ -44,13 +44,13 @@ def pareto(simulated: Sequence[Point], measured: Sequence[Point] = (), *, target
     """Tokens/s per user against output tokens/s: simulated points as diamonds, one colour per device and
     count, with the efficiency band's output tokens/s as a horizontal error bar; measured points (a real
     sweep) as grey circles next to them. A point missing the target is drawn open."""
-    fig = go.Figure(layout=_layout("What-if: per-user speed against throughput", "tokens/s per user",
+    fig = go.Figure(layout=base_layout("What-if: per-user speed against throughput", "tokens/s per user",
                                    showlegend=True))
     fig.update_xaxes(title_text="output tokens/s (all devices)")
-    scored = [p for p in simulated if _stat(p, THROUGHPUT) is not None and _stat(p, PER_USER) is not None]
-    real = [p for p in measured if _stat(p, THROUGHPUT) is not None and _stat(p, PER_USER) is not None]
+    scored = [p for p in simulated if stat(p, THROUGHPUT) is not None and stat(p, PER_USER) is not None]
+    real = [p for p in measured if stat(p, THROUGHPUT) is not None and stat(p, PER_USER) is not None]
     if not scored and not real:
-        return _empty(fig, EMPTY_NOTE)
+        return empty_note(fig, EMPTY_NOTE)
     groups: dict[str, list[Point]] = {}
     for p in scored:
         groups.setdefault(device_label(p), []).append(p)
@@ -64,17 +64,17 @@ def pareto(simulated: Sequence[Point], measured: Sequence[Point] = (), *, target
 def _points(fig: go.Figure, points: Sequence[Point], name: str, color: str, symbol: str, target,
             band: bool) -> None:
     labels = short_labels(points)
-    x = [_stat(p, THROUGHPUT) for p in points]
+    x = [stat(p, THROUGHPUT) for p in points]
     error_x = None
     if band and any(p.get("band_low") is not None for p in points):
         error_x = dict(type="data", symmetric=False, color=color,
                        array=[max(0.0, (p.get("band_high") or v) - v) for p, v in zip(points, x)],
                        arrayminus=[max(0.0, v - (p.get("band_low") or v)) for p, v in zip(points, x)])
     fig.add_trace(go.Scatter(
-        x=x, y=[_stat(p, PER_USER) for p in points], name=name, mode="markers", error_x=error_x,
+        x=x, y=[stat(p, PER_USER) for p in points], name=name, mode="markers", error_x=error_x,
         marker=dict(color=color, size=11, line=dict(color=color, width=2),
                     symbol=[symbol if p.get("met") else f"{symbol}-open" for p in points]),
-        hovertext=[_hover(p, label, target) + _band_line(p) for p, label in zip(points, labels)], hoverinfo="text"))
+        hovertext=[hover_text(p, label, target) + _band_line(p) for p, label in zip(points, labels)], hoverinfo="text"))
 
 
 def _band_line(point: Point) -> str:
@@ -88,10 +88,10 @@ def memory_picture(layouts: Sequence[Mapping[str, Any]]) -> go.Figure:
     device's memory (a black tick) and what the model may use of it (a dashed tick). A layout that does not
     fit is outlined in the warning colour, over its line, with what it needs written above it (and why, on
     hover)."""
-    fig = go.Figure(layout=_layout("Memory per device", "GiB", barmode="stack"))
+    fig = go.Figure(layout=base_layout("Memory per device", "GiB", barmode="stack"))
     fig.update_xaxes(title_text="layout", type="category")
     if not layouts:
-        return _empty(fig, MEMORY_NOTE)
+        return empty_note(fig, MEMORY_NOTE)
     labels = [m["label"] for m in layouts]
     for key, name, color in MEMORY_PARTS:
         fig.add_trace(go.Bar(x=labels, y=[m.get(key, 0) / GIB for m in layouts], name=name, marker_color=color,

@@ -46,8 +46,7 @@ class WhatifJob(SweepJob):
             session, model, layouts, DEFAULT_WORKLOAD if workload is None else workload,
             Target() if target is None else target, band=band, space=space, results=results, repeats=repeats,
             config=config))
-        job._thread.start()
-        return job
+        return job.launch()
 
     def _sweep(self):
         return whatif(self.model_path, self.workload, self.target, self.layouts, base_config=self.config,

@@ -33,8 +33,8 @@ from runner_core.layers.linear import packed_bytes
 from runner_core.layers.quantization import QuantFormat
 from runner_core.layers.weight_storage import layer_format, panels_apply, weight_bytes
 from runner_core.memory.shapes import (
+    MiB,
     ModelShape,
-    _MiB,
     kv_bytes_per_token,
     read_safetensors_shapes,
     stage_layer_ranges,
@@ -142,10 +142,10 @@ class MemoryEstimate:
     kv_cache_memory: int | None = None
     device: str = "cpu"
     model: str = ""
-    _inputs: Any = field(default=None, repr=False, compare=False)
+    inputs: Any = field(default=None, repr=False, compare=False)  # an EstimateInputs: estimate_from() again
 
     def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "inputs"}
 
     @property
     def fixed_bytes(self) -> int:
@@ -165,7 +165,7 @@ class MemoryEstimate:
         par = f"tp={self.tensor_parallel_size}, pp={self.pipeline_parallel_size}"
         rows = [
             ("weights", self.weights_bytes, self.storage + (
-                f", {self.dense_weights_bytes / _MiB:.1f} MiB in {self.dtype}" if self.quantization else "")),
+                f", {self.dense_weights_bytes / MiB:.1f} MiB in {self.dtype}" if self.quantization else "")),
             ("KV pool", self.kv_pool_bytes,
              f"{self.kv_pool_tokens} tokens x {self.kv_bytes_per_token / 1024:.1f} KiB/token"),
             ("activation peak", self.activation_peak_bytes,
@@ -180,7 +180,7 @@ class MemoryEstimate:
         ]
         lines = [f"Memory estimate for {self.model or 'model'} ({par}, max_model_len={self.max_model_len}, "
                  f"{self.device})", f"  {'':<16}{'MiB':>12}"]
-        lines += [f"  {name:<16}{value / _MiB:>12.1f}  {note}".rstrip() for name, value, note in rows]
+        lines += [f"  {name:<16}{value / MiB:>12.1f}  {note}".rstrip() for name, value, note in rows]
         return "\n".join(lines)
 
 
@@ -191,7 +191,7 @@ def _dtype_name(dtype: str | torch.dtype, device: str, model: str | Path) -> str
 
 
 @dataclass(frozen=True)
-class _Inputs:
+class EstimateInputs:
     """What an estimate was computed from, so that check_fits can try other settings."""
 
     shape: ModelShape
@@ -256,10 +256,11 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
                 quantize_lm_head=bool(quantize_lm_head),
                 encoder_cache_tokens=(encoder_cache_tokens if encoder_cache_tokens is not None else
                                       max_num_batched_tokens) if multimodal else 0)
-    return _estimate(_Inputs(shape, tuple(tensors), args))
+    return estimate_from(EstimateInputs(shape, tuple(tensors), args))
 
 
-def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
+def estimate_from(inputs: EstimateInputs, **overrides) -> MemoryEstimate:
+    """The estimate of `inputs` with some of its settings changed (`overrides`: estimate_memory's keywords)."""
     shape, a = inputs.shape, {**inputs.args, **overrides}
     tp, pp, bs = a["tensor_parallel_size"], a["pipeline_parallel_size"], a["block_size"]
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size", "max_num_seqs"):
@@ -291,7 +292,7 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
     act = estimate_activation_peak(shape, num_tokens=tokens, num_seqs=a["max_num_seqs"], dtype=dtype,
                                    tensor_parallel_size=tp, context_len=max_len, decode_gather=dev_type == "cuda")
     # MKL's copies for the CPU decode programs, only where the linear weights stay row-major (no panels)
-    packed = (packed_bytes(_linear_shapes(shape)) if a["packed_decode_weights"] and tp * pp == 1
+    packed = (packed_bytes(linear_shapes(shape)) if a["packed_decode_weights"] and tp * pp == 1
               and dtype == "float32" and a["quantization"] is None and not panels else 0)
     encoder = (a["encoder_cache_tokens"] if a["encoder_cache_tokens"] is not None else tokens) * shape.hidden_size * b
     totals = [w + pool_tokens * k + act + buf + packed + encoder
@@ -306,7 +307,7 @@ def _estimate(inputs: _Inputs, **overrides) -> MemoryEstimate:
         min_kv_pool_bytes=-(-max_len // bs) * bs * bpt, block_size=bs, max_num_seqs=a["max_num_seqs"],
         max_num_batched_tokens=tokens, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         kv_cache_memory=a["kv_cache_memory"], device=device, model=a["model"],
-        _inputs=_Inputs(shape, inputs.tensors, a))
+        inputs=EstimateInputs(shape, inputs.tensors, a))
 
 
 def vision_tensors(hf_config) -> list[tuple[str, tuple[int, ...]]]:
@@ -331,15 +332,16 @@ def _linear_bytes_over_dense(shape: ModelShape, tp: int, layers: range, last: bo
     def extra(n: int, k: int, fmt: QuantFormat | None) -> int:
         return weight_bytes(n, k, dtype, fmt and layer_format(fmt, k), panels) - n * k * dtype.itemsize
 
-    total = sum(count * extra(n, k, fmt) for (n, k), count in _linear_shapes(shape, tp, layers).items())
+    total = sum(count * extra(n, k, fmt) for (n, k), count in linear_shapes(shape, tp, layers).items())
     # the MoE routers keep the compute dtype (models/moe.py)
-    total -= sum(count * (extra(n, k, fmt) - extra(n, k, None)) for (n, k), count in _routers(shape, layers).items())
+    routers = router_shapes(shape, layers)
+    total -= sum(count * (extra(n, k, fmt) - extra(n, k, None)) for (n, k), count in routers.items())
     if last:
         total += extra(-(-shape.vocab_size // tp), shape.hidden_size, fmt if a["quantize_lm_head"] else None)
     return total
 
 
-def _routers(shape: ModelShape, layers: range) -> Counter:
+def router_shapes(shape: ModelShape, layers: range) -> Counter:
     """[out, in] shapes (with counts) of the MoE routers in `layers`: each sparse layer's router and the
     shared expert's gate (replicated on every device)."""
     moe = shape.moe
@@ -350,7 +352,7 @@ def _routers(shape: ModelShape, layers: range) -> Counter:
                     **({(1, shape.hidden_size): sparse} if moe.shared_expert_intermediate_size else {})})
 
 
-def _linear_shapes(shape: ModelShape, tp: int = 1, layers: range | None = None) -> Counter:
+def linear_shapes(shape: ModelShape, tp: int = 1, layers: range | None = None) -> Counter:
     """[out, in] shapes (with counts) of the runner's fused linear weights on one of `tp` devices, in
     `layers` (default: all): qkv, o per layer; gate_up, down per dense layer; an MoE layer's router,
     shared expert and its gate (replicated: router and gate; experts are no linear layers)."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runner_core.errors import ConfigError
-from runner_core.memory.estimate import MemoryEstimate, _estimate, estimate_memory
-from runner_core.memory.shapes import _MiB
+from runner_core.memory.estimate import MemoryEstimate, estimate_from, estimate_memory
+from runner_core.memory.shapes import MiB
 from runner_core.memory.sizing import usable_memory_bytes
 
 _GiB = 2**30
@@ -67,7 +67,7 @@ class StorageOption:
 
 
 def _fmt(n: int) -> str:
-    return f"{n / _GiB:.2f} GiB" if abs(n) >= _GiB else f"{n / _MiB:.1f} MiB"
+    return f"{n / _GiB:.2f} GiB" if abs(n) >= _GiB else f"{n / MiB:.1f} MiB"
 
 
 def required_bytes(estimate: MemoryEstimate) -> int:
@@ -81,7 +81,7 @@ def storage_ladder(estimate: MemoryEstimate) -> list[tuple[str, dict]]:
     """The entries of STORAGE_LADDER lighter than `estimate`'s own storage, in order: bfloat16 where
     it computes in float32, int8 unless it is quantized already, int4 in groups larger than its own;
     no format for a model the runner's own linear layers do not run (the transformers fallback)."""
-    inputs = estimate._inputs
+    inputs = estimate.inputs
     if inputs is None:
         return []
     out = []
@@ -105,7 +105,7 @@ def storage_options(estimate: MemoryEstimate, available_bytes: int) -> list[Stor
     """Each lighter storage format (`storage_ladder`) with its stored weights, need and verdict."""
     out = []
     for label, settings in storage_ladder(estimate):
-        other = _estimate(estimate._inputs, **settings)
+        other = estimate_from(estimate.inputs, **settings)
         need = required_bytes(other)
         out.append(StorageOption(label, settings, other.weights_bytes, need, need <= available_bytes))
     return out
@@ -115,7 +115,7 @@ def fit_suggestions(estimate: MemoryEstimate, available_bytes: int) -> list[str]
     """Single changes that would make `estimate` fit in `available_bytes` per device: the storage
     format with the smallest loss of quality that fits (else the one that needs least: "not enough alone"),
     more tensor-parallel devices, a shorter max_model_len, a smaller kv_cache_memory."""
-    inputs = estimate._inputs
+    inputs = estimate.inputs
     if inputs is None or required_bytes(estimate) <= available_bytes:
         return []
     out = []
@@ -125,7 +125,7 @@ def fit_suggestions(estimate: MemoryEstimate, available_bytes: int) -> list[str]
     tp = estimate.tensor_parallel_size * 2
     while tp <= max(64, estimate.tensor_parallel_size * 2):
         if inputs.shape.tp_problem(tp) is None:
-            more = _estimate(inputs, tensor_parallel_size=tp)
+            more = estimate_from(inputs, tensor_parallel_size=tp)
             if required_bytes(more) <= available_bytes:
                 out.append(f"tensor_parallel_size={tp} (needs {_fmt(required_bytes(more))} per device)")
                 break
@@ -134,7 +134,7 @@ def fit_suggestions(estimate: MemoryEstimate, available_bytes: int) -> list[str]
         lo, hi = 0, estimate.max_model_len - 1  # largest max_model_len that fits, by bisection
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if required_bytes(_estimate(inputs, max_model_len=mid)) <= available_bytes:
+            if required_bytes(estimate_from(inputs, max_model_len=mid)) <= available_bytes:
                 lo = mid
             else:
                 hi = mid - 1
@@ -192,6 +192,6 @@ def check_config_fits(config, available_bytes: int | None = None, *,
     if available_bytes is None:
         available_bytes = usable_memory_bytes(device, config.gpu_memory_utilization)
     if estimate.decode_programs_bytes > available_bytes // 2:  # the runner will not pack them (plan_sizes)
-        estimate = _estimate(estimate._inputs, packed_decode_weights=False)
+        estimate = estimate_from(estimate.inputs, packed_decode_weights=False)
     check_fits(estimate, available_bytes, gpu_memory_utilization=config.gpu_memory_utilization)
     return estimate

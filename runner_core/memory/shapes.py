@@ -27,9 +27,9 @@ from runner_core.config import dtype_bytes
 from runner_core.errors import ConfigError, ModelLoadError
 from runner_core.models.moe_spec import MoESpec
 
-_MiB = 2**20
+MiB = 2**20
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_MAX_HEADER = 256 * _MiB
+_MAX_HEADER = 256 * MiB
 _MLP_WIDTH_NAMES = ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size")
 
 

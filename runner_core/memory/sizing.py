@@ -19,13 +19,12 @@ import torch
 
 from runner_core.errors import ConfigError
 from runner_core.memory.estimate import estimate_activation_peak
-from runner_core.memory.shapes import ModelShape
+from runner_core.memory.shapes import MiB, ModelShape
 
 logger = logging.getLogger("runner_core")
 
 CPU_KV_FRACTION = 0.2  # share of available RAM the CPU pool may take when kv_cache_memory is unset
 CPU_KV_CAP_BYTES = 4 << 30  # and never more than this by default (as vLLM's CPU backend)
-_MiB = 2**20
 
 
 def _cpu_available_bytes() -> int:
@@ -95,7 +94,7 @@ class PoolPlan:
 
     def describe(self) -> str:
         return (f"KV pool: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
-                f"({self.num_bytes / _MiB:.1f} MiB, sized by {self.source}); maximum concurrency at "
+                f"({self.num_bytes / MiB:.1f} MiB, sized by {self.source}); maximum concurrency at "
                 f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x")
 
     def check_holds(self, max_model_len: int, where: str = "") -> None:
@@ -165,10 +164,10 @@ def plan_kv_pool(config, shape: ModelShape, max_model_len: int, *, bytes_per_tok
         context_len=max_model_len, decode_gather=device.type == "cuda")
     if measured_peak_bytes is not None:
         logger.info("profile run: %d tokens, %d sequences: activation peak %.1f MiB measured, %.1f MiB estimated",
-                    tokens, seqs, measured_peak_bytes / _MiB, activation / _MiB)
+                    tokens, seqs, measured_peak_bytes / MiB, activation / MiB)
         activation = max(activation, measured_peak_bytes)
     if reserved_bytes:
-        logger.info("leaving %.1f MiB for the decode CUDA graphs (estimated)", reserved_bytes / _MiB)
+        logger.info("leaving %.1f MiB for the decode CUDA graphs (estimated)", reserved_bytes / MiB)
     return plan_pool(bytes_per_token=bytes_per_token, block_size=config.block_size, max_model_len=max_model_len,
                      max_num_seqs=seqs, kv_cache_memory=config.kv_cache_memory, device=device,
                      gpu_memory_utilization=config.gpu_memory_utilization, weights_bytes=weights_bytes,

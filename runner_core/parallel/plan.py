@@ -141,7 +141,7 @@ def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memor
     per_node = devices_per_node or n
     estimate_kwargs.setdefault("device", "cuda" if kind == "cuda" else "cpu")
     base = estimate_memory(model, **estimate_kwargs)
-    shape = base._inputs.shape
+    shape = base.inputs.shape
     one_device = _runs_on_one_device(model, estimate_kwargs)
     formats = [("", {})] + (storage_ladder(base) if storage_formats else [])
     candidates = []

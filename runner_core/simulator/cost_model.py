@@ -37,7 +37,7 @@ from runner_core.config import TORCH_DTYPES, dtype_bytes
 from runner_core.errors import ConfigError
 from runner_core.layers.quantization import QuantFormat
 from runner_core.layers.weight_storage import layer_format
-from runner_core.memory.estimate import _linear_shapes, _routers
+from runner_core.memory.estimate import linear_shapes, router_shapes
 from runner_core.memory.shapes import ModelShape, kv_bytes_per_token, stage_layer_ranges
 from runner_core.simulator.fit import fit_coefficients
 from runner_core.simulator.hardware import Coefficients, HardwareSpec
@@ -127,8 +127,8 @@ class CostModel:
     def _stage(self, layers: range, first: bool, last: bool) -> _Stage:
         shape, tp, b = self.shape, self.tensor_parallel_size, dtype_bytes(self.dtype)
         peak_q, peak = self.hardware.peak_flops[self.compute_format], self.hardware.peak_flops[self.dtype]
-        routers = _routers(shape, layers)
-        quantized = _linear_shapes(shape, tp, layers) - routers
+        routers = router_shapes(shape, layers)
+        quantized = linear_shapes(shape, tp, layers) - routers
         compute = sum(c * 2 * n * k for (n, k), c in quantized.items()) / peak_q
         compute += sum(c * 2 * n * k for (n, k), c in routers.items()) / peak
         weights = sum(c * self._weight_bytes(n, k, True) for (n, k), c in quantized.items())

@@ -152,7 +152,7 @@ class SimulatedEngine(LLMEngine):
         self.model_info = {
             "architecture": adapter.architecture, "model_impl": adapter.impl, "kind": adapter.kind,
             "model_class": adapter.model_class.__name__, "reason": adapter.reason, "model_path": str(worker.path),
-            "num_parameters": sum(math.prod(s) for _, s in estimate._inputs.tensors),
+            "num_parameters": sum(math.prod(s) for _, s in estimate.inputs.tensors),
             "weights_bytes": estimate.weights_bytes, "dtype": str(worker.dtype).removeprefix("torch."),
             "dtype_reason": dtype_reason,
             "device": f"simulated {worker.hardware.name} x{devices}", "max_model_len": self.max_model_len,
