@@ -14,8 +14,12 @@ alternate between rounds. The workload: benchmarks/workload.py make_workload (gr
 Reported per model, setting and load: useful tokens/s, median and range over the rounds; each
 setting's busy / idle (the medians); every setting against spinning; the adaptive runner's thread
 count after each run. Target (reported, never enforced): beside one busy process, throughput >= 50%
-of the idle machine's. "Idle" means no process of ours competes: other users of a shared machine still
-do (the load average is printed). The last stdout line is one JSON object with every figure.
+of the idle machine's. "Idle" means no process of ours competes, so other users of a shared machine must
+not either: the verdict is refused ("refused: machine not quiet (load X on N cores)") when the 1-minute
+load average at the start exceeds half a process per core (benchmarks/verdicts.py), or when other
+processes kept more than half the cores busy during one of the setting's runs (the machine's busy CPU
+time over the run less this process's and our busy competitor's, per second: printed for every run). The
+last stdout line is one JSON object with every figure.
 
 Run:  make bench-contention    or
       .venv/bin/python benchmarks/contention.py [--models small-llama --requests 4] [--rounds 3]
@@ -35,9 +39,10 @@ import runner_core  # noqa: F401  (before torch: runner_core sets OpenMP's wait 
 
 try:  # run as a script: benchmarks/ is on sys.path
     import machine
+    import verdicts
     import workload
 except ImportError:  # run as `python -m benchmarks.contention`
-    from benchmarks import machine, workload
+    from benchmarks import machine, verdicts, workload
 
 BUSY_TARGET = 0.5  # busy throughput / idle throughput
 SPIN = {"GOMP_SPINCOUNT": "300000"}  # libgomp's default spin, stated so that runner_core leaves it
@@ -66,13 +71,19 @@ def child(spec: dict) -> dict:
         if load == "busy":
             competitor = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             time.sleep(0.2)  # running before the workload starts
+        busy, own = machine.busy_cpu_seconds(), time.process_time()
+        theirs = -machine.cpu_seconds(competitor.pid) if competitor else 0.0  # our competitor's CPU is not others'
         try:
             seconds, _ = workload.run_ours(runner, reqs)
         finally:
             if competitor is not None:
+                theirs += machine.cpu_seconds(competitor.pid)
                 competitor.kill()
                 competitor.wait()
         out[load] = workload.useful_tokens(reqs) / seconds
+        if busy is not None:  # the cores other processes kept busy during the run
+            others = machine.busy_cpu_seconds() - busy - (time.process_time() - own) - theirs
+            out[f"{load}_others_cores"] = max(0.0, others) / seconds
         out[f"{load}_threads"] = runner.model_info()["threads"]["count"]
     out["threads_why"] = runner.model_info()["threads"]["why"]
     runner.shutdown()
@@ -91,7 +102,16 @@ def run_child(spec: dict) -> dict:
 
 
 # ---- the parent --------------------------------------------------------------------------------------
-def bench_model(model: str, args) -> dict:
+def busy_over_idle_verdict(ratio: float, start: verdicts.Quiet, results: list[dict]) -> str:
+    """met / NOT met for a setting's busy / idle, or refused: the machine was not quiet at the start, or
+    other processes (our busy competitor aside) kept more than QUIET_LOAD_PER_CORE of its cores busy
+    during one of the setting's runs."""
+    during = [verdicts.Quiet(x[f"{load}_others_cores"], start.cores, f"round {i + 1}'s {load} run")
+              for i, x in enumerate(results) for load in LOADS if x.get(f"{load}_others_cores") is not None]
+    return verdicts.outcome(ratio >= BUSY_TARGET, start, *during)
+
+
+def bench_model(model: str, args, start: verdicts.Quiet) -> dict:
     runs = {s: [] for s in args.settings}
     for r in range(args.rounds):
         for setting in (args.settings if r % 2 == 0 else args.settings[::-1]):
@@ -99,8 +119,11 @@ def bench_model(model: str, args) -> dict:
                     "loads": list(LOADS) if r % 2 == 0 else list(LOADS)[::-1]}
             res = run_child(spec)
             runs[setting].append(res)
+            others = " ".join(f"{load} {res[f'{load}_others_cores']:.2f}" for load in LOADS
+                              if res.get(f"{load}_others_cores") is not None)
             print(f"  round {r + 1} {setting:17s} idle {res['idle']:7.1f} tok/s ({res['idle_threads']} threads), "
-                  f"busy {res['busy']:7.1f} tok/s ({res['busy_threads']} threads)", flush=True)
+                  f"busy {res['busy']:7.1f} tok/s ({res['busy_threads']} threads); cores others kept busy: "
+                  f"{others or 'unknown'}", flush=True)
     first = next(iter(runs.values()))[0]
     fig = {"model": model, "dtype": first["dtype"], "useful_tokens": first["useful_tokens"],
            "usable_cores": first["threads"]["usable_cores"], "usable_why": first["threads"]["usable_why"],
@@ -113,11 +136,12 @@ def bench_model(model: str, args) -> dict:
             values = [x[load] for x in results]
             fig[f"{setting}_{load}"] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
         ratio = fig[f"{setting}_busy_over_idle"] = fig[f"{setting}_busy"]["median"] / fig[f"{setting}_idle"]["median"]
-        verdict = "meets" if ratio >= BUSY_TARGET else "misses"
+        verdict = fig[f"{setting}_verdict"] = busy_over_idle_verdict(ratio, start, results)
+        fig[f"{setting}_others_cores"] = [x.get(f"{load}_others_cores") for x in results for load in LOADS]
         print(f"  {setting:17s} " + ", ".join(f"{load} {fig[f'{setting}_{load}']['median']:7.1f} "
                                             f"[{fig[f'{setting}_{load}']['min']:.1f}-{fig[f'{setting}_{load}']['max']:.1f}]"
                                             for load in LOADS)
-              + f"; busy / idle {ratio:.2f} ({verdict} the target >= {BUSY_TARGET:.2f})")
+              + f"; busy / idle {ratio:.2f}, target >= {BUSY_TARGET:.2f}: {verdict}")
     for setting in [s for s in runs if s != "spinning"] if "spinning" in runs else []:
         for load in LOADS:
             fig[f"{setting}_over_spinning_{load}"] = (fig[f"{setting}_{load}"]["median"]
@@ -148,11 +172,14 @@ def main() -> None:
     if args.child:
         print("CHILD " + json.dumps(child(json.loads(args.child))), flush=True)
         return
+    start = verdicts.quiet_at_start()  # before this benchmark runs anything of its own
     info = machine.machine_info("cpu")
     print(machine.describe(info))
-    print(f"load average before: {os.getloadavg()[0]:.2f} (other processes on this machine)")
-    figures = {"machine": info, "rounds": args.rounds, "load_average_before": os.getloadavg()[0],
-               "models": [bench_model(m, args) for m in args.models.split(",")],
+    print(f"load average before: {start.load:.2f} on {start.cores} cores (other processes on this machine; "
+          f"quiet up to {start.limit:.2f}: {'quiet' if start.ok else 'NOT quiet, verdicts refused'})")
+    figures = {"machine": info, "rounds": args.rounds, "load_average_before": start.load,
+               "quiet_at_start": start.as_dict(),
+               "models": [bench_model(m, args, start) for m in args.models.split(",")],
                "load_average_after": os.getloadavg()[0]}
     print(f"load average after: {figures['load_average_after']:.2f}; {machine.run_tag(info)}")
     print(json.dumps(figures))

@@ -23,12 +23,16 @@ from the device that engine ran on, never from another one.
                           context (QK^T and PV), and the LM head once per output token
   decode_weight_bytes     the bytes one decode step reads from the weights (all but the input embedding
                           table, of which it reads one row per token)
+  busy_cpu_seconds()      CPU seconds the whole machine's cores spent busy so far (/proc/stat), and
+  cpu_seconds(pid)        one process's (/proc/PID/stat): with this process's own, what others used
+                          during a run (benchmarks/contention.py's check that its idle runs were idle)
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import platform
 import statistics
 import time
@@ -199,3 +203,23 @@ def decode_weight_bytes(shape: ModelShape, dtype: str) -> int:
     it per token), which is read whole only when it is also the LM head."""
     return dtype_bytes(dtype) * sum(math.prod(dims) for name, dims in shape.checkpoint_tensors()
                                     if name != "model.embed_tokens.weight" or shape.tie_word_embeddings)
+
+
+def busy_cpu_seconds() -> float | None:
+    """Seconds the machine's cores have spent busy since boot (/proc/stat's first line: user, nice,
+    system, irq, softirq, steal); None where it cannot be read."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (ticks + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process `pid` so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15

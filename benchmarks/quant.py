@@ -15,13 +15,19 @@ LM head quantized too), each in a fresh process of its own (quant_proc.py; quant
             default none, bf16, int8, int4-g64): useful tok/s
   peers     llama.cpp (`make bench-llamacpp-peer`; benchmarks/llamacpp_peer.py) on GGUF files written from
             the same safetensors in F32, Q8_0 and Q4_0: the same memory, quality and batch-1 figures
-Timed figures: every process loaded, then `--repeats` rounds (>= 3) in which each takes its turn (A B C ...
-A B C ...); the median and range. A model whose float32 weights exceed 1 GiB (qwen2.5-0.5b, llama-3.2-1b) runs
-one format at a time (its rounds while it alone is alive: eight of them at 2-3 GiB each do not fit beside
-llama.cpp in 24 GiB) unless `--interleave`. Then the perplexity of the trained tiny-speaker
+Timed figures: `--repeats` rounds (>= 3), in each of which every format and peer takes one turn, the order
+rotated a place each round (A B C, B C A, C A B: `turn_order`); the median and range over the rounds. The
+formats are compared turn by turn, never one format's rounds after another's: on a shared machine the
+bandwidth swung 4-68 GB/s within one run, and formats measured minutes apart compared the machine's moods.
+A model whose float32 weights fit in 1 GiB keeps every process alive through the rounds (one untimed turn
+each first; one bandwidth probe a round). A larger one (qwen2.5-0.5b, llama-3.2-1b; eight processes at 2-3
+GiB each do not fit beside llama.cpp in 24 GiB) has one process alive at a time unless `--interleave`: each
+turn starts its format's process (memory and quality measured at its first start only), gives it an
+untimed turn, probes the bandwidth, times it and closes it. Then the perplexity of the trained tiny-speaker
 per format on held-out prose (runner_core.quality: the standard library's test folders, which its corpus
-leaves out). Every figure names the CPU and kernel tier; the targets set for the formats are reported, never enforced;
-the last stdout line is one JSON object.
+leaves out). Every figure names the CPU and kernel tier; the targets set for the formats are reported, never
+enforced, and the speed targets are refused when the machine was not quiet at the start (its 1-minute load
+average against its cores: benchmarks/verdicts.py); the last stdout line is one JSON object.
 
 Run:  make bench-quant   or   .venv/bin/python benchmarks/quant.py [--model small-llama] [--quick]
 """
@@ -29,6 +35,7 @@ Run:  make bench-quant   or   .venv/bin/python benchmarks/quant.py [--model smal
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -42,9 +49,10 @@ try:  # run as a script: benchmarks/ is on sys.path
     import machine
     import quant_proc
     import quant_report
+    import verdicts
     import workload
 except ImportError:  # run as `python -m benchmarks.quant`
-    from benchmarks import child, llamacpp_peer, machine, quant_proc, quant_report, workload
+    from benchmarks import child, llamacpp_peer, machine, quant_proc, quant_report, verdicts, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("small-llama", "qwen2.5-0.5b", "llama-3.2-1b")
@@ -86,11 +94,14 @@ def compute_dtype(fmt: str, args) -> str:
     return {"none": "float32", "bf16": "bfloat16"}.get(fmt, args.quant_dtype)
 
 
-def start_ours(fmt: str, model_dir: str, tmp: Path, args, errors: dict) -> child.Child | None:
+def start_ours(fmt: str, model_dir: str, tmp: Path, args, errors: dict, quality: bool = True) -> child.Child | None:
+    """`fmt`'s process (None when it failed: the error in `errors`); `quality` False: no quality check (a
+    restart, measured at the first start)."""
     ref = tmp / "ref.npz"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "quant_proc.py"), "--model", model_dir, "--format", fmt,
            "--dtype", compute_dtype(fmt, args), "--threads", str(args.threads), "--requests", str(tmp / "mixed.json"),
-           "--decode-tokens", str(args.decode_tokens), "--write-ref" if fmt == "none" else "--ref", str(ref)]
+           "--decode-tokens", str(args.decode_tokens), "--write-ref" if fmt == "none" else "--ref", str(ref),
+           *([] if quality else ["--skip-quality"])]
     print(f"  loading {fmt} in a new process ...", flush=True)
     try:
         return child.Child(fmt, cmd, tmp / f"{fmt}.log", args.timeout)
@@ -100,54 +111,80 @@ def start_ours(fmt: str, model_dir: str, tmp: Path, args, errors: dict) -> child
         return None
 
 
-def start_peers(model_dir: str, tmp: Path, args, errors: dict) -> dict:
-    if args.no_llamacpp or not llamacpp_peer.available():
-        return {}
-    procs = {}
-    for gtype in llamacpp_peer.TYPES:
-        name = f"llama.cpp {gtype}"
-        print(f"  loading {name} in a new process ...", flush=True)
-        try:
-            procs[name] = llamacpp_peer.start(model_dir, gtype, tmp, args)
-        except child.ChildFailed as e:
-            errors[name] = str(e)
-            print(f"  {e}")
-    return procs
+def start_peer(model_dir: str, gtype: str, tmp: Path, args, errors: dict) -> child.Child | None:
+    name = f"llama.cpp {gtype}"
+    print(f"  loading {name} in a new process ...", flush=True)
+    try:
+        return llamacpp_peer.start(model_dir, gtype, tmp, args)
+    except child.ChildFailed as e:
+        errors[name] = str(e)
+        print(f"  {e}")
+        return None
 
 
-def run_rounds(procs: dict, args, errors: dict, probes: list) -> dict:
-    """`args.repeats` rounds: a bandwidth probe, each process's batch-1 turn, then ours' mixed turns:
-    {name: {"batch1": [tok/s], "mixed": [tok/s], "bandwidth": [GB/s of the round's probe]}}; the mixed
-    workload runs once untimed, then in each round, for the formats in `args.mixed_formats`."""
-    mixed, decode_tokens = set(args.mixed_formats), args.decode_tokens
-    timings = {name: {"batch1": [], "mixed": [], "bandwidth": []} for name in procs}
+def start_process(name: str, model_dir: str, tmp: Path, args, errors: dict, quality: bool = True):
+    """A format's process (start_ours) or a peer's ("llama.cpp <type>": start_peer)."""
+    if name.startswith("llama.cpp "):
+        return start_peer(model_dir, name.split(" ", 1)[1], tmp, args, errors)
+    return start_ours(name, model_dir, tmp, args, errors, quality)
+
+
+def turn_order(names: list[str], repeats: int) -> list[list[str]]:
+    """Each round's turns: every name once, the order rotated a place each round (A B C, B C A, C A B, ...),
+    so that a swing of the machine's speed falls on every format alike and none always goes first."""
+    return [names[r % len(names):] + names[:r % len(names)] for r in range(repeats)] if names else []
+
+
+def run_rounds(procs: dict, args, errors: dict, probes: list, starters: dict | None = None) -> dict:
+    """`args.repeats` rounds of turns (`turn_order`) over the processes in `procs`, alive throughout (one
+    untimed turn each first, a bandwidth probe at each round's start), and those `starters` start ({name:
+    a function returning the process or None}: each turn starts one, gives it an untimed turn, probes the
+    bandwidth, times it and closes it). A turn: batch-1, then the mixed workload for `args.mixed_formats`.
+    {name: {"batch1": [tok/s], "mixed": [tok/s], "bandwidth": [GB/s of the probe before the turn]}}."""
+    starters = starters or {}
+    mixed, decode_tokens, live = set(args.mixed_formats), args.decode_tokens, dict(procs)
+    timings = {name: {"batch1": [], "mixed": [], "bandwidth": []} for name in [*procs, *starters]}
 
     def ask(name: str, cmd: str) -> dict | None:
         if name in errors:
             return None
         try:
-            return procs[name].ask(cmd)
+            return live[name].ask(cmd)
         except child.ChildFailed as e:
             errors[name] = str(e)
             print(f"  {e}")
             return None
 
-    for name in procs:  # one untimed turn each
+    def untimed(name: str) -> None:
         ask(name, "batch1")
         if name in mixed:
             ask(name, "mixed")
-    for r in range(args.repeats):
-        print(f"  round {r + 1}/{args.repeats}: {', '.join(procs)}", flush=True)
-        probe = machine.bandwidth_probes("cpu", calls=3)
-        probes.append(probe)
-        for name in procs:
-            res = ask(name, "batch1")
-            if res and res["many_s"] > res["one_s"]:
-                timings[name]["batch1"].append(decode_tokens / (res["many_s"] - res["one_s"]))
-                timings[name]["bandwidth"].append(probe["sum"]["median"])
-        for name in procs:
-            if name in mixed and (res := ask(name, "mixed")):
-                timings[name]["mixed"].append(res["returned_tokens"] / res["seconds"])
+
+    for name in procs:
+        untimed(name)
+    for r, order in enumerate(turn_order(list(timings), args.repeats)):
+        print(f"  round {r + 1}/{args.repeats}: {', '.join(order)}", flush=True)
+        probe = None
+        for name in order:
+            if name in starters and name not in errors:
+                live[name] = starters[name]()
+            if name in errors or live.get(name) is None:
+                continue
+            try:
+                if name in starters:
+                    untimed(name)
+                if probe is None or name in starters:
+                    probe = machine.bandwidth_probes("cpu", calls=3)
+                    probes.append(probe)
+                res = ask(name, "batch1")
+                if res and res["many_s"] > res["one_s"]:
+                    timings[name]["batch1"].append(decode_tokens / (res["many_s"] - res["one_s"]))
+                    timings[name]["bandwidth"].append(probe["sum"]["median"])
+                if name in mixed and (res := ask(name, "mixed")):
+                    timings[name]["mixed"].append(res["returned_tokens"] / res["seconds"])
+            finally:
+                if name in starters:
+                    live.pop(name).close()
     return timings
 
 
@@ -159,26 +196,27 @@ def run_model(model: str, args, errors: dict) -> dict:
         tmp = Path(tmp_name)
         reqs = workload.make_workload(args.mixed_requests, seed=0, vocab_size=vocab, output_len=(16, 128))
         (tmp / "mixed.json").write_text(json.dumps([[r.prompt_ids, r.max_tokens] for r in reqs]))
-        starts, timings, probes, alive = {}, {}, [], {}
-        for fmt in args.formats:
-            proc = start_ours(fmt, model_dir, tmp, args, errors)
-            if proc is None:
-                if fmt == "none":
-                    break  # no reference: nothing to measure quality against
-                continue
-            starts[fmt] = proc.started
-            if starts["none"]["dense_bytes"] > ONE_AT_A_TIME_BYTES and not args.interleave:
-                timings.update(run_rounds({fmt: proc}, args, errors, probes))
-                proc.close()
-            else:
-                alive[fmt] = proc
-        peers = start_peers(model_dir, tmp, args, errors) if "none" in starts else {}
-        starts.update({name: p.started for name, p in peers.items()})
+        starts, timings, probes, alive, starters = {}, {}, [], {}, {}
+        peers = () if args.no_llamacpp or not llamacpp_peer.available() else llamacpp_peer.TYPES
+        names = [*args.formats, *(f"llama.cpp {g}" for g in peers)]
+
+        def start(name: str) -> child.Child | None:  # a turn's own process; its first start's figures count
+            proc = start_process(name, model_dir, tmp, args, errors, quality=name not in starts)
+            if proc is not None:
+                starts.setdefault(name, proc.started)
+            return proc
+
+        ref = start("none")  # first: it writes the reference the others' quality is measured against
         try:
-            if alive or peers:
-                timings.update(run_rounds({**alive, **peers}, args, errors, probes))
+            if ref is not None and starts["none"]["dense_bytes"] > ONE_AT_A_TIME_BYTES and not args.interleave:
+                ref.close()
+                starters = {name: functools.partial(start, name) for name in names}
+            elif ref is not None:
+                alive["none"] = ref
+                alive.update((name, p) for name in names[1:] if (p := start(name)) is not None)
+            timings = run_rounds(alive, args, errors, probes, starters)
         finally:
-            for p in [*alive.values(), *peers.values()]:
+            for p in alive.values():
                 p.close()
     return {"model_dir": model_dir, "starts": starts, "timings": timings,
             "bandwidth": machine.pool_probes(probes) if probes else None}
@@ -210,11 +248,14 @@ def tiny_speaker_perplexity(args, errors: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    quiet = verdicts.quiet_at_start()  # before this benchmark runs anything of its own
     info = machine.machine_info("cpu")
     print(machine.describe(info), flush=True)
+    print(f"load average at the start: {quiet.load:.2f} on {quiet.cores} cores (quiet up to {quiet.limit:.2f}: "
+          f"{'quiet' if quiet.ok else 'NOT quiet, speed verdicts refused'})", flush=True)
     errors: dict[str, str] = {}
     results = {"machine": info, "tag": machine.run_tag(info), "args": {k: v for k, v in vars(args).items()},
-               "models": {}, "errors": errors}
+               "quiet": quiet, "models": {}, "errors": errors}
     for model in args.model:
         model_errors: dict[str, str] = {}
         results["models"][model] = run_model(model, args, model_errors)
@@ -224,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = quant_report.report(results)
     starts = {model: figures["starts"] for model, figures in results["models"].items()}
     print(json.dumps({**{k: results[k] for k in ("tag", "machine", "args", "errors")}, "starts": starts,
-                      **summary}, default=str))
+                      "quiet_at_start": quiet.as_dict(), **summary}, default=str))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ and writes one JSON line to `--reply-fd`:
   read_bytes                        weight bytes one decode step reads: all but the input embedding's
                                     rows (it reads one row a token) unless the LM head is that same tensor
   kv_pool_bytes, quantization       the KV pool; model_info()["quantization"]
-  logit_error, agreement            runner_core.quality against the reference (absent for the reference)
+  logit_error, agreement            runner_core.quality against the reference (absent for the reference,
+                                    and with --skip-quality)
 Then for each command line on stdin one reply line:
   {"cmd": "batch1"}   one request with a 32-token prompt: seconds for 1 and for 1 + `--decode-tokens`
                       tokens (their difference is the decode time: prefill cancels out)
@@ -159,6 +160,8 @@ def main() -> None:
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--write-ref", help="write the reference .npz here (the float32 run)")
     ap.add_argument("--ref", help="the reference .npz to measure quality against")
+    ap.add_argument("--skip-quality", action="store_true", help="no quality check (nor reference written): a "
+                    "restart of a format measured before")
     ap.add_argument("--reply-fd", type=int, required=True)
     args = ap.parse_args()
     out = os.fdopen(args.reply_fd, "w", buffering=1)
@@ -168,7 +171,8 @@ def main() -> None:
 
     try:
         runner, figures = load(args)
-        figures.update(quality(runner, args))
+        if not args.skip_quality:
+            figures.update(quality(runner, args))
     except Exception as e:  # the driver shows why this format did not run, and goes on with the others
         reply({"error": f"{type(e).__name__}: {e}"})
         raise

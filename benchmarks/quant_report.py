@@ -2,12 +2,19 @@
 
 `report(results)` prints one table per model (a row per format and llama.cpp file type), the tiny-speaker
 perplexity table and each target's verdict (met, or missed by how much), every line naming the CPU and
-kernel tier; it returns the same as a dict for the JSON line.
+kernel tier; it returns the same as a dict for the JSON line. The speed targets (bandwidth share, speedups
+over float32, the mixed workload) are refused when `results["quiet"]` says the machine was not quiet at the
+start (benchmarks/verdicts.py); memory and perplexity do not depend on it.
 """
 
 from __future__ import annotations
 
 import statistics
+
+try:  # run as a script: benchmarks/ is on sys.path
+    import verdicts
+except ImportError:  # imported as benchmarks.quant_report
+    from benchmarks import verdicts
 
 MIB = 1 << 20
 RSS_SLACK, PEAK_RATIO, BANDWIDTH_SHARE = 1.1, 1.25, 0.75
@@ -61,11 +68,12 @@ def print_table(model: str, rows: dict, tag: str) -> None:
           "bandwidth; logit error and agreement against the float32 reference)")
 
 
-def _verdict(ok: bool, text: str) -> str:
-    return f"{'met' if ok else 'MISSED'}: {text}"
+def _verdict(ok: bool, text: str, quiet: verdicts.Quiet | None = None) -> str:
+    return f"{verdicts.outcome(ok, quiet, words=('met', 'MISSED'))}: {text}"
 
 
-def model_targets(model: str, rows: dict) -> list[str]:
+def model_targets(model: str, rows: dict, quiet: verdicts.Quiet | None = None) -> list[str]:
+    """Each target's line for one model's rows; `quiet`: the machine at the start (the speed targets)."""
     out = []
     for name, r in rows.items():
         if name.startswith("llama.cpp"):
@@ -79,16 +87,16 @@ def model_targets(model: str, rows: dict) -> list[str]:
         if r["bandwidth_share"]:
             share = r["bandwidth_share"]["median"]
             out.append(_verdict(share >= BANDWIDTH_SHARE, f"{model} {name}: batch-1 reads {100 * share:.0f}% of "
-                                f"the bandwidth (>= 75%)"))
+                                f"the bandwidth (>= 75%)", quiet))
     base = rows.get("none", {}).get("batch1_tok_s")
     for name, want in HEAD_SPEEDUPS.items():
         if base and rows.get(name, {}).get("batch1_tok_s"):
             x = rows[name]["batch1_tok_s"]["median"] / base["median"]
-            out.append(_verdict(x >= want, f"{model} {name}: batch-1 {x:.2f}x our float32 (>= {want:g}x)"))
+            out.append(_verdict(x >= want, f"{model} {name}: batch-1 {x:.2f}x our float32 (>= {want:g}x)", quiet))
     mixed = rows.get("none", {}).get("mixed_tok_s")
     if mixed and rows.get("int8", {}).get("mixed_tok_s"):
         x = rows["int8"]["mixed_tok_s"]["median"] / mixed["median"]
-        out.append(_verdict(x >= 1.0, f"{model} int8: mixed workload {x:.2f}x our float32 (>= 1x)"))
+        out.append(_verdict(x >= 1.0, f"{model} int8: mixed workload {x:.2f}x our float32 (>= 1x)", quiet))
     for ours, peer in PEERS.items():
         if rows.get(ours, {}).get("batch1_tok_s") and rows.get(peer, {}).get("batch1_tok_s"):
             x = rows[ours]["batch1_tok_s"]["median"] / rows[peer]["batch1_tok_s"]["median"]
@@ -117,7 +125,7 @@ def report(results: dict) -> dict:
         if bw:
             print(f"memory bandwidth in the rounds: sum {_fmt(bw['sum'])} GB/s, copy {_fmt(bw['copy'])} GB/s")
         summary["models"][model] = rows
-        summary["targets"] += model_targets(model, rows)
+        summary["targets"] += model_targets(model, rows, results.get("quiet"))
     ppl = results.get("perplexity", {})
     if ppl:
         print(f"\ntiny-speaker perplexity on held-out prose ({next(iter(ppl.values()))['tokens']} tokens; {tag})")

@@ -27,7 +27,8 @@ in the dtype (MFU = tok/s / the workload's compute limit) and the memory bandwid
 sum and a copy at sizes past the last-level cache, before the rounds and in each round (a shared
 machine's bandwidth moves: the probes see it as the engines do); the batch-1 share is weight bytes x tok/s / the
 sum probe's median (also printed against the copy's). Every ratio goes through
-benchmarks/verdicts.py, which refuses figures from different devices or unlike conditions. Then
+benchmarks/verdicts.py, which refuses figures from different devices or unlike conditions, and every
+verdict when the machine was not quiet at the start (its 1-minute load average against its cores). Then
 the step overhead: 32 requests (prompt 64, 64 outputs); over the pure-decode steps, the share of
 step time spent outside the model forward.
 Targets (reported, never enforced): ours / vLLM >= 1.25 (eager and compiled each); fp32 MFU >= 70%;
@@ -42,6 +43,7 @@ Run:  make bench    or    .venv/bin/python benchmarks/throughput.py [--model qwe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -200,6 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    quiet = verdicts.quiet_at_start()  # before this benchmark runs anything of its own: else no speed verdict
+    verdict = functools.partial(verdicts.verdict, quiet=quiet)
     torch.set_num_threads(2)
     dtype = getattr(torch, args.dtype)
     args.device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -222,8 +226,8 @@ def main() -> None:
           f"outputs {min(r.max_tokens for r in reqs)}-{max(r.max_tokens for r in reqs)}, {useful} useful tokens, "
           f"{flops / 1e12:.3f} TFLOP; {args.dtype}; torch threads {torch.get_num_threads()}; both engines: "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, prefix caching "
-          f"{'on' if args.prefix_caching else 'off'}, KV cache {args.kv_cache_gib} GiB; load average "
-          f"{os.getloadavg()[0]:.2f}")
+          f"{'on' if args.prefix_caching else 'off'}, KV cache {args.kv_cache_gib} GiB; load average at the start "
+          f"{quiet.load:.2f} on {quiet.cores} cores ({'quiet' if quiet.ok else 'NOT quiet: speed verdicts refused'})")
     print(f"{device}: matmul peak {peak:.0f} GFLOP/s ({args.dtype}), the workload's compute limit {limit:.0f} "
           "useful tok/s", flush=True)
 
@@ -291,20 +295,20 @@ def main() -> None:
     ratios = {}
     for mode in ("eager", "compiled"):
         if f"ours {mode}" in tok_s and f"vllm {mode}" in tok_s:
-            ratios[f"vllm {mode}"] = say(verdicts.verdict, f"ours {mode} / vLLM {mode} (median tok/s)",
+            ratios[f"vllm {mode}"] = say(verdict, f"ours {mode} / vLLM {mode} (median tok/s)",
                                          fig(f"ours {mode}", tok_s[f"ours {mode}"]["median"]),
                                          fig(f"vllm {mode}", tok_s[f"vllm {mode}"]["median"]), VLLM_RATIO_TARGET)
     best = {side: max((k for k in tok_s if k.startswith(side)), key=lambda k: tok_s[k]["median"], default=None)
             for side in ("ours", "vllm", "hf")}
     if best["vllm"]:
-        ratios["best vs best"] = say(verdicts.verdict, f"extra, best vs best: {best['ours']} / {best['vllm']}",
+        ratios["best vs best"] = say(verdict, f"extra, best vs best: {best['ours']} / {best['vllm']}",
                                      fig(best["ours"], tok_s[best["ours"]]["median"]),
                                      fig(best["vllm"], tok_s[best["vllm"]]["median"]), VLLM_RATIO_TARGET, like=False)
     if best["hf"]:
-        ratios["hf"] = say(verdicts.verdict, f"ours eager / best transformers ({best['hf']}, eager)",
+        ratios["hf"] = say(verdict, f"ours eager / best transformers ({best['hf']}, eager)",
                            fig("ours eager", tok_s["ours eager"]["median"]),
                            fig(best["hf"], tok_s[best["hf"]]["median"]), HF_RATIO_TARGET)
-    mfu = {k: say(verdicts.verdict, f"{k} MFU (of the {args.dtype} compute limit)", fig(k, tok_s[k]["median"]),
+    mfu = {k: say(verdict, f"{k} MFU (of the {args.dtype} compute limit)", fig(k, tok_s[k]["median"]),
                   limit_fig, MFU_TARGET, percent=True) for k in tok_s if k.startswith("ours")}
 
     weight_bytes = machine.decode_weight_bytes(shape, args.dtype)
@@ -314,7 +318,7 @@ def main() -> None:
     share = {}
     for name, t in b1.items():
         moved = verdicts.Figure(weight_bytes * t["median"] / 1e9, devices[name], label=f"{name} weight GB/s")
-        share[name] = say(verdicts.verdict,
+        share[name] = say(verdict,
                           f"  {name:<14} {t['median']:6.1f} tok/s ({t['min']:.1f}-{t['max']:.1f}) share",
                           moved, verdicts.Figure(bandwidth, device, label=f"sum probe of {device}"), BANDWIDTH_TARGET,
                           percent=True)
@@ -326,7 +330,7 @@ def main() -> None:
         print("  a share above 100% means the probes ran slower than the engines did (a busy machine): rerun quieter")
     for mode in ("eager", "compiled"):
         if f"ours {mode}" in b1 and f"vllm {mode}" in b1:
-            say(verdicts.verdict, f"batch-1 ours {mode} / vLLM {mode}",
+            say(verdict, f"batch-1 ours {mode} / vLLM {mode}",
                 fig(f"ours {mode}", b1[f"ours {mode}"]["median"]), fig(f"vllm {mode}", b1[f"vllm {mode}"]["median"]),
                 None)
 
@@ -341,7 +345,7 @@ def main() -> None:
         pair = [starts.get((f"{side} {mode}", condition)) for side in ("ours", "vllm")]
         if all(pair):
             dev = [devices.get(f"{side} {mode}", "?") for side in ("ours", "vllm")]
-            cold[condition] = say(verdicts.verdict, f"first token, ours / vLLM ({condition})",
+            cold[condition] = say(verdict, f"first token, ours / vLLM ({condition})",
                                   verdicts.Figure(pair[0]["first_token_s"], dev[0], condition, "ours"),
                                   verdicts.Figure(pair[1]["first_token_s"], dev[1], condition, "vLLM"),
                                   COLD_START_TARGET, at_least=False)
@@ -350,7 +354,7 @@ def main() -> None:
     if ov:
         print(f"decode step at batch 32 ({ov['steps']} pure-decode steps): {ov['total_ms']:.2f} ms total, "
               f"{ov['forward_ms']:.2f} ms forward, outside-forward share {100 * ov['share']:.1f}%; "
-              f"target <= {100 * OVERHEAD_TARGET:g}%: {'met' if ov['share'] <= OVERHEAD_TARGET else 'NOT met'}; "
+              f"target <= {100 * OVERHEAD_TARGET:g}%: {verdicts.outcome(ov['share'] <= OVERHEAD_TARGET, quiet)}; "
               f"the step observer (record + waste figures) {ov['observer_us']:.0f} us per step")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}\n\nsummary:")
     print("\n".join(summary.summary_lines(args.model, args.dtype, machine.run_tag(info), tok_s, b1, share, starts,
@@ -360,7 +364,8 @@ def main() -> None:
         return None if x is None else round(x, 3)
 
     print(json.dumps({
-        "model": args.model, "dtype": args.dtype, "machine": info, "repeats": args.repeats, "num_requests": n,
+        "model": args.model, "dtype": args.dtype, "machine": info, "quiet_at_start": quiet.as_dict(),
+        "repeats": args.repeats, "num_requests": n,
         "quick": args.quick,
         "tok_s": {k: {q: round(v, 2) for q, v in t.items()} for k, t in tok_s.items()},
         "returned_tokens": returned, "requested_tokens": requested, "devices": devices, "engine_settings": settings,

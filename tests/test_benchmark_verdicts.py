@@ -1,13 +1,15 @@
-"""The benchmarks' verdicts compare like with like, and a failed token check reaches the exit code:
-figures from different devices (or unlike conditions) are refused, a GPU check whose CUDA-graph
-tokens differ exits non-zero. The throughput report: its options per model size, the load time and
-resident memory of an engine process (its children included), and summary lines that each name the
-model, dtype, CPU and kernel tier. The what-if report judges its capacity apart from the loads. All on the
-CPU; the one model run is tiny-llama's."""
+"""The benchmarks' verdicts compare like with like, on a quiet machine, and a failed token check reaches the
+exit code: figures from different devices (or unlike conditions) are refused, and so is a speed verdict when
+the machine was busy at the start (a faked load average) or, in the contention benchmark, during a run; the
+weight formats take turns round by round; a GPU check whose CUDA-graph tokens differ exits non-zero. The
+throughput report: its options per model size, the load time and resident memory of an engine process (its
+children included), and summary lines that each name the model, dtype, CPU and kernel tier. The what-if
+report judges its capacity apart from the loads. All on the CPU; the one model run is tiny-llama's."""
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 import runner_core.kernels
-from benchmarks import gpu_check, machine, throughput, whatif
+from benchmarks import contention, gpu_check, machine, quant, quant_report, throughput, verdicts, whatif
 from benchmarks.cuda_graphs import parity_exit_code
 from benchmarks.engine_client import EngineProcess, EngineSpec, cache_state
 from benchmarks.engine_proc import tree_rss_mib
@@ -269,3 +271,87 @@ def test_an_engine_process_does_not_see_the_benchmark_modules_as_packages():
              "print(importlib.util.find_spec('machine'))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None"
+
+
+def _load(monkeypatch, load: float, cores: int = 2) -> verdicts.Quiet:
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.4, 0.3))
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    return verdicts.quiet_at_start()
+
+
+def test_a_speed_verdict_is_refused_when_the_machine_was_not_quiet_at_its_start(monkeypatch):
+    busy = _load(monkeypatch, 1.6)  # other sessions on a 2-core machine
+    assert busy.as_dict() == {"load_1min": 1.6, "cores": 2, "limit": 1.0, "quiet": False}
+    idle, beside = Figure(100.0, "cpu", label="idle"), Figure(60.0, "cpu", label="beside a busy process")
+    line, r = verdict("busy / idle", beside, idle, 0.5, quiet=busy)
+    assert r == pytest.approx(0.6)
+    assert line == "busy / idle: 0.60x; target >= 0.50x: refused: machine not quiet (load 1.60 on 2 cores)"
+    quiet = _load(monkeypatch, 0.9)
+    assert quiet.ok and verdict("busy / idle", beside, idle, 0.5, quiet=quiet)[0].endswith("target >= 0.50x: met")
+    assert _load(monkeypatch, 3.9, cores=8).ok and not _load(monkeypatch, 4.5, cores=8).ok  # half a process a core
+    # contention: quiet at the start, but other processes kept 1.3 of the 2 cores busy during a run
+    runs = [{"idle_others_cores": 0.1, "busy_others_cores": 0.2}, {"idle_others_cores": 1.3, "busy_others_cores": 0.0}]
+    assert contention.busy_over_idle_verdict(0.6, quiet, runs[:1]) == "met"
+    assert contention.busy_over_idle_verdict(0.4, quiet, runs[:1]) == "NOT met"
+    assert contention.busy_over_idle_verdict(0.6, quiet, runs) == \
+        "refused: machine not quiet (load 1.30 on 2 cores during round 2's idle run)"
+    assert contention.busy_over_idle_verdict(0.6, busy, runs[:1]).startswith("refused: machine not quiet (load 1.60")
+    # the weight formats: the speed targets refused, memory judged all the same
+    row = {"rss_mib": 900.0, "peak_rss_mib": 1000.0, "weights_mib": 500.0, "kv_pool_mib": 256.0,
+           "bandwidth_share": {"median": 0.8}, "batch1_tok_s": {"median": 10.0}, "mixed_tok_s": {"median": 40.0}}
+    rows = {"none": row, "int8": {**row, "batch1_tok_s": {"median": 20.0}, "mixed_tok_s": {"median": 50.0}}}
+    lines = quant_report.model_targets("small-llama", rows, busy)
+    assert [line.split(": ")[0] for line in lines] == ["met", "met", "refused", "met", "met", "refused", "refused"]
+    assert lines[-1] == ("refused: machine not quiet (load 1.60 on 2 cores): small-llama int8: mixed workload 1.25x "
+                         "our float32 (>= 1x)")
+    assert [line.split(": ")[0] for line in quant_report.model_targets("small-llama", rows, quiet)] == ["met"] * 7
+
+
+class _FormatProcess:
+    """One weight format's process as quant.py sees it: started, asked for batch-1 and mixed turns, closed."""
+
+    def __init__(self, fmt: str, log: list, alive: set, dense_bytes: int, quality: bool):
+        self.fmt, self.log, self.alive = fmt, log, alive
+        self.started = {"dense_bytes": dense_bytes, "quality_measured": quality}
+        alive.add(fmt)
+        log.append(("start", fmt, len(alive), quality))
+
+    def ask(self, cmd: str) -> dict:
+        self.log.append((cmd, self.fmt))
+        return {"one_s": 0.1, "many_s": 1.1} if cmd == "batch1" else {"seconds": 1.0, "returned_tokens": 10}
+
+    def close(self) -> None:
+        self.alive.discard(self.fmt)
+
+
+@pytest.mark.parametrize("dense_bytes", [2 << 30, 1 << 20])
+def test_the_weight_formats_take_turns_round_by_round(monkeypatch, tiny_llama_path, dense_bytes):
+    """A model over 1 GiB (one process alive at a time) and a small one (all alive): in every round each
+    format takes a turn, the order rotated a place a round, each timed batch-1 turn after a bandwidth probe;
+    never one format's rounds and then the next's."""
+    log, alive = [], set()
+    monkeypatch.setattr(quant, "start_ours", lambda fmt, model_dir, tmp, args, errors, quality=True:
+                        _FormatProcess(fmt, log, alive, dense_bytes, quality))
+    probe = {m: {"median": 10.0, "min": 10.0, "max": 10.0, "runs": [10.0]} for m in ("sum", "copy")}
+    monkeypatch.setattr(quant.machine, "bandwidth_probes", lambda *a, **k: log.append(("probe",)) or probe)
+    args = quant.parse_args(["--formats", "none", "int8", "int4-g64", "--mixed-formats", "int8", "--repeats", "3",
+                             "--no-llamacpp"])
+    figures = quant.run_model(str(tiny_llama_path), args, errors := {})
+    assert not errors and not alive
+    timed = [log[i + 1][1] for i, e in enumerate(log) if e == ("probe",)]
+    rounds = [["none", "int8", "int4-g64"], ["int8", "int4-g64", "none"], ["int4-g64", "none", "int8"]]
+    batch1 = [e[1] for e in log if e[0] == "batch1"]
+    if dense_bytes > quant.ONE_AT_A_TIME_BYTES:
+        assert [e[1] for e in log if e[0] == "start"] == ["none", *[f for r in rounds for f in r]]
+        assert all(e[2] == 1 for e in log if e[0] == "start")  # one process alive at a time
+        # quality measured once per format: the reference's first start, each other format's first turn
+        assert [e[1] for e in log if e[0] == "start" and e[3]] == ["none", "int8", "int4-g64"]
+        assert timed == [f for r in rounds for f in r]  # each turn: a probe just before its timed batch-1
+        assert batch1 == [f for r in rounds for f in r for _ in (0, 1)]  # an untimed turn first, each start
+    else:
+        assert [e[1:3] for e in log if e[0] == "start"] == [("none", 1), ("int8", 2), ("int4-g64", 3)]
+        assert log.count(("probe",)) == 3  # one a round
+        assert batch1 == ["none", "int8", "int4-g64", *[f for r in rounds for f in r]]  # untimed turns, then rounds
+    assert figures["starts"]["int8"]["quality_measured"]
+    assert {name: len(t["batch1"]) for name, t in figures["timings"].items()} == dict.fromkeys(rounds[0], 3)
+    assert len(figures["timings"]["int8"]["mixed"]) == 3 and figures["timings"]["none"]["mixed"] == []
