@@ -20,7 +20,12 @@ through the LM head). Per pipeline stage, on one device of the tensor-parallel g
 
 The step is the sum of its stages (this engine keeps one batch in flight: a stage idles while the others run,
 the share reported as `bubble_s`, already inside the total) plus the fixed costs: step_s + layers x layer_s +
-sequences x seq_s + tokens x token_s. TP beyond a node is priced at the same link (not modelled as a network).
+sequences x seq_s + tokens x token_s. Of these, step_s + sequences x seq_s is the host's (scheduling, input
+preparation, sampling and output bookkeeping) and the rest the device's (launch gaps, small kernels). This
+engine runs the host's work between device steps, so the two add up; with `host_overlap` (an engine with an
+overlap or asynchronous scheduler: TensorRT-LLM's PyTorch backend by default, vLLM's --async-scheduling, SGLang's
+overlap scheduler) the host prepares the next step while the device runs this one, and a step takes the larger of
+the two. TP beyond a node is priced at the same link (not modelled as a network).
 
 Weights are stored as the runner stores them (layers/weight_storage.py): int8 and int4 are weight-only (1 byte +
 a float32 scale per channel; half a byte + a float32 scale and minimum per group of 64), multiplied at the
@@ -77,7 +82,8 @@ class CostModel:
 
     def __init__(self, shape: ModelShape, hardware: HardwareSpec, coefficients: Coefficients, *, dtype: str,
                  weight_format: str | None = None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 pipeline_stage_layers: list[int] | None = None, kv_cache_dtype: str | None = None):
+                 pipeline_stage_layers: list[int] | None = None, kv_cache_dtype: str | None = None,
+                 host_overlap: bool = False):
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype={dtype!r} is not a compute dtype; use one of {', '.join(TORCH_DTYPES)}")
         if weight_format not in WEIGHT_FORMATS:
@@ -96,6 +102,9 @@ class CostModel:
         kv_bytes = kv_element_bytes(kv_cache_dtype, dtype)
         self.shape, self.hardware, self.dtype, self.weight_format = shape, hardware, dtype, weight_format
         self.kv_cache_dtype = kv_cache_dtype
+        if not isinstance(host_overlap, bool):
+            raise ValueError(f"host_overlap must be True or False, got {host_overlap!r}")
+        self.host_overlap = host_overlap
         self.tensor_parallel_size, self.pipeline_parallel_size = tp, pp
         # W8A8 fp8 where the hardware multiplies fp8; anything else multiplies at the compute dtype's peak
         self.compute_format = "fp8" if weight_format == "fp8" and "fp8" in hardware.peak_flops else dtype
@@ -194,9 +203,13 @@ class CostModel:
             stages.append((compute, (weights + act) / bw, weights, comm))
         return tokens, seqs, attention, stages
 
-    def _fixed(self, tokens: int, seqs: int) -> float:
+    def _fixed(self, tokens: int, seqs: int) -> tuple[float, float]:
+        """(host seconds: step_s + seqs x seq_s, device seconds: layers x layer_s + tokens x token_s)."""
         c = self.coefficients
-        return c.step_s + self.shape.num_layers * c.layer_s + seqs * c.seq_s + tokens * c.token_s
+        return c.step_s + seqs * c.seq_s, self.shape.num_layers * c.layer_s + tokens * c.token_s
+
+    def _total(self, device: float, host: float) -> float:
+        return max(device, host) if self.host_overlap else device + host
 
     def _attention_s(self, attention: tuple[float, float]) -> float:
         c = self.coefficients
@@ -207,15 +220,17 @@ class CostModel:
         tokens, seqs, attention, stages = self._terms(starts, num_new_tokens, num_sampled)
         c = self.coefficients
         ce, me = c.compute_efficiency, c.memory_efficiency
-        total = self._attention_s(attention) + self._fixed(tokens, seqs)
+        host, device = self._fixed(tokens, seqs)
+        device += self._attention_s(attention)
         for compute, memory, _, comm in stages:
-            total += max(compute / ce, memory / me) + comm
-        return total
+            device += max(compute / ce, memory / me) + comm
+        return self._total(device, host)
 
     def breakdown(self, starts: list[int], num_new_tokens: list[int], num_sampled: int) -> dict:
         """The step's time by part: {"linear_s", "attention_s", "comm_s", "bubble_s" (idle share of the stages'
-        time, inside total_s), "fixed_s", "total_s", "bound": "compute" | "memory" (the linear layers'),
-        "weight_bytes" (read per device, all stages)}."""
+        time, inside total_s), "fixed_s" (host and device), "host_s" (its host part), "hidden_s" (host time run
+        under the device's, with host_overlap), "total_s" (the parts less hidden_s), "bound": "compute" | "memory"
+        (the linear layers'), "weight_bytes" (read per device, all stages)}."""
         tokens, seqs, attention, stages = self._terms(starts, num_new_tokens, num_sampled)
         c = self.coefficients
         ce, me = c.compute_efficiency, c.memory_efficiency
@@ -225,9 +240,11 @@ class CostModel:
             linear[bound] += max(compute / ce, memory / me)
         attention_s, comm = self._attention_s(attention), sum(s[3] for s in stages)
         busy = sum(linear.values()) + attention_s + comm
-        fixed = self._fixed(tokens, seqs)
+        host, device = self._fixed(tokens, seqs)
+        total = self._total(busy + device, host)
         return {"linear_s": sum(linear.values()), "attention_s": attention_s, "comm_s": comm,
-                "bubble_s": busy * (1 - 1 / self.pipeline_parallel_size), "fixed_s": fixed, "total_s": busy + fixed,
+                "bubble_s": busy * (1 - 1 / self.pipeline_parallel_size), "fixed_s": host + device, "host_s": host,
+                "hidden_s": busy + device + host - total, "total_s": total,
                 "bound": "compute" if linear["compute"] >= linear["memory"] else "memory",
                 "weight_bytes": sum(s[2] for s in stages)}
 
@@ -236,7 +253,12 @@ class CostModel:
         memory_efficiency + attention_s / attention_efficiency + decode_attention_s / decode_attention_efficiency +
         one x step_s + layers x layer_s + seqs x seq_s + tokens x token_s + comm_s. The linear terms are seconds at
         100% of the peaks, each stage's counted under the bound this model's coefficients give it: refit with
-        `with_coefficients(fitted)` until it settles."""
+        `with_coefficients(fitted)` until it settles. Only a model whose host and device work add up
+        (host_overlap False, as this engine runs) is linear in its coefficients."""
+        if self.host_overlap:
+            raise ValueError("features() describe a step whose host and device work add up; with host_overlap the "
+                             "step is the larger of the two, not linear in the coefficients: fit a CostModel built "
+                             "with host_overlap=False")
         tokens, seqs, attention, stages = self._terms(starts, num_new_tokens, num_sampled)
         ce, me = self.coefficients.compute_efficiency, self.coefficients.memory_efficiency
         compute_s = sum(s[0] for s in stages if s[0] / ce >= s[1] / me)

@@ -223,7 +223,8 @@ def build_simulated_engine(config: RunnerConfig, simulate) -> SimulatedEngine:
     cost_model = CostModel(shape, hardware, coefficients, dtype=str(worker.dtype).removeprefix("torch."),
                            weight_format=weight_format, tensor_parallel_size=config.tensor_parallel_size,
                            pipeline_parallel_size=config.pipeline_parallel_size,
-                           pipeline_stage_layers=[len(r) for r in stages], kv_cache_dtype=simulation.kv_cache_dtype)
+                           pipeline_stage_layers=[len(r) for r in stages], kv_cache_dtype=simulation.kv_cache_dtype,
+                           host_overlap=simulation.async_scheduling)
     # the EOS ids (config.json's, generation_config.json's, the tokenizer's) the drawn tokens avoid; text needs
     # the directory's own tokenizer (the byte fallback would read text no real tokenizer of the model reads)
     tokenizer = load_tokenizer(path, hf_config, config.trust_remote_code)

@@ -27,7 +27,10 @@ class Simulation:
     `weight_format` the weights' format beyond the config's quantization ("int8", "int4", "fp8"; None: the
     config's); `kv_cache_dtype` the KV cache's element format (None: the compute dtype; "fp8": one byte an
     element, so the pool plans twice the tokens of a 16-bit cache and decode reads half the KV bytes); `seed`
-    the drawn tokens'.
+    the drawn tokens'; `async_scheduling` whether the host's work of a step (scheduling, input preparation,
+    sampling bookkeeping) runs while the device computes the previous one, as an engine with an overlap
+    scheduler does (vLLM's --async-scheduling, TensorRT-LLM's PyTorch backend by default), so a step costs the
+    larger of the two instead of their sum (False: this engine, which runs them one after the other).
 
     The real engine has no FP8 KV cache: kv_cache_dtype="fp8" is a what-if of an engine that has one (the
     scheduler and pool run as they do, over the larger pool; no quantization error is modelled)."""
@@ -37,6 +40,7 @@ class Simulation:
     weight_format: str | None = None
     seed: int = 0
     kv_cache_dtype: str | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.hardware, (HardwareSpec, str)):
@@ -51,6 +55,8 @@ class Simulation:
                              f"dtype) or one of {', '.join(map(repr, KV_CACHE_DTYPES[1:]))}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"Simulation.seed must be an int >= 0, got {self.seed!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"Simulation.async_scheduling must be True or False, got {self.async_scheduling!r}")
 
     @classmethod
     def coerce(cls, value) -> Simulation:
@@ -82,7 +88,8 @@ class Simulation:
         return {"hardware": hardware.name, "band": self.band if hardware.band else None,
                 "devices": config.world_size, "weight_format": self.cost_format(config),
                 "kv_cache_dtype": self.kv_cache_dtype or str(config.torch_dtype).removeprefix("torch."),
-                "seed": self.seed, "coefficients": coefficients.as_dict()}
+                "seed": self.seed, "async_scheduling": self.async_scheduling,
+                "coefficients": coefficients.as_dict()}
 
 
 def simulated_config(config: RunnerConfig, hardware: HardwareSpec) -> RunnerConfig:
