@@ -129,6 +129,17 @@ def test_slots_queue_in_order_refuse_past_the_queue_and_forget_a_waiter_that_lef
     asyncio.run(main())
 
 
+def test_session_serve_api_passes_its_limits_on(session):
+    srv = session.serve_api(limits={"max_stop_sequences": 1})
+    try:
+        assert srv.limits == ApiLimits(max_stop_sequences=1)
+        error = _error(httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "stop": ["a", "b"]},
+                                  timeout=60), 400)
+        assert error["param"] == "stop" and "maximum length 1, but got an array with length 2" in error["message"]
+    finally:
+        srv.stop()
+
+
 def test_a_body_over_the_limit_is_a_413_whether_declared_or_streamed(server):
     body = json.dumps({"model": "tiny-llama", "prompt": "x" * (70 << 10), "max_tokens": 4}).encode()
     error = _error(httpx.post(server.url + "/v1/completions", content=body, timeout=60,

@@ -1,6 +1,6 @@
 """The API's refusals: bad fields get a 4xx OpenAI error naming the field; with an API key every route but
 /health needs `Authorization: Bearer`; off loopback it is refused without a key (in Python and on the command
-line, saying how); the command line serves it alone or beside the dashboard."""
+line, saying how); the command line serves it alone or beside the dashboard, with the limits its flags set."""
 
 from __future__ import annotations
 
@@ -153,8 +153,9 @@ def _cli(*argv: str, env: dict, wait_s: float = 180):
         stop(proc, 15)
 
 
-def test_the_api_command_serves_a_model_with_the_key_from_the_environment(tiny_llama_path):
-    with _cli("api", "--model", "tiny-llama", "--port", "0", env={**os.environ, "WORKBENCH_API_KEY": KEY}) as urls:
+def test_the_api_command_serves_a_model_with_the_key_from_the_environment_and_its_limits(tiny_llama_path):
+    with _cli("api", "--model", "tiny-llama", "--port", "0", "--max-stop-sequences", "1",
+              env={**os.environ, "WORKBENCH_API_KEY": KEY}) as urls:
         base = urls["OpenAI API"]
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", base)
         client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
@@ -162,11 +163,17 @@ def test_the_api_command_serves_a_model_with_the_key_from_the_environment(tiny_l
         assert httpx.get(base + "/models").status_code == 401
         (model,) = httpx.get(base + "/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
         assert model["id"] == "tiny-llama" and model["max_model_len"] == 2048  # the model's own limit
+        two_stops = _post(base.removesuffix("/v1"), "/v1/completions", {"prompt": "hi", "stop": ["a", "b"]})
+        assert two_stops.status_code == 400 and two_stops.json()["error"]["param"] == "stop"
+        assert "maximum length 1, but got an array with length 2" in two_stops.json()["error"]["message"]
 
 
-def test_serve_with_an_api_port_serves_the_api_beside_the_dashboard(tiny_llama_path):
+def test_serve_with_an_api_port_serves_the_api_beside_the_dashboard_with_its_limits(tiny_llama_path):
     env = {k: v for k, v in os.environ.items() if k != "WORKBENCH_API_KEY"}
-    with _cli("serve", "--port", "0", "--model", "tiny-llama", "--api-port", "0", env=env) as urls:
+    with _cli("serve", "--port", "0", "--model", "tiny-llama", "--api-port", "0", "--max-body-mib", "1",
+              env=env) as urls:
         assert set(urls) == {"OpenAI API", "Workbench dashboard"}
         models = httpx.get(urls["OpenAI API"] + "/models", timeout=60).json()
         assert [m["id"] for m in models["data"]] == ["tiny-llama"]
+        big = httpx.post(urls["OpenAI API"] + "/completions", json={"prompt": "x" * (1 << 20)}, timeout=60)
+        assert big.status_code == 413 and "max_body_bytes (1048576 bytes" in big.json()["error"]["message"]

@@ -1,7 +1,7 @@
 """Command line: `python -m workbench serve [--port N] [--model NAME] [--address HOST --basic-auth PASSWORD]
 [--model-root DIR ...] [--api-port N [--api-key KEY]]` (the dashboard, and the OpenAI-compatible API beside it on
 the same session), and `python -m workbench api --model NAME [--port N] [--host HOST --api-key KEY]` (the API
-alone)."""
+alone); both take the API's limits (`--max-body-mib`, `--max-concurrent-requests`, ...: ApiLimits' fields)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,20 @@ import sys
 import threading
 
 from runner_core import RunnerError
+from workbench.api.limits import ApiLimits
 
 API_KEY_HELP = ("a key clients must send as 'Authorization: Bearer KEY' (default: the WORKBENCH_API_KEY environment "
                 "variable); needed off loopback")
+# ApiLimits' fields on the command line: flag, field, the field's units per flag unit, what it bounds
+LIMIT_FLAGS = (
+    ("--max-body-mib", "max_body_bytes", 1 << 20, "the largest request body in MiB; over it a 413"),
+    ("--max-concurrent-requests", "max_concurrent_requests", 1,
+     "generation requests served at once; more wait in the queue, unread"),
+    ("--max-queued-requests", "max_queued_requests", 1, "generation requests waiting for a slot; past them a 429"),
+    ("--max-stop-sequences", "max_stop_sequences", 1, "stop strings in one request; more is a 400"),
+    ("--max-stop-chars", "max_stop_chars", 1, "characters in one stop string; more is a 400"),
+    ("--max-messages", "max_messages", 1, "chat messages in one request; more is a 400"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also serve the OpenAI-compatible API on this port (0 picks a free one), same session")
     _model_args(srv, required=False)
     srv.add_argument("--show", action="store_true", help="open a browser tab")
+    _limit_args(srv, "API limits (with --api-port)")
     api = sub.add_parser("api", help="serve the OpenAI-compatible API alone")
     api.add_argument("--port", type=int, default=8000, help="port (0 picks a free one); default 8000")
     api.add_argument("--host", default="127.0.0.1",
@@ -42,7 +54,35 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--kv-cache-mib", type=int, default=None, metavar="MIB",
                      help="KV cache size in MiB (default: sized by the runner)")
     api.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    _limit_args(api, "API limits")
     return parser
+
+
+def _limit_args(parser: argparse.ArgumentParser, title: str) -> None:
+    group, defaults = parser.add_argument_group(title), ApiLimits()
+    for flag, field, unit, doc in LIMIT_FLAGS:
+        default = getattr(defaults, field) // unit
+        group.add_argument(flag, type=_at_least(ApiLimits.least(field)), default=default, metavar="N",
+                           help=f"{doc}; default {default}")
+
+
+def _at_least(least: int):
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an int >= {least}")
+        return value
+
+    return count
+
+
+def api_limits(args: argparse.Namespace) -> ApiLimits:
+    """The ApiLimits the parsed flags ask for (each flag's default is the field's)."""
+    return ApiLimits(**{field: getattr(args, flag[2:].replace("-", "_")) * unit
+                        for flag, field, unit, _ in LIMIT_FLAGS})
 
 
 def _model_args(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -73,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_dashboard(session, args) -> int:
     from workbench.api import check_exposure, serve_api
-    from workbench.controller import DEFAULT_LOAD, default_device, load_config
+    from workbench.controller import default_device, load_config
+    from workbench.forms import DEFAULT_LOAD
     from workbench.panel_app import serve
 
     if args.api_port is not None:
@@ -86,7 +127,8 @@ def serve_dashboard(session, args) -> int:
     server = serve(session, port=args.port, address=args.address, show=args.show, basic_auth=args.basic_auth,
                    model_roots=args.model_root)
     if args.api_port is not None:
-        api = serve_api(session, port=args.api_port, host=args.address, api_key=args.api_key)
+        api = serve_api(session, port=args.api_port, host=args.address, api_key=args.api_key,
+                        limits=api_limits(args))
         print(f"OpenAI API: {api.url}/v1", flush=True)
     print(f"Workbench dashboard: {server.url}", flush=True)
     server.start()
@@ -108,7 +150,7 @@ def serve_api_alone(session, args) -> int:
         config["max_model_len"] = args.max_model_len
     entry = session.load_model(args.model, **config)
     print(f"loaded {entry.name} in {entry.load_seconds:.1f} s", flush=True)
-    api = serve_api(session, port=args.port, host=args.host, api_key=args.api_key)
+    api = serve_api(session, port=args.port, host=args.host, api_key=args.api_key, limits=api_limits(args))
     print(f"OpenAI API: {api.url}/v1", flush=True)
     threading.Event().wait()  # until Ctrl-C; the server runs in its thread
     return 0

@@ -294,14 +294,15 @@ class Session:
 
         return WhatifJob.start(self, model, layouts, workload, target=target, band=band, **options)
 
-    def serve_api(self, port: int = 0, *, host: str = "127.0.0.1", api_key: str | None = None):
+    def serve_api(self, port: int = 0, *, host: str = "127.0.0.1", api_key: str | None = None, limits=None):
         """Serve an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions, /health,
         /metrics) over this session's models from a background thread; the notebook stays free and the
-        dashboards show the served traffic. Loopback by default; any other host needs `api_key`.
-        Returns the ApiServer (.url, .stop())."""
+        dashboards show the served traffic. Loopback by default; any other host needs `api_key`. `limits`:
+        a `workbench.api.ApiLimits` or a dict of its fields (None: its defaults). Returns the ApiServer
+        (.url, .limits, .stop())."""
         from workbench.api import serve_api
 
-        server = serve_api(self, port=port, host=host, api_key=api_key)
+        server = serve_api(self, port=port, host=host, api_key=api_key, limits=limits)
         self._api_servers.append(server)
         return server
 

@@ -28,9 +28,14 @@ class ApiLimits:
 
     def __post_init__(self):
         for f in fields(self):
-            value, least = getattr(self, f.name), 0 if f.name == "max_queued_requests" else 1
+            value, least = getattr(self, f.name), self.least(f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"ApiLimits.{f.name} got {value!r}; allowed: an int >= {least}")
+
+    @staticmethod
+    def least(field: str) -> int:
+        """The smallest value `field` takes (no queue at all is allowed: a 429 once every slot is busy)."""
+        return 0 if field == "max_queued_requests" else 1
 
     @classmethod
     def coerce(cls, limits: ApiLimits | dict | None) -> ApiLimits:
