@@ -305,7 +305,7 @@ def calibrate(model: str = "small-llama", *, dtype: str | None = None, shapes: S
         rows=rows, fit_error={**relative_errors(fitted, rows),
                               "by_model": {m: relative_errors(fitted, [r for r in rows if r["model"] == m])
                                            for m in models}},
-        models=models, settings=settings, date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+        models=models, settings=settings, date=datetime.datetime.now(datetime.UTC).isoformat(
             timespec="seconds"), seconds=time.perf_counter() - start)
     if save:
         calibration.save(path)
