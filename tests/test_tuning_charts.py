@@ -120,7 +120,7 @@ def test_the_widgets_tuning_tab_proposes_values_runs_a_sweep_and_recommends(tiny
         ui.refresh()
         proposed = propose_space(SessionBackend(s).capacity(), Workload(num_requests=ui.tune_requests.value))
         assert ui.tune_concurrency.value == ", ".join(map(str, proposed.concurrency)), "from the KV capacity"
-        ui.window.value = "last run"
+        ui.window_select.value = "last run"
         assert ui.chart_window == "last run"
 
         ui.tune_concurrency.value = "1, x"

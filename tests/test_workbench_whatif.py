@@ -167,22 +167,27 @@ def test_widgets_whatif_tab_runs_a_whatif_and_shows_its_figures(tiny_llama_path)
         s.close()
 
 
-def test_both_views_take_the_same_form_and_a_served_one_checks_its_bounds_and_roots(session, tiny_llama_path, tmp_path):
-    """The What-if and Tuning forms are one definition: the Panel and ipywidgets fields have the same bounds and
-    defaults; what a browser sends past a bound is refused by name, and a served dashboard simulates a model
-    directory only inside its model roots (a notebook's own dashboard, any)."""
+def test_both_views_make_every_form_alike_and_a_served_one_checks_bounds_and_roots(session, tiny_llama_path, tmp_path):
+    """Every form is one definition (workbench.forms): the Panel and ipywidgets views have each of its controls,
+    with the same label, default and bounds; what a browser sends past a bound is refused by name, and a served
+    dashboard simulates a model directory only inside its model roots (a notebook's own dashboard, any)."""
     import shutil
 
-    from workbench import SessionDashboard, SessionWidgets
+    from workbench import SessionDashboard, SessionWidgets, forms
+    from workbench.fields import Field
     from workbench.model_roots import ModelRoots
 
     panel_view, widgets_view = SessionDashboard(session), SessionWidgets(session, auto_refresh=False)
-    for attr in ("whatif_requests", "tune_requests", "tune_repeats"):
-        p, w = getattr(panel_view, attr), getattr(widgets_view, attr)
-        assert (p.start, p.end, p.value) == (w.min, w.max, w.value), attr
+    every = [c for form in (forms.LOAD_FORM, forms.COMPILE_FORM, forms.GENERATE_FORM, forms.WORKLOAD_FORM,
+                            [[forms.WINDOW_FIELD]], forms.TUNE_FORM, forms.WHATIF_FORM) for row in form for c in row]
+    for control in every:  # each view has every control, labelled and set alike
+        p, w = getattr(panel_view, control.attr), getattr(widgets_view, control.attr)
+        assert (p.label if isinstance(control, Field) else p.name) == w.description == control.label
+        if isinstance(control, Field) and control.attr != "device":
+            assert p.value == w.value == control.default, control.attr
+            if control.kind in ("int", "float") and control.low is not None and control.high is not None:
+                assert (p.start, p.end) == (w.min, w.max) == (control.low, control.high), control.attr
     assert panel_view.whatif_requests.end == 100_000 and panel_view.tune_requests.end == 4096
-    for attr in ("tune_limit", "whatif_hardware", "whatif_format", "tune_metric"):
-        assert getattr(panel_view, attr).value == getattr(widgets_view, attr).value, attr
 
     served = SessionDashboard(session, model_roots=ModelRoots())
     assert served.start_whatif("llama-3-70b", "h100-sxm", "8", "1", "none", 100_001) is None

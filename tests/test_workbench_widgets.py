@@ -30,13 +30,13 @@ def test_widgets_drive_the_session(ui):
     ui.generate_button.click()  # nothing loaded yet: a message, not an exception
     assert "no model is loaded" in ui.error.value
 
-    ui.model.value = "tiny-llama"
+    ui.model_select.value = "tiny-llama"
     ui.load_button.click()
     ui.load_button.click()  # pressing load twice
     assert "still loading" in ui.error.value
     ui.wait(120)
     assert list(s.models) == ["tiny-llama"] and s.active == "tiny-llama"
-    assert ui.active.options == ("tiny-llama",) and ui.active.value == "tiny-llama"
+    assert ui.active_select.options == ("tiny-llama",) and ui.active_select.value == "tiny-llama"
     assert "idle" in ui.status.value
     assert f"CPU kernels: {kernel_tier()} (" in ui.status.value
 
@@ -71,7 +71,7 @@ def test_widgets_drive_the_session(ui):
 
     ui.unload_button.click()
     ui.wait(30)
-    assert s.models == {} and ui.active.options == () and "no model loaded" in ui.status.value
+    assert s.models == {} and ui.active_select.options == () and "no model loaded" in ui.status.value
 
 
 def test_both_dashboards_show_the_kernel_tier_the_model_runs_on(ui, tiny_llama_path):
@@ -131,7 +131,7 @@ def test_both_load_forms_pass_the_storage_format_and_chart_what_it_saved(ui):
     from workbench.panel_app import SessionDashboard
 
     s = ui.session
-    ui.model.value, ui.model_path.value = "tiny-llama", ""
+    ui.model_select.value, ui.model_path.value = "tiny-llama", ""
     ui.storage.value, ui.group_size.value, ui.quantize_lm_head.value = "int4", 32, True
     ui.load_button.click()
     ui.wait(120)

@@ -1,8 +1,8 @@
-"""What the two views (the Panel dashboard and the ipywidgets panel) share: each user action is
-one Session call whose error becomes the view's message, background jobs (load, unload, compile
-switch) are tracked until they finish, the buttons are wired to the actions, and the streamed
-answer, the workload and the charts are prepared for display. A view supplies `show_error` /
-`clear_messages`, `on_load` / `on_compile` / `on_generate` and its widgets; no engine logic here.
+"""What the two views (the Panel dashboard and the ipywidgets panel) share: the forms' widgets (made from
+workbench.forms), each user action one Session call whose error becomes the view's message, background jobs
+(load, unload, compile switch) tracked until they finish, the buttons wired to the actions, and the streamed
+answer, the workload and the charts prepared for display. A view supplies `show_error`, `show_info`,
+`clear_messages`, `show_generating` and the outputs' widgets; no engine logic here.
 """
 
 from __future__ import annotations
@@ -11,37 +11,14 @@ import io
 from concurrent.futures import Future
 from pathlib import Path
 
-from runner_core.config import QUANTIZATIONS
 from workbench import charts, tuning_charts
-from workbench.fields import WIDTH, Action, Field
+from workbench.forms import NONE, TUNE_DEFAULTS, TUNE_FIELDS, WINDOW_CHOICES, WINDOW_FIELD
 from workbench.handles import RequestHandle
 from workbench.model_roots import ModelRoots
 from workbench.session import Session
 
-# What the views (and `serve --model`) load with unless told otherwise: a small KV pool keeps
-# the block map readable and the load fast on a laptop CPU.
-DEFAULT_MODEL = "tiny-speaker"  # the trained preset: its text is words (the random presets are for benchmarks)
-DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 0}  # 0: the model's own limit
 CHART_HISTORY = 1200  # rows drawn at most, the latest of the window (0.1 s each while work runs: 2 busy minutes)
-# the live charts' window choices: label -> (charts.window mode, minutes)
-WINDOW_CHOICES = {"last minute": ("minutes", 1.0), "last 2 minutes": ("minutes", 2.0),
-                  "last 5 minutes": ("minutes", 5.0), "last 10 minutes": ("minutes", 10.0),
-                  "last run": ("run", charts.WINDOW_MINUTES)}
-DEFAULT_WINDOW = "last 2 minutes"
-# the Tuning form, both views: its fields with the defaults they show before a model's KV capacity proposes values
-TUNE_METRICS = ("tpot_p99_ms", "ttft_p99_ms", "e2e_p99_ms", "itl_p99_ms", "tpot_p50_ms", "ttft_p50_ms")
-TUNE_FIELDS = {
-    "concurrency": Field("tune_concurrency", "concurrency values", "text", "1, 2, 4, 8", width=2 * WIDTH),
-    "max_num_seqs": Field("tune_seqs", "max_num_seqs values", "text", "", placeholder="as loaded", width=2 * WIDTH),
-    "metric": Field("tune_metric", "target metric", "choice", "tpot_p99_ms", options=TUNE_METRICS),
-    "limit": Field("tune_limit", "limit (ms)", "float", 100.0, low=0),
-    "repeats": Field("tune_repeats", "repeats", "int", 3, low=1, high=20),
-    "requests": Field("tune_requests", "requests per run", "int", 16, low=1, high=4096),
-}
-TUNE_DEFAULTS = {key: field.default for key, field in TUNE_FIELDS.items()}
-_tune = list(TUNE_FIELDS.values())
-TUNE_FORM = (_tune[:2], _tune[2:], (Action("tune_start", "Start sweep", primary=True, icon="play"),
-                                    Action("tune_cancel", "Cancel sweep", icon="stop")))
+DEFAULT_WINDOW = WINDOW_FIELD.default
 
 
 def parse_values(text: str, field: str) -> list[int]:
@@ -68,8 +45,6 @@ def tune_plan(concurrency: str, max_num_seqs: str, metric: str, limit: float, re
     space = SweepSpace(concurrency=levels, scheduler={"max_num_seqs": seqs} if seqs else {})
     return (space, Workload(num_requests=f["requests"].check(requests)),
             Target(f["metric"].check(metric), f["limit"].check(limit)), f["repeats"].check(repeats))
-STORAGE_NONE = "none"  # the load form's storage choice for weights kept in the compute dtype
-STORAGE_CHOICES = (STORAGE_NONE, *(q for q in QUANTIZATIONS if q))  # none, int8, int4
 IMAGE_PLACEHOLDER = "<image>"  # where a multimodal prompt's image goes (LLaVA's placeholder)
 PREVIEW_PX = 160
 
@@ -97,11 +72,11 @@ def image_prompt(text: str, image) -> str | dict:
 
 
 def load_config(dtype: str, device: str, kv_cache_memory_mib: int | None, max_model_len: int | None,
-                storage: str = STORAGE_NONE, group_size: int = 64, quantize_lm_head: bool = False) -> dict:
+                storage: str = NONE, group_size: int = 64, quantize_lm_head: bool = False) -> dict:
     """RunnerConfig fields from the load controls (0 or None means automatic; `storage` is one of
-    STORAGE_CHOICES: "none" keeps the weights in the compute dtype)."""
+    forms.STORAGE_CHOICES: "none" keeps the weights in the compute dtype)."""
     config = {"dtype": dtype, "device": device}
-    if storage != STORAGE_NONE:
+    if storage != NONE:
         config.update(quantization=storage, quantization_group_size=int(group_size),
                       quantize_lm_head=bool(quantize_lm_head))
     if kv_cache_memory_mib:
@@ -149,16 +124,14 @@ class ViewController:
     def show_error(self, message: str) -> None:
         raise NotImplementedError
 
+    def show_info(self, message: str) -> None:
+        raise NotImplementedError
+
     def clear_messages(self) -> None:
         raise NotImplementedError
 
-    def on_load(self) -> None:
-        raise NotImplementedError
-
-    def on_compile(self) -> None:
-        raise NotImplementedError
-
-    def on_generate(self) -> None:
+    def show_generating(self) -> None:
+        """A generation was sent: the answer's output starts empty."""
         raise NotImplementedError
 
     # ---- wiring -----------------------------------------------------------------------------
@@ -169,6 +142,32 @@ class ViewController:
                                (self.cancel_button, self.on_cancel), (self.workload_button, self.on_workload),
                                (self.tune_start, self.on_tune), (self.tune_cancel, self.cancel_tune)):
             button.on_click(lambda _event, action=action: action())
+
+    def on_load(self) -> None:
+        model = model_choice(self.model_select.value, self.model_path.value)
+        config = load_config(self.dtype.value, self.device.value, self.kv_mib.value, self.max_len.value,
+                             self.storage.value, self.group_size.value, self.quantize_lm_head.value)
+        already = model in self.session.models
+        if self.load(model, config) is not None:
+            self.show_info(f"{model} is already loaded; it is the active model now" if already
+                           else f"Loading {model}…")
+
+    def on_compile(self) -> None:
+        on, backend, mode, scope = (self.compile_on.value, self.compile_backend.value, self.compile_mode.value,
+                                    self.compile_scope.value)
+        if self.set_compile(on, backend, mode, scope) is not None:
+            self.show_info(f"Switching compile {'on' if on else 'off'} ({backend}, {mode}, scope {scope})…")
+
+    def on_generate(self) -> None:
+        if self.generate(self.prompt.value, max_tokens=self.max_tokens.value, temperature=self.temperature.value,
+                         top_p=self.top_p.value, top_k=self.top_k.value or 0,
+                         ignore_eos=self.ignore_eos.value) is not None:
+            self.show_generating()
+
+    def on_chart_window(self, label: str) -> None:
+        self.set_chart_window(label)
+        self._chart_version = -1  # redraw now
+        self.refresh()
 
     def on_unload(self) -> None:
         self.unload()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-KINDS = ("text", "int", "float", "choice")
+KINDS = ("text", "area", "int", "float", "choice", "check")
 WIDTH = 120  # px: a number or a short choice; a list typed as text gets twice that
 
 
@@ -23,7 +23,10 @@ class Field:
     high: float | None = None
     options: tuple = ()  # a choice's values (a view may pass its own, such as the models loaded)
     placeholder: str = ""
-    width: int = WIDTH
+    width: int | None = WIDTH  # px; None: as wide as its container
+    step: float | None = None  # a number's arrow step
+    help: str = ""  # the field's tooltip
+    css_name: str = ""  # its css class when not "wb-" + attr (the one tests and docs name)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -31,12 +34,14 @@ class Field:
 
     @property
     def css(self) -> str:
-        return "wb-" + self.attr.replace("_", "-")
+        return self.css_name or "wb-" + self.attr.replace("_", "-")
 
     def check(self, value):
         """`value` as the field's type within its bounds; ValueError naming the field, its bounds and the value."""
-        if self.kind == "text":
+        if self.kind in ("text", "area"):
             return str(value)
+        if self.kind == "check":
+            return bool(value)
         if self.kind == "choice":
             if self.options and value not in self.options:
                 raise ValueError(f"{self.label} {value!r}: choose one of {', '.join(map(str, self.options))}")
@@ -66,10 +71,11 @@ class Action:
     label: str
     primary: bool = False
     icon: str = ""  # ipywidgets' Font Awesome name (Panel shows the label alone)
+    css_name: str = ""
 
     @property
     def css(self) -> str:
-        return "wb-" + self.attr.replace("_", "-")
+        return self.css_name or "wb-" + self.attr.replace("_", "-")
 
 
 Row = Sequence[Field | Action]
@@ -82,13 +88,19 @@ def _panel_control(control: Field | Action, options: Sequence | None):
     css = [control.css]
     if isinstance(control, Action):
         return w.Button(label=control.label, color="primary" if control.primary else "default", css_classes=css)
-    common = dict(label=control.label, value=control.default, width=control.width, css_classes=css)
+    size = {"sizing_mode": "stretch_width"} if control.width is None else {"width": control.width}
+    common = dict(label=control.label, value=control.default, css_classes=css, **size)
+    if control.help:
+        common["description"] = control.help
+    if control.kind == "check":
+        return w.Checkbox(**common)
     if control.kind == "choice":
         return w.Select(options=list(options if options is not None else control.options), **common)
-    if control.kind == "text":
-        return w.TextInput(placeholder=control.placeholder, **common)
+    if control.kind in ("text", "area"):
+        text = w.TextAreaInput if control.kind == "area" else w.TextInput
+        return text(placeholder=control.placeholder, **({"rows": 3} if control.kind == "area" else {}), **common)
     number = w.IntInput if control.kind == "int" else w.FloatInput
-    return number(start=control.low, end=control.high, **common)
+    return number(start=control.low, end=control.high, **({"step": control.step} if control.step else {}), **common)
 
 
 def _widgets_control(control: Field | Action, options: Sequence | None):
@@ -96,18 +108,22 @@ def _widgets_control(control: Field | Action, options: Sequence | None):
 
     if isinstance(control, Action):
         return W.Button(description=control.label, button_style="primary" if control.primary else "", icon=control.icon)
+    width = "98%" if control.width is None else f"{control.width + 90}px"  # the label sits beside the field
     common = dict(description=control.label, value=control.default, style={"description_width": "initial"},
-                  layout=W.Layout(width=f"{control.width + 80}px"))
+                  layout=W.Layout(width=width), tooltip=control.help or None)
+    if control.kind == "check":
+        return W.Checkbox(indent=False, **common)
     if control.kind == "choice":
         return W.Dropdown(options=list(options if options is not None else control.options), **common)
-    if control.kind == "text":
-        return W.Text(placeholder=control.placeholder, **common)
+    if control.kind in ("text", "area"):
+        return (W.Textarea if control.kind == "area" else W.Text)(placeholder=control.placeholder, **common)
+    step = {"step": control.step} if control.step else {}
     if control.low is None and control.high is None:
-        return (W.IntText if control.kind == "int" else W.FloatText)(**common)
+        return (W.IntText if control.kind == "int" else W.FloatText)(**step, **common)
     bounded = W.BoundedIntText if control.kind == "int" else W.BoundedFloatText
     big = 2**31 - 1  # ipywidgets needs both bounds
     return bounded(min=-big if control.low is None else control.low, max=big if control.high is None else control.high,
-                   **common)
+                   **step, **common)
 
 
 def panel_form(view, rows: Sequence[Row], options: dict | None = None) -> list:

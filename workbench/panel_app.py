@@ -15,24 +15,12 @@ from time import monotonic
 
 import panel as pn
 
-from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, COMPILE_SCOPES, QUANT_GROUP_SIZES
 from runner_core.models import preset_names
 from runner_core.tuning import Target
 from workbench import charts, tuning_charts, whatif_view
-from workbench.controller import (
-    DEFAULT_LOAD,
-    DEFAULT_MODEL,
-    DEFAULT_WINDOW,
-    STORAGE_CHOICES,
-    STORAGE_NONE,
-    TUNE_FORM,
-    WINDOW_CHOICES,
-    ViewController,
-    default_device,
-    load_config,
-    model_choice,
-)
+from workbench.controller import ViewController, default_device
 from workbench.fields import panel_form
+from workbench.forms import COMPILE_FORM, GENERATE_FORM, LOAD_FORM, TUNE_FORM, WINDOW_FIELD, WORKLOAD_FORM
 from workbench.handles import SessionError
 from workbench.loaded_models import ModelEntry
 from workbench.model_roots import ModelRoots
@@ -44,8 +32,6 @@ logger = logging.getLogger("workbench")
 
 REFRESH_MS = 500
 SIDEBAR_WIDTH = 300
-SIDEBAR_FIELD = 130  # px: two fields side by side in the sidebar, their labels in full
-SAMPLING_FIELD = 120
 CHART_NAMES = ("throughput", "memory", "weights", "blocks", "waste", "block_map", "compile", "expert_load")
 
 
@@ -68,68 +54,29 @@ class SessionDashboard(ViewController, whatif_view.WhatifControls):
     # ---- layout ------------------------------------------------------------------------------
     def _build(self) -> None:
         w = pn.widgets
-        presets = preset_names()
-        full = dict(sizing_mode="stretch_width")  # a sidebar control as wide as the sidebar
-        self.model_select = w.Select(name="Model preset", options=presets, value=DEFAULT_MODEL,
-                                     css_classes=["wb-model"], **full)
-        self.model_path = w.TextInput(name="…or a local Hugging Face directory", placeholder="/path/to/model",
-                                      css_classes=["wb-model-path"], **full)
-        self.dtype = w.Select(name="dtype", options=["float32", "bfloat16", "float16", "auto"],
-                              value=DEFAULT_LOAD["dtype"], width=SIDEBAR_FIELD)
         device_options = ["cpu"] + (["cuda"] if default_device() == "cuda" else [])
-        self.device = w.Select(name="device", options=device_options, value=default_device(), width=SIDEBAR_FIELD)
-        # short labels (they fit the field); what 0 means is in the field's tooltip
-        self.kv_mib = w.IntInput(name="KV cache (MiB)", value=DEFAULT_LOAD["kv_cache_memory_mib"], start=0,
-                                 width=SIDEBAR_FIELD, description="0 = automatic: what the device's free memory allows")
-        self.max_len = w.IntInput(name="max_model_len", value=DEFAULT_LOAD["max_model_len"], start=0,
-                                  width=SIDEBAR_FIELD, css_classes=["wb-max-len"],
-                                  description="0 = the model's own maximum context length")
-        self.storage = w.Select(name="weights stored as", options=list(STORAGE_CHOICES), value=STORAGE_NONE,
-                                width=SIDEBAR_FIELD, css_classes=["wb-storage"],
-                                description="none: the dtype; int8: one scale per output channel; int4: a scale "
-                                            "and a minimum per group of weights")
-        self.group_size = w.Select(name="int4 group", options=list(QUANT_GROUP_SIZES), value=64, width=SIDEBAR_FIELD,
-                                   css_classes=["wb-group-size"], description="weights along k per int4 scale")
-        self.quantize_lm_head = w.Checkbox(name="quantize the LM head too", value=False,
-                                           css_classes=["wb-quantize-lm-head"])
-        self.load_button = w.Button(name="Load model", button_type="primary", css_classes=["wb-load"])
-        self.unload_button = w.Button(name="Unload", button_type="default", css_classes=["wb-unload"])
-        self.active_select = w.Select(name="Active model", options=[], css_classes=["wb-active"], **full)
-        self.compile_on = w.Checkbox(name="torch.compile", value=False, css_classes=["wb-compile"])
-        self.compile_backend = w.Select(name="backend", options=list(COMPILE_BACKENDS), value="inductor",
-                                        width=SIDEBAR_FIELD)
-        self.compile_mode = w.Select(name="mode", options=list(COMPILE_MODES), value="default", width=SIDEBAR_FIELD)
-        self.compile_scope = w.Select(name="scope", options=list(COMPILE_SCOPES), value="model", width=SIDEBAR_FIELD)
-        self.compile_button = w.Button(name="Apply compile mode", css_classes=["wb-apply-compile"])
+        load_rows = panel_form(self, LOAD_FORM, {"model_select": preset_names(), "device": device_options,
+                                                 "active_select": []})
+        self.device.value = default_device()
+        compile_rows = panel_form(self, COMPILE_FORM)
         self.spinner = pn.indicators.LoadingSpinner(value=False, size=22, name="")
         self.status = pn.pane.Markdown("", css_classes=["wb-status"], margin=(0, 10))
         self.models_md = pn.pane.Markdown("", css_classes=["wb-models"])
 
-        self.prompt = w.TextAreaInput(name="Prompt", value="Once upon a time", placeholder="Type a prompt…",
-                                      rows=3, css_classes=["wb-prompt"], sizing_mode="stretch_width")
-        self.max_tokens = w.IntInput(name="max tokens", value=64, width=SAMPLING_FIELD, css_classes=["wb-max-tokens"])
-        self.temperature = w.FloatInput(name="temperature", value=0.8, step=0.1, width=SAMPLING_FIELD,
-                                        css_classes=["wb-temperature"], description="0 = greedy")
-        self.top_p = w.FloatInput(name="top p", value=1.0, step=0.05, width=SAMPLING_FIELD)
-        self.top_k = w.IntInput(name="top k", value=0, width=SAMPLING_FIELD, description="0 = off")
-        self.ignore_eos = w.Checkbox(name="ignore EOS", value=False, css_classes=["wb-ignore-eos"], margin=(28, 10))
-        self.generate_button = w.Button(name="Generate", button_type="primary", css_classes=["wb-generate"])
-        self.cancel_button = w.Button(name="Cancel", css_classes=["wb-cancel"])
+        prompt, sampling, buttons = panel_form(self, GENERATE_FORM)
+        self.ignore_eos.margin = (28, 10)  # level with the number fields' boxes, under their labels
         self.answer = pn.pane.HTML(_pre(""), css_classes=["wb-answer"], sizing_mode="stretch_width",
                                    styles={"min-height": "4em"})
         self.image_input = w.FileInput(accept="image/*", css_classes=["wb-image"])
         self.image_pane = pn.pane.HTML("", css_classes=["wb-image-preview"], width=170)
         self.answer_stats = pn.pane.Markdown("", css_classes=["wb-answer-stats"])
-        self.workload_n = w.IntInput(name="requests", value=16, start=1, end=1024, width=SAMPLING_FIELD,
-                                     css_classes=["wb-workload-n"])
-        self.workload_button = w.Button(name="Run workload", css_classes=["wb-workload"])
+        [workload] = panel_form(self, WORKLOAD_FORM)
         self.workload_md = pn.pane.Markdown("", css_classes=["wb-workload-status"])
         self.error = pn.pane.Alert("", alert_type="danger", visible=False, css_classes=["wb-error"],
                                    sizing_mode="stretch_width")
         self.info = pn.pane.Alert("", alert_type="info", visible=False, css_classes=["wb-info"],
                                   sizing_mode="stretch_width")
-        self.window_select = w.Select(name="the charts show", options=list(WINDOW_CHOICES), value=DEFAULT_WINDOW,
-                                      width=SIDEBAR_FIELD + 20, css_classes=["wb-chart-window"])
+        [window] = panel_form(self, [[WINDOW_FIELD]])
         self.charts = {name: pn.pane.Plotly(fig, height=charts.HEIGHT + 10, sizing_mode="stretch_width",
                                             css_classes=[f"wb-chart-{name.replace('_', '-')}"],
                                             config={"displaylogo": False, "responsive": True})
@@ -143,24 +90,17 @@ class SessionDashboard(ViewController, whatif_view.WhatifControls):
         self.window_select.param.watch(lambda event: self.on_chart_window(event.new), "value")
 
         sidebar = pn.Column(
-            "### Model", self.model_select, self.model_path, pn.Row(self.dtype, self.device),
-            pn.Row(self.kv_mib, self.max_len), pn.Row(self.storage, self.group_size), self.quantize_lm_head,
-            pn.Row(self.load_button, self.unload_button), self.active_select,
-            self.models_md, pn.layout.Divider(), "### Compile", self.compile_on,
-            pn.Row(self.compile_backend, self.compile_mode), self.compile_scope, self.compile_button,
+            "### Model", *load_rows, self.models_md, pn.layout.Divider(), "### Compile", *compile_rows,
             width=SIDEBAR_WIDTH, styles={"background": "#f6f8fa", "border-radius": "6px"}, margin=(0, 10, 0, 0))
+        buttons.extend([pn.pane.Markdown("image (multimodal models):", margin=(12, 5)), self.image_input])
+        workload.insert(0, pn.pane.Markdown("**Workload** — fire N random requests to watch continuous batching:"))
         generation = pn.Column(
-            self.prompt, pn.Row(self.max_tokens, self.temperature, self.top_p, self.top_k, self.ignore_eos),
-            pn.Row(self.generate_button, self.cancel_button,
-                   pn.pane.Markdown("image (multimodal models):", margin=(12, 5)), self.image_input),
-            pn.Row(self.answer, self.image_pane, sizing_mode="stretch_width"), self.answer_stats,
-            pn.Row(pn.pane.Markdown("**Workload** — fire N random requests to watch continuous batching:"),
-                   self.workload_n, self.workload_button),
-            self.workload_md, sizing_mode="stretch_width")
+            prompt, sampling, buttons, pn.Row(self.answer, self.image_pane, sizing_mode="stretch_width"),
+            self.answer_stats, workload, self.workload_md, sizing_mode="stretch_width")
         grid = pn.GridBox(*(self.charts[n] for n in CHART_NAMES), ncols=2, sizing_mode="stretch_width")
         header = pn.Row(pn.pane.Markdown("## runner-workbench", margin=(0, 10)), self.spinner, self.status,
                         sizing_mode="stretch_width")
-        main = pn.Column(self.error, self.info, generation, self.window_select, grid, sizing_mode="stretch_width")
+        main = pn.Column(self.error, self.info, generation, window, grid, sizing_mode="stretch_width")
         tabs = pn.Tabs(("Live", pn.Row(sidebar, main, sizing_mode="stretch_width")), ("Tuning", self.tuning),
                        ("What-if", whatif), sizing_mode="stretch_width", css_classes=["wb-tabs"])
         self.layout = pn.Column(header, tabs, sizing_mode="stretch_width", css_classes=["wb-dashboard"])
@@ -199,33 +139,9 @@ class SessionDashboard(ViewController, whatif_view.WhatifControls):
         self.info.visible = False
 
     # ---- actions -----------------------------------------------------------------------------------
-    def on_load(self) -> None:
-        model = model_choice(self.model_select.value, self.model_path.value)
-        config = load_config(self.dtype.value, self.device.value, self.kv_mib.value, self.max_len.value,
-                             self.storage.value, self.group_size.value, self.quantize_lm_head.value)
-        already = model in self.session.models
-        if self.load(model, config) is not None:
-            self.show_info(f"{model} is already loaded; it is the active model now" if already
-                           else f"Loading {model}…")
-
-    def on_compile(self) -> None:
-        if self.set_compile(self.compile_on.value, self.compile_backend.value, self.compile_mode.value,
-                            self.compile_scope.value) is not None:
-            self.show_info(f"Switching compile {'on' if self.compile_on.value else 'off'} "
-                           f"({self.compile_backend.value}, {self.compile_mode.value}, "
-                           f"scope {self.compile_scope.value})…")
-
-    def on_generate(self) -> None:
-        if self.generate(self.prompt.value, max_tokens=self.max_tokens.value, temperature=self.temperature.value,
-                         top_p=self.top_p.value, top_k=self.top_k.value or 0,
-                         ignore_eos=self.ignore_eos.value) is not None:
-            self.answer.object = _pre("")
-            self.answer_stats.object = "_generating…_"
-
-    def on_chart_window(self, label: str) -> None:
-        self.set_chart_window(label)
-        self._chart_version = -1  # redraw at the next refresh
-        self.refresh()
+    def show_generating(self) -> None:
+        self.answer.object = _pre("")
+        self.answer_stats.object = "_generating…_"
 
     def on_image(self, data: bytes | None) -> None:
         self.set_image(data)

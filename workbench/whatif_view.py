@@ -1,41 +1,22 @@
-"""The What-if tab of both dashboards: its form (`WHATIF_FORM`, workbench.fields: each control defined once,
-with its bounds, which `whatif_plan` applies to what a view sends), `WhatifControls` (what both views add to
-their ViewController for it: the Memory picture and Simulate actions, the job's state and charts) and the tab's
-layout in Panel (`panel_tab`) and in ipywidgets (`widgets_tab`), which create the form's widgets
-(`whatif_model`, `whatif_hardware`, `whatif_format`, `whatif_tp`, `whatif_pp`, `whatif_requests`, the buttons
-`whatif_memory_button`, `whatif_start`, `whatif_cancel`), `whatif_progress` (0 to 100) and wire the buttons.
-No engine logic here: the job and the memory figures come from workbench.whatif_job.
+"""The What-if tab of both dashboards: `whatif_plan` (the form's layouts and workload, bounded by the fields of
+workbench.forms' WHATIF_FORM), `WhatifControls` (what both views add to their ViewController for it: the Memory
+picture and Simulate actions, the job's state and charts) and the tab's layout in Panel (`panel_tab`) and in
+ipywidgets (`widgets_tab`), which create the form's widgets, `whatif_progress` (0 to 100) and the charts, and
+wire the buttons. No engine logic here: the job and the memory figures come from workbench.whatif_job.
 """
 
 from __future__ import annotations
 
 from runner_core.simulator.calibrate import cpu_model_name
-from runner_core.simulator.hardware import HARDWARE
 from runner_core.simulator.model_configs import config_model_names
-from runner_core.simulator.simulation import WEIGHT_FORMATS
 from runner_core.tuning import Target, Workload
 from workbench import charts, tuning_charts, whatif_charts
 from workbench.controller import parse_values
-from workbench.fields import Action, Field, panel_form, widgets_form
+from workbench.fields import panel_form, widgets_form
+from workbench.forms import NONE, WHATIF_DEFAULTS, WHATIF_FIELDS, WHATIF_FORM
 from workbench.tune_job import TuneJob
 from workbench.whatif_job import layout_label, memory_layouts, model_source
 
-FORMAT_NONE = "none"  # the form's weight format for weights kept in the compute dtype
-FORMATS = [FORMAT_NONE, *(f for f in WEIGHT_FORMATS if f)]
-# the tab's form, both views (the model's choices are the view's: whatif_models)
-WHATIF_FIELDS = {
-    "model": Field("whatif_model", "model", "choice", "llama-3-70b", width=200),
-    "hardware": Field("whatif_hardware", "hardware", "choice", "h100-sxm", options=tuple(HARDWARE), width=160),
-    "format": Field("whatif_format", "weights stored as", "choice", FORMAT_NONE, options=tuple(FORMATS), width=140),
-    "tp": Field("whatif_tp", "TP sizes", "text", "1, 8"),
-    "pp": Field("whatif_pp", "PP sizes", "text", "1"),
-    "requests": Field("whatif_requests", "requests per run", "int", 64, low=1, high=100_000, width=140),
-}
-WHATIF_DEFAULTS = {key: field.default for key, field in WHATIF_FIELDS.items()}
-_whatif = list(WHATIF_FIELDS.values())
-WHATIF_FORM = (_whatif[:3], _whatif[3:], (Action("whatif_memory_button", "Memory picture", icon="th-large"),
-                                          Action("whatif_start", "Simulate", primary=True, icon="play"),
-                                          Action("whatif_cancel", "Cancel what-if", icon="stop")))
 WHATIF_CONFIG = {"dtype": "bfloat16"}  # the simulated runners' compute dtype (a loaded model keeps its own)
 INTRO = ("**What-if**: the engine's real scheduler on a virtual clock, each step's time predicted for the device "
          "(no weights loaded). *Memory picture* shows at once what one device of each layout holds; *Simulate* "
@@ -49,7 +30,7 @@ def whatif_plan(hardware: str, tp: str, pp: str, weight_format: str, requests: i
     tps, pps = parse_values(tp, f["tp"].label) or [1], parse_values(pp, f["pp"].label) or [1]
     hardware, weight_format = f["hardware"].check(hardware), f["format"].check(weight_format)
     requests = f["requests"].check(requests)
-    fmt = {} if weight_format == FORMAT_NONE else {"weight_format": weight_format}
+    fmt = {} if weight_format == NONE else {"weight_format": weight_format}
     layouts = [{"hardware": hardware, "tensor_parallel_size": t, "pipeline_parallel_size": p, **fmt}
                for p in pps for t in tps]
     return layouts, Workload(num_requests=requests)

@@ -18,28 +18,15 @@ import weakref
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, QUANT_GROUP_SIZES
 from runner_core.models import preset_names
 from runner_core.tuning import Target
 from workbench import charts, tuning_charts, whatif_view
-from workbench.controller import (
-    DEFAULT_LOAD,
-    DEFAULT_MODEL,
-    DEFAULT_WINDOW,
-    STORAGE_CHOICES,
-    STORAGE_NONE,
-    TUNE_FORM,
-    WINDOW_CHOICES,
-    ViewController,
-    default_device,
-    load_config,
-    model_choice,
-)
+from workbench.controller import ViewController, default_device
 from workbench.fields import widgets_form
+from workbench.forms import COMPILE_FORM, GENERATE_FORM, LOAD_FORM, TUNE_FORM, WINDOW_FIELD, WORKLOAD_FORM
 from workbench.session import Session
 
 FIGURES = ("throughput", "memory", "weights", "blocks", "block_map", "expert_load")
-LABEL = {"description_width": "initial"}  # a control's label in full ("temperature", not "temperat…")
 # the charts two by two, each column half of the cell's width (plotly autosizes into it)
 GRID = dict(grid_template_columns="repeat(2, minmax(0, 1fr))", grid_gap="4px 12px", width="100%")
 
@@ -54,62 +41,36 @@ class SessionWidgets(ViewController, whatif_view.WhatifControls, W.VBox):
         self._chart_version = -1
         self._closed = False
         layout = W.Layout(width="auto")
-        presets = preset_names()
-        self.model = W.Dropdown(options=presets, value=DEFAULT_MODEL, description="Model", style=LABEL)
-        self.model_path = W.Text(placeholder="/path/to/hf/model (optional)", description="or path", style=LABEL)
-        self.load_button = W.Button(description="Load", button_style="primary", icon="download")
-        self.unload_button = W.Button(description="Unload", icon="eject")
-        self.active = W.Dropdown(options=[], description="Active", style=LABEL)
-        self.storage = W.Dropdown(options=STORAGE_CHOICES, value=STORAGE_NONE, description="weights stored as",
-                                  style=LABEL, layout=W.Layout(width="210px"))
-        self.group_size = W.Dropdown(options=QUANT_GROUP_SIZES, value=64, description="int4 group", style=LABEL,
-                                     layout=W.Layout(width="150px"))
-        self.quantize_lm_head = W.Checkbox(value=False, description="quantize the LM head too", indent=False)
-        self.compile = W.Checkbox(value=False, description="torch.compile", indent=False)
-        self.compile_backend = W.Dropdown(options=list(COMPILE_BACKENDS), value="inductor", description="backend",
-                                          style=LABEL, layout=W.Layout(width="190px"))
-        self.compile_mode = W.Dropdown(options=list(COMPILE_MODES), value="default", description="mode", style=LABEL,
-                                       layout=W.Layout(width="230px"))
-        self.compile_button = W.Button(description="Apply compile mode")
-        self.prompt = W.Textarea(value="Once upon a time", placeholder="Prompt", layout=W.Layout(width="98%"))
-        self.max_tokens = W.IntText(value=48, description="max tokens", style=LABEL, layout=W.Layout(width="170px"))
-        self.temperature = W.FloatText(value=0.8, description="temperature", step=0.1, style=LABEL,
-                                       layout=W.Layout(width="170px"))
-        self.generate_button = W.Button(description="Generate", button_style="success", icon="play")
-        self.cancel_button = W.Button(description="Cancel", icon="stop")
+        device_options = ["cpu"] + (["cuda"] if default_device() == "cuda" else [])
+        load_rows = widgets_form(self, LOAD_FORM, {"model_select": preset_names(), "device": device_options,
+                                                   "active_select": []})
+        self.device.value = default_device()
+        compile_rows = widgets_form(self, COMPILE_FORM)
+        generate_rows = widgets_form(self, GENERATE_FORM)
+        [workload] = widgets_form(self, WORKLOAD_FORM)
+        [window] = widgets_form(self, [[WINDOW_FIELD]])
         self.output = W.Textarea(value="", disabled=True, layout=W.Layout(width="98%", height="6em"))
         self.image_upload = W.FileUpload(accept="image/*", multiple=False, description="image")
         self.image_view = W.Image(format="png", layout=W.Layout(display="none"))
         self.stats = W.HTML("")
-        self.workload_n = W.BoundedIntText(value=16, min=1, max=1024, description="requests", style=LABEL,
-                                           layout=W.Layout(width="160px"))
-        self.workload_button = W.Button(description="Run workload", icon="bolt")
         self.status = W.HTML("")
         self.error = W.HTML("")
-        self.window = W.Dropdown(options=list(WINDOW_CHOICES), value=DEFAULT_WINDOW, description="the charts show",
-                                 style=LABEL, layout=W.Layout(width="260px"))
         empty = charts.all_figures([])
         self.figures = {name: go.FigureWidget(empty[name]) for name in figures}
         tuning = self._build_tuning()
         whatif = whatif_view.widgets_tab(self, GRID)
 
         self.wire_buttons()
-        self.active.observe(lambda change: self.on_active(change["new"]), names="value")
+        self.active_select.observe(lambda change: self.on_active(change["new"]), names="value")
         self.image_upload.observe(lambda change: self.on_image(change["new"]), names="value")
-        self.window.observe(lambda change: self.on_chart_window(change["new"]), names="value")
+        self.window_select.observe(lambda change: self.on_chart_window(change["new"]), names="value")
 
-        controls = W.VBox([
-            W.HBox([self.model, self.model_path]),
-            W.HBox([self.storage, self.group_size, self.quantize_lm_head]),
-            W.HBox([self.load_button, self.unload_button, self.active]),
-            W.HBox([self.compile, self.compile_backend, self.compile_mode, self.compile_button]),
-        ])
-        generation = W.VBox([self.prompt, W.HBox([self.max_tokens, self.temperature]),
-                             W.HBox([self.generate_button, self.cancel_button, self.image_upload]),
-                             W.HBox([self.output, self.image_view]), self.stats,
-                             W.HBox([self.workload_n, self.workload_button])])
+        prompt, sampling, buttons = generate_rows
+        buttons.children = (*buttons.children, self.image_upload)
+        controls = W.VBox([*load_rows, *compile_rows])
+        generation = W.VBox([prompt, sampling, buttons, W.HBox([self.output, self.image_view]), self.stats, workload])
         grid = W.GridBox(list(self.figures.values()), layout=W.Layout(**GRID))
-        self.tabs = W.Tab(children=[W.VBox([controls, generation, self.window, grid]), tuning, whatif],
+        self.tabs = W.Tab(children=[W.VBox([controls, generation, window, grid]), tuning, whatif],
                           titles=("Live", "Tuning", "What-if"))
         W.VBox.__init__(self, [self.status, self.error, self.tabs], layout=layout)
         self.refresh()
@@ -132,19 +93,13 @@ class SessionWidgets(ViewController, whatif_view.WhatifControls, W.VBox):
     def show_error(self, message: str) -> None:
         self.error.value = f'<div style="color:#b00020"><b>Error:</b> {html.escape(message)}</div>'
 
+    def show_info(self, message: str) -> None:
+        self.error.value = f'<div style="color:#555">{html.escape(message)}</div>'
+
     def clear_messages(self) -> None:
         self.error.value = ""
 
     # ---- actions ----------------------------------------------------------------------------------
-    def on_load(self) -> None:
-        config = load_config(DEFAULT_LOAD["dtype"], default_device(), DEFAULT_LOAD["kv_cache_memory_mib"],
-                             DEFAULT_LOAD["max_model_len"], self.storage.value, self.group_size.value,
-                             self.quantize_lm_head.value)
-        self.load(model_choice(self.model.value, self.model_path.value), config)
-
-    def on_compile(self) -> None:
-        self.set_compile(self.compile.value, self.compile_backend.value, self.compile_mode.value)
-
     def on_image(self, uploads) -> None:
         """FileUpload's value: a tuple of {"content": memoryview, "name", "type", ...} (the first is used)."""
         self.set_image(bytes(uploads[0]["content"]) if uploads else None)
@@ -152,15 +107,8 @@ class SessionWidgets(ViewController, whatif_view.WhatifControls, W.VBox):
         self.image_view.value = preview or b""
         self.image_view.layout.display = None if preview else "none"
 
-    def on_chart_window(self, label: str) -> None:
-        self.set_chart_window(label)
-        self._chart_version = -1  # redraw now
-        self.refresh()
-
-    def on_generate(self) -> None:
-        if self.generate(self.prompt.value, max_tokens=self.max_tokens.value,
-                         temperature=self.temperature.value) is not None:
-            self.output.value = ""
+    def show_generating(self) -> None:
+        self.output.value = ""
 
     # ---- refresh --------------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -170,7 +118,7 @@ class SessionWidgets(ViewController, whatif_view.WhatifControls, W.VBox):
         lines = entry.engine_lines() if entry is not None else []
         self.status.value = f"<b>{html.escape(s.status)}</b>" + "".join(f" · {html.escape(line)}" for line in lines)
         self.finished_jobs()
-        self.sync_active(self.active)
+        self.sync_active(self.active_select)
         if self.handle is not None:
             self.output.value, self.stats.value = self.answer_view()
         self._refresh_tuning()
