@@ -6,8 +6,9 @@ keys and values in place from the KV pool through block tables (no gathered copy
 by `pack_panels()` into panels of 16 output columns (a register-tiled GEMM on AVX2 and AVX512, 1.1-5x
 BLAS at decode batch sizes; on the plain tier float32 panels go to BLAS's batched GEMM, which beats
 compiler-vectorised C++ there; docs/benchmarks.md); `argmax_rows()` is greedy sampling's argmax
-(torch's is 10x slower). `runner_kernels::pack_quantized` and `quant_linear` multiply int8 and int4
-weights, dequantized in registers (runner_core/layers/quantization.py is their Python side).
+(torch's is 10x slower). `pack_quantized()` and `quant_linear()` multiply int8 and int4 weights,
+dequantized in registers (runner_core/layers/quantization.py is their Python side). Callers go through
+these wrappers, never `torch.ops.runner_kernels` directly.
 
 The kernels are built once per instruction-set tier (`TIERS`: plain C++, AVX2+FMA, AVX512,
 AVX512-BF16) into one library, which runs the highest tier this CPU can execute; bfloat16 is
@@ -82,9 +83,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("runner_kernels::pack_panels")
     def _(weight):
-        per_step = 2 if weight.dtype == torch.bfloat16 else 1  # k values per panel step (tier.h)
-        n, k = weight.shape
-        return weight.new_empty(-(-n // PANEL_COLUMNS), -(-k // per_step), PANEL_COLUMNS * per_step)
+        return weight.new_empty(panels_shape(*weight.shape, weight.dtype))
 
     @torch.library.register_fake("runner_kernels::pack_quantized")
     def _(qweight, scales, mins, group):
@@ -181,12 +180,34 @@ def panels_support(dtype: torch.dtype) -> bool:
     return torch.ops.runner_kernels.panels_support(dtype)
 
 
+def panels_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """The shape `pack_panels` gives an [n, k] weight: [ceil(n / 16), k, 16] in float32,
+    [ceil(n / 16), ceil(k / 2), 32] in bfloat16 (k in pairs: values per panel step, tier.h)."""
+    per_step = 2 if dtype == torch.bfloat16 else 1
+    return -(-n // PANEL_COLUMNS), -(-k // per_step), PANEL_COLUMNS * per_step
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """An [n, k] weight as panels of 16 output columns (zero padded), what `panel_linear` reads:
-    [ceil(n / 16), k, 16] in float32, [ceil(n / 16), ceil(k / 2), 32] in bfloat16 (k in pairs)."""
+    """An [n, k] weight as panels of 16 output columns (zero padded), what `panel_linear` reads
+    (`panels_shape`)."""
     return torch.ops.runner_kernels.pack_panels(weight)
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] @ W^T + bias -> [m, n], W given as `pack_panels(W)`."""
     return torch.ops.runner_kernels.panel_linear(x, panels, n, bias)
+
+
+def pack_quantized(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                   group: int) -> list[torch.Tensor]:
+    """Row-major int8 [n, k] or int4 [n, k / 2] weights with their float32 scales (and int4's minimums) as
+    [qpanels, scales(, mins)] in panels of 16 output columns, what `quant_linear` reads
+    (runner_core/layers/quantization.py says the layout)."""
+    return torch.ops.runner_kernels.pack_quantized(qweight, scales, mins, group)
+
+
+def quant_linear(x: torch.Tensor, qpanels: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int,
+                 group: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] (float32 or bfloat16) @ W^T + bias -> [m, n] in x's dtype, W given as `pack_quantized`'s
+    tensors (group 0: int8), dequantized in registers."""
+    return torch.ops.runner_kernels.quant_linear(x, qpanels, scales, mins, n, group, bias)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runner_core import kernels
 from runner_core.kernels import PANEL_COLUMNS, cpu_kernels_available
 
 INT8_MAX = 127
@@ -108,13 +109,6 @@ def dequantize(tensors: dict[str, torch.Tensor], fmt: QuantFormat, dtype: torch.
     return (values * scales.unsqueeze(2) + tensors["mins"].unsqueeze(2)).view(n, -1).to(dtype)
 
 
-def _ops():
-    if not cpu_kernels_available():
-        raise RuntimeError("quantized weights need the native CPU kernels, which are off (see the warning logged "
-                           "above): unset RUNNER_CORE_NO_KERNELS or install gcc, or load without quantization")
-    return torch.ops.runner_kernels
-
-
 def packed_bytes(n: int, k: int, fmt: QuantFormat) -> int:
     """Bytes of `pack`'s tensors of an [n, k] weight (the 16-column panels, the last zero padded)."""
     cols = -(-n // PANEL_COLUMNS) * PANEL_COLUMNS
@@ -133,7 +127,10 @@ def pack(tensors: dict[str, torch.Tensor], fmt: QuantFormat, n: int, k: int) -> 
     if tuple(q.shape) != (n, k if fmt.name == "int8" else k // 2):
         raise ValueError(f"pack: qweight is {tuple(q.shape)}, but an [n, k] = [{n}, {k}] {fmt.name} weight stores "
                          f"[{n}, {k if fmt.name == 'int8' else k // 2}]; pass quantize()'s tensors of that weight")
-    parts = _ops().pack_quantized(q, tensors["scales"], tensors.get("mins"), fmt.group)
+    if not cpu_kernels_available():
+        raise RuntimeError("quantized weights need the native CPU kernels, which are off (see the warning logged "
+                           "above): unset RUNNER_CORE_NO_KERNELS or install gcc, or load without quantization")
+    parts = kernels.pack_quantized(q, tensors["scales"], tensors.get("mins"), fmt.group)
     return dict(zip(("qpanels", "scales", "mins"), parts))
 
 
@@ -141,8 +138,7 @@ def quant_linear(x: torch.Tensor, packed: dict[str, torch.Tensor], fmt: QuantFor
                  bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] (float32 or bfloat16) @ W^T + bias -> [m, n] in x's dtype, W given as `pack`'s tensors
     (which loaded the kernels; no check here, so compiled graphs trace the op alone)."""
-    return torch.ops.runner_kernels.quant_linear(x, packed["qpanels"], packed["scales"], packed.get("mins"), n,
-                                                 fmt.group, bias)
+    return kernels.quant_linear(x, packed["qpanels"], packed["scales"], packed.get("mins"), n, fmt.group, bias)
 
 
 def _columns(t: torch.Tensor, n: int) -> torch.Tensor:
