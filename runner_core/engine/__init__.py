@@ -3,15 +3,17 @@
 * `engine.LLMEngine` (rank 0): requests, the step loop, sampling, outputs;
 * `scheduler.Scheduler`: continuous batching (chunked prefill, preemption by recompute);
 * `sequence`: a request's state (`Sequence`) and what callers get back (`RequestOutput`);
-* `forward_pass`: a step's batch (`StepBatch`) as flat tensors once per step, in persistent
-  buffers (`InputBuffers`), and the model call;
+* `input_batch`: a step's batch (`StepBatch`) and the persistent buffers it is written into
+  (`InputBuffers`);
+* `forward_pass`: the filled buffers as the model's input, once per step, and the model call;
 * `worker.Worker`: every rank's model, KV pool, forward pass and compile mode, run by an executor;
 * `output_processor`: appending tokens, stop conditions, outputs;
 * `step_metrics`: the per-step observer and its records.
 """
 
 from runner_core.engine.engine import LLMEngine
-from runner_core.engine.forward_pass import ForwardPass, InputBuffers, ModelInput, StepBatch
+from runner_core.engine.forward_pass import ForwardPass, ModelInput
+from runner_core.engine.input_batch import InputBuffers, StepBatch
 from runner_core.engine.scheduler import Scheduler, SchedulerOutput
 from runner_core.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from runner_core.engine.step_metrics import StepMetrics, StepObserver

@@ -14,7 +14,7 @@ import torch
 
 from runner_core.config import RECONFIGURABLE, RunnerConfig
 from runner_core.engine.clock import WallClock
-from runner_core.engine.forward_pass import StepBatch
+from runner_core.engine.input_batch import StepBatch
 from runner_core.engine.input_processor import InputProcessor
 from runner_core.engine.multimodal import MultiModalItem, MultiModalProcessor
 from runner_core.engine.output_processor import OutputProcessor

@@ -29,7 +29,7 @@ from runner_core.memory import FragmentationTracker, MemoryManager
 from runner_core.memory.fragmentation import static_reservation_waste
 
 if TYPE_CHECKING:
-    from runner_core.engine.forward_pass import StepBatch
+    from runner_core.engine.input_batch import StepBatch
     from runner_core.engine.scheduler import Scheduler, SchedulerOutput
     from runner_core.models.moe_spec import MoESpec
 

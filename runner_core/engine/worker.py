@@ -25,7 +25,8 @@ from runner_core.compile import (
 from runner_core.compile.decode_plan import default_sizes
 from runner_core.config import RunnerConfig, resolve_max_model_len
 from runner_core.engine.encoder_cache import EncoderCache
-from runner_core.engine.forward_pass import ForwardPass, StepBatch
+from runner_core.engine.forward_pass import ForwardPass
+from runner_core.engine.input_batch import StepBatch
 from runner_core.errors import CompileError
 from runner_core.layers.moe_record import recording_routing
 from runner_core.memory import (
