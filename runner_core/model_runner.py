@@ -13,7 +13,7 @@ import torch
 from runner_core.checkpoint_writer import save_stored
 from runner_core.compile import cpu_programs_expected
 from runner_core.config import RunnerConfig
-from runner_core.engine import LLMEngine, LocalExecutor, RequestOutput, Worker
+from runner_core.engine import LLMEngine, LocalExecutor, RequestMetrics, RequestOutput, Worker
 from runner_core.errors import ConfigError, EngineNotReadyError, InvalidRequestError
 from runner_core.memory import MemoryEstimate, check_config_fits, release_freed_memory
 from runner_core.model_loader import ModelLoader, read_hf_config, resolve_model_path
@@ -162,8 +162,10 @@ class ModelRunner:
 
     # ---- engine-level API (used by the workbench session) ----------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    stream: bool = False) -> str:
-        return self._engine().add_request(prompt, params, request_id, stream).request_id
+                    stream: bool = False, metrics: RequestMetrics | None = None) -> str:
+        """Queue a request; returns its id. `metrics`: a RequestMetrics the engine fills for it (its
+        arrival_time the caller's), read live by the caller; the outputs' `metrics` dicts derive from it."""
+        return self._engine().add_request(prompt, params, request_id, stream, metrics).request_id
 
     def step(self) -> list[RequestOutput]:
         return self._engine().step()

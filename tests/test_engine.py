@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import runner_core
-from runner_core import ModelRunner, SamplingParams
+from runner_core import ModelRunner, RequestMetrics, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -164,6 +164,52 @@ def test_output_metrics(tiny_llama_path):
     out = _runner(tiny_llama_path).generate("metrics", GREEDY)[0]
     assert out.metrics["time_to_first_token_s"] > 0
     assert out.metrics["tokens_per_s"] > 0
+
+
+def test_the_engine_fills_the_callers_request_metrics(tiny_llama_path):
+    """One timing record per request from the engine out: the caller's arrival kept, one time per token
+    (its step's), the end and its reason; the outputs' `metrics` dicts are derived from it."""
+    runner = _runner(tiny_llama_path)
+    done, aborted = RequestMetrics(runner.engine.clock.now()), RequestMetrics(runner.engine.clock.now())
+    runner.add_request([5, 6, 7, 8], GREEDY.replace(max_tokens=6), stream=True, metrics=done)
+    other = runner.add_request([9, 10], GREEDY.replace(max_tokens=50), stream=True, metrics=aborted)
+    outs = []
+    while runner.has_unfinished_requests():
+        outs += runner.step()
+        if len(aborted.token_times) == 3 and aborted.finished_time is None:
+            outs.append(runner.abort_request(other))
+    assert (done.num_prompt_tokens, done.num_output_tokens, aborted.num_prompt_tokens) == (4, 6, 2)
+    assert done.arrival_time <= done.first_scheduled_time <= done.token_times[0]
+    assert done.token_times == sorted(set(done.token_times))  # one step, one time, per token
+    assert done.token_times[:3] == aborted.token_times  # the two ran in the same steps
+    assert done.token_times[-1] == done.finished_time and (done.finish_reason, done.error, done.ok) == (
+        "length", None, True)
+    assert aborted.finish_reason == "abort" and not aborted.ok and aborted.finished_time >= aborted.token_times[-1]
+    last = [o for o in outs if o.finished and o.finish_reason == "length"][-1]
+    assert last.metrics == done.as_dict() and last.metrics["latency_s"] == done.e2e
+    assert last.metrics["tokens_per_s"] == pytest.approx(5 / (done.token_times[-1] - done.token_times[0]))
+
+
+@pytest.mark.parametrize(("reason", "error", "expected"), [
+    ("stop", None, None), ("length", None, None), ("error", "the engine failed", "the engine failed"),
+    ("error", None, "request ended with finish_reason 'error'"),
+    ("abort", None, "request ended with finish_reason 'abort'"),
+])
+def test_finish_makes_an_error_of_an_abort_or_a_failure(reason, error, expected):
+    record = RequestMetrics(0.0, token_times=[0.1, 0.2])
+    record.finish(0.3, reason, error)
+    assert (record.finished_time, record.finish_reason, record.error, record.ok) == (0.3, reason, expected,
+                                                                                     expected is None)
+
+
+def test_an_outputs_metrics_dict_is_derived_from_the_record():
+    record = RequestMetrics(0.0, token_times=[0.1, 0.3, 0.5], num_preemptions=2)
+    assert record.as_dict()["tokens_per_s"] is None  # the decode rate is given once finished
+    record.finish(0.5, "length")
+    assert record.as_dict(num_cached_tokens=16) == pytest.approx({
+        "time_to_first_token_s": 0.1, "tokens_per_s": 1 / record.tpot, "latency_s": 0.5, "num_preemptions": 2,
+        "num_cached_prompt_tokens": 16})
+
 
 
 def test_step_inputs_live_in_reused_buffers(tiny_llama_path):

@@ -95,8 +95,10 @@ class LLMEngine:
         return self.inputs.encode(prompt)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    stream: bool = False) -> Sequence:
-        """Validate and queue a request; raises InvalidRequestError naming the problem."""
+                    stream: bool = False, metrics: RequestMetrics | None = None) -> Sequence:
+        """Validate and queue a request; raises InvalidRequestError naming the problem. `metrics`: the
+        request's timing record to fill, with the caller's arrival time (default: a new one arriving now)."""
+        metrics = RequestMetrics(self.clock.now()) if metrics is None else metrics
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -117,8 +119,9 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
+        metrics.num_prompt_tokens = len(ids)
         seq = Sequence(request_id=request_id, prompt=text, token_ids=ids, num_prompt_tokens=len(ids), params=params,
-                       generator=generator, mm_items=tuple(images), metrics=RequestMetrics(self.clock.now()))
+                       generator=generator, mm_items=tuple(images), metrics=metrics)
         if stream or params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         if params.logprobs is not None:

@@ -1,8 +1,9 @@
-"""OutputProcessor: what happens to a sampled token — append it, record logprobs and first-token
-time, detokenize incrementally for streams and stop strings, apply the stop conditions (stop ids,
-EOS, stop strings, max_tokens, max_model_len) — and the RequestOutput handed to callers. An engine
-without a tokenizer (a simulated one whose model is its config alone) has no EOS check by tokenizer
-and no text: outputs carry token ids and text "", streams included."""
+"""OutputProcessor: what happens to a sampled token — append it and its time (the request's
+RequestMetrics, one clock read per step), record logprobs, detokenize incrementally for streams and stop
+strings, apply the stop conditions (stop ids, EOS, stop strings, max_tokens, max_model_len) — and the
+RequestOutput handed to callers, which closes a finished request's RequestMetrics. An engine without a
+tokenizer (a simulated one whose model is its config alone) has no EOS check by tokenizer and no text:
+outputs carry token ids and text "", streams included."""
 
 from __future__ import annotations
 
@@ -26,8 +27,7 @@ class OutputProcessor:
         lp_vals = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         for i, (seq, tok) in enumerate(zip(seqs, token_ids)):
             seq.token_ids.append(tok)
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
+            seq.metrics.token_times.append(now)  # the step's one clock read, for each of its tokens
             if seq.logprobs is not None:
                 k = seq.params.logprobs + 1
                 seq.logprobs.append(dict(zip(lp_ids[i][:k], lp_vals[i][:k])))
@@ -68,6 +68,8 @@ class OutputProcessor:
 
     def output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
         finished = seq.is_finished
+        if finished and seq.metrics.finish_reason is None:  # every finished request's output passes here once
+            seq.metrics.finish(seq.metrics.finished_time, seq.finish_reason, seq.error)
         if finished and seq.text is None:
             seq.text = self._decode(seq)
         text = seq.text if finished else seq.detokenizer.text
@@ -82,4 +84,4 @@ class OutputProcessor:
             token_ids=seq.output_token_ids, text=text, delta_token_ids=delta_ids, delta_text=delta_text,
             finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             error=seq.error, logprobs=seq.logprobs,
-            metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_cached_tokens))
+            metrics=seq.metrics.as_dict(seq.num_cached_tokens))

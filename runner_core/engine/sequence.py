@@ -20,29 +20,81 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class RequestMetrics:
+    """One request's timing: the one record of it from the engine out (vLLM's RequestMetrics and
+    RequestStateStats), read by the session's handles, the load drivers' summaries and the API's /metrics.
+
+    `side` says whose clock the times are on. "engine": the engine's clock (time.perf_counter(), or a
+    simulation's virtual clock); each output token is stamped when the step that sampled it processes its
+    outputs (one clock read per step), `arrival_time` when the request was handed in (`add_request`, or
+    earlier where the caller passes its own record: the session's submit, a load driver's send). "client":
+    the client's time.perf_counter() as the response's bytes arrived (network and HTTP framing included;
+    a chunk carrying k tokens gives k equal times). Engine- and client-side figures of one run differ by
+    that transport, legitimately.
+
+    The figures, defined here only (those of vLLM's serving benchmark): TTFT = first token - arrival;
+    E2E = finished - arrival; TPOT = (last token - first token) / (output tokens - 1), so the first token is
+    excluded; ITLs = the gaps between successive distinct token times (one per streamed chunk; in process a
+    chunk is one token). A request is `ok` when it finished without an error (an abort is an error)."""
+
     arrival_time: float
+    num_prompt_tokens: int = 0
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per output token
     finished_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
     num_preemptions: int = 0
+    side: str = "engine"  # or "client"
+
+    def finish(self, now: float, reason: str | None, error: str | None = None) -> None:
+        """End the record at `now`; "error" and "abort" are errors (`error` says why, or the reason does)."""
+        self.finished_time, self.finish_reason = now, reason
+        if error is None and reason in ("error", "abort"):
+            error = f"request ended with finish_reason {reason!r}"
+        self.error = error
 
     @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+    def ok(self) -> bool:
+        return self.error is None and self.finished_time is not None
 
-    def tokens_per_s(self, num_tokens: int) -> float | None:
-        """Decode rate after the first token (the first token's time is the TTFT)."""
-        if self.finished_time is None or self.first_token_time is None or num_tokens < 2:
-            return None
-        span = self.finished_time - self.first_token_time
-        return (num_tokens - 1) / span if span > 0 else None
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times)
 
-    def as_dict(self, num_tokens: int, num_cached_tokens: int = 0) -> dict:
-        end = self.finished_time
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def last_token_time(self) -> float | None:
+        return self.token_times[-1] if self.token_times else None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival_time if self.token_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        times = self.token_times
+        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+    @property
+    def itls(self) -> list[float]:
+        times = self.token_times
+        return [b - a for a, b in zip(times, times[1:]) if b != a]
+
+    def as_dict(self, num_cached_tokens: int = 0) -> dict:
+        """A finished or streaming RequestOutput's `metrics`: TTFT, the decode rate (1 / TPOT, once
+        finished) and E2E in seconds, preemptions and prompt tokens found in the prefix cache."""
+        tpot = self.tpot if self.finished_time is not None else None
         return {
-            "time_to_first_token_s": self.time_to_first_token,
-            "tokens_per_s": self.tokens_per_s(num_tokens),
-            "latency_s": None if end is None else end - self.arrival_time,
+            "time_to_first_token_s": self.ttft,
+            "tokens_per_s": 1 / tpot if tpot else None,
+            "latency_s": self.e2e,
             "num_preemptions": self.num_preemptions,
             "num_cached_prompt_tokens": num_cached_tokens,
         }

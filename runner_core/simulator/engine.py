@@ -163,11 +163,11 @@ class SimulatedEngine(LLMEngine):
         self._eos = sorted(e for e in eos_token_ids if 0 <= e < self.vocab_size)
         self._generator = torch.Generator().manual_seed(simulation.seed)
 
-    def add_request(self, prompt, params=None, request_id=None, stream=False):
+    def add_request(self, prompt, params=None, request_id=None, stream=False, metrics=None):
         if params is not None and getattr(params, "stop", None):
             raise InvalidRequestError(f"stop strings {params.stop!r} need text, and a simulated runner makes none "
                                       "(its tokens are drawn); use max_tokens or stop_token_ids")
-        seq = super().add_request(prompt, params, request_id, stream)
+        seq = super().add_request(prompt, params, request_id, stream, metrics)
         seq.logprobs = None  # no logits: logprobs give None
         return seq
 
