@@ -1,5 +1,6 @@
-"""Tiny random-weight Hugging Face checkpoints for tests, built locally (no download), and a switch that
-turns the native kernels off for the runners a test makes."""
+"""Tiny random-weight Hugging Face checkpoints for tests, built locally (no download), a switch that
+turns the native kernels off for the runners a test makes, and one step's attention metadata built as
+the forward pass builds it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import torch
 import transformers
 
 from runner_core import kernels
+from runner_core.engine import InputBuffers
+from runner_core.engine.forward_pass import METADATA_BUILDERS
+from runner_core.layers.attention import CommonAttentionMetadata
 
 _FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -112,3 +116,24 @@ def native_kernels_off() -> Iterator[None]:
         patch.setattr(kernels, "_state", {})
         assert not kernels.cpu_kernels_available()
         yield
+
+
+def step_metadata(backend: str, starts: list[int], q_lens: list[int], tables: list[list[int]], block_size: int,
+                  sliding_window: int | None = None, num_pool_blocks: int = 0):
+    """The `backend`'s metadata (CPU tensors) of one step over the pool: sequences (decodes, one new token,
+    first) with `q_lens` new tokens from `starts` and block tables `tables`, written into fresh
+    InputBuffers and built by the backend's builder, as ForwardPass.prepare does."""
+    buffers = InputBuffers(sum(q_lens), len(starts), max(map(len, tables)), torch.device("cpu"))
+    common = buffers.fill([0] * sum(q_lens), starts, q_lens, sum(1 for n in q_lens if n == 1), tables, block_size,
+                          sliding_window, num_pool_blocks=num_pool_blocks)
+    builder = METADATA_BUILDERS[backend]
+    meta = builder.build(common)
+    builder.finish(meta, common)
+    return meta
+
+
+def stateless_metadata(q_lens: list[int], block_size: int):
+    """The metadata of a stateless forward (fresh sequences over their own tokens, no pool)."""
+    common = CommonAttentionMetadata.without_pool([0] * len(q_lens), q_lens, sum(1 for n in q_lens if n == 1),
+                                                  block_size, None)
+    return METADATA_BUILDERS["gather"].build(common)

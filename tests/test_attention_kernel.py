@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from runner_core import ModelRunner, SamplingParams
-from runner_core.engine import InputBuffers
-from runner_core.engine.forward_pass import build_metadata
 from runner_core.kernels import cpu_kernels_available, native_paged_attention
 from runner_core.layers.attention import Attention, set_forward_context
+from runner_core.layers.native_attention import NativeMetadata
+from tests.helpers import step_metadata
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -46,12 +46,10 @@ def test_native_kernel_matches_gather_path(tier, case, window, dtype):
     k_new = torch.randn(n, kv_heads * head_dim).to(dtype)
     v_new = torch.randn(n, kv_heads * head_dim).to(dtype)
     results = []
+    assert q_lens[:num_decodes] == [1] * num_decodes
     for kernel in (False, True):
-        ids = [0] * n
-        filled = InputBuffers(64, 8, 16, torch.device("cpu")).fill(ids, starts, q_lens, tables, block_size)
-        _, meta = build_metadata(starts, q_lens, num_decodes, block_size, window, decode_kernel=kernel,
-                                 filled=filled)
-        assert (meta.native_row_seq is not None) == kernel
+        meta = step_metadata("native" if kernel else "gather", starts, q_lens, tables, block_size, window)
+        assert isinstance(meta, NativeMetadata) == kernel
         attn.kv_cache = cache.clone()
         with set_forward_context(meta, True):
             results.append(attn(q, k_new, v_new))

@@ -13,12 +13,11 @@ import pytest
 import torch
 
 import runner_core.models.llava  # noqa: F401  registers runner_core::merge_multimodal
-from runner_core.engine import InputBuffers
-from runner_core.engine.forward_pass import build_metadata
 from runner_core.kernels import cpu_kernels_available
 from runner_core.layers.attention import set_forward_context
 from runner_core.layers.fused_moe import fused_moe_op  # noqa: F401  registers runner_core::fused_moe
 from runner_core.layers.linear import packed_linear  # noqa: F401  registers runner_core::packed_linear
+from tests.helpers import stateless_metadata, step_metadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 16, 4, 16
 # (first new position, new tokens) per sequence, decodes first: two decodes, a fresh prompt and a later chunk
@@ -37,10 +36,7 @@ def _step(starts, q_lens, decode_kernel: bool):
     """The metadata of a step over the pool (sequence i owns blocks 4i..4i+3) and its q, k, v."""
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(starts))]
     n = sum(q_lens)
-    filled = InputBuffers(64, 8, 8, torch.device("cpu")).fill([0] * n, starts, q_lens, tables, BLOCK_SIZE)
-    num_decodes = sum(1 for c in q_lens if c == 1)
-    _, meta = build_metadata(starts, q_lens, num_decodes, BLOCK_SIZE, None, decode_kernel=decode_kernel,
-                             filled=filled)
+    meta = step_metadata("native" if decode_kernel else "gather", starts, q_lens, tables, BLOCK_SIZE)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, h * HEAD_DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS))
     return meta, q, k, v
@@ -67,7 +63,7 @@ def test_paged_attention(backend, mixed, request):
 def test_paged_attention_stateless():
     """Without the pool (a stateless forward) it attends over the step's own tokens."""
     _, q, k, v = _step(MIXED_STARTS[2:], MIXED_Q_LENS[2:], decode_kernel=False)
-    _, meta = build_metadata([0, 0], MIXED_Q_LENS[2:], 0, BLOCK_SIZE, None)
+    meta = stateless_metadata(MIXED_Q_LENS[2:], BLOCK_SIZE)
     with set_forward_context(meta, False):
         torch.library.opcheck(torch.ops.runner_core.paged_attention.default,
                               (q, k, v, torch.empty(0), HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5))
@@ -106,7 +102,7 @@ def test_packed_linear():
 
 def test_merge_multimodal():
     embeds = torch.randn(6, 16, generator=torch.Generator().manual_seed(4))
-    _, meta = build_metadata([0], [6], 0, BLOCK_SIZE, None)
+    meta = stateless_metadata([6], BLOCK_SIZE)
     with set_forward_context(meta, False, (torch.tensor([1, 2]), torch.ones(2, 16))):
         torch.library.opcheck(torch.ops.runner_core.merge_multimodal.default, (embeds,))
     with set_forward_context(meta, False):
@@ -121,8 +117,8 @@ def test_native_paged_attention_kernel(kernels, tier, mixed):
     pool = _pool()
     q = q.view(-1, HEADS, HEAD_DIM)
     torch.library.opcheck(torch.ops.runner_kernels.paged_attention.default,
-                          (torch.empty_like(q), q, pool[0], pool[1], meta.native_block_tables, meta.native_row_seq,
-                           meta.native_context_lens, BLOCK_SIZE, HEAD_DIM ** -0.5, 0))
+                          (torch.empty_like(q), q, pool[0], pool[1], meta.block_tables, meta.row_seq, meta.context_lens,
+                           BLOCK_SIZE, HEAD_DIM ** -0.5, 0))
 
 
 PANEL_DTYPES = [torch.float32, torch.bfloat16]

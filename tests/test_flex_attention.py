@@ -10,11 +10,10 @@ import transformers
 from torch.nn.attention.flex_attention import create_mask
 
 from runner_core import ModelRunner, SamplingParams
-from runner_core.engine import InputBuffers
-from runner_core.engine.forward_pass import build_metadata
 from runner_core.errors import ConfigError
 from runner_core.layers.attention import Attention, resolve_attention_backend, set_forward_context
-from runner_core.layers.flex_attention import Q_BLOCK, _mask_mod, finish_flex_fields, flex_paged_attention
+from runner_core.layers.flex_attention import Q_BLOCK, _mask_mod, flex_paged_attention
+from tests.helpers import step_metadata
 from tests.test_decode_programs import _EagerAtSizes
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, POOL_BLOCKS = 8, 2, 16, 4, 48
@@ -41,11 +40,8 @@ def _batch(seed: int = 0):
 
 
 def _metadata(tables, window, flex):
-    filled = InputBuffers(128, 8, 16, torch.device("cpu")).fill([0] * sum(Q_LENS), STARTS, Q_LENS, tables, BLOCK)
-    _, meta = build_metadata(STARTS, Q_LENS, NUM_DECODES, BLOCK, window, filled=filled, flex=flex)
-    if flex:
-        finish_flex_fields(meta, POOL_BLOCKS)
-    return meta
+    assert sum(1 for n in Q_LENS if n == 1) == NUM_DECODES
+    return step_metadata("flex" if flex else "gather", STARTS, Q_LENS, tables, BLOCK, window, POOL_BLOCKS)
 
 
 def _attend(meta, cache, q, k, v):
@@ -77,18 +73,18 @@ def test_block_lists_cover_the_mask(window):
     as partial or full, for that query block (the compiled kernels skip all others); in a full block
     every real query of the query block sees every key (the kernels skip the mask there)."""
     meta = _metadata(_batch()[0], window, flex=True)
-    rows = meta.flex_row_seq.shape[0]
-    mask_mod = _mask_mod(meta.flex_row_seq, meta.flex_row_pos, meta.flex_logical_of, meta.flex_block_tables,
+    rows = meta.row_seq.shape[0]
+    mask_mod = _mask_mod(meta.row_seq, meta.row_pos, meta.logical_of, meta.block_tables,
                          BLOCK, window)
     dense = create_mask(mask_mod, 1, 1, rows, POOL_BLOCKS * BLOCK, device="cpu")[0, 0]
     tiles = dense.view(rows // Q_BLOCK, Q_BLOCK, POOL_BLOCKS, BLOCK)
     needed = tiles.any(3).any(1)
-    partial = _listed(meta.flex_kv_num_blocks, meta.flex_kv_indices)
-    full = _listed(meta.flex_full_kv_num_blocks, meta.flex_full_kv_indices)
+    partial = _listed(meta.kv_num_blocks, meta.kv_indices)
+    full = _listed(meta.full_kv_num_blocks, meta.full_kv_indices)
     assert needed.any(1).all()  # every query block sees something (no empty rows in the batch)
     assert not (needed & ~(partial | full)).any(), "a block the mask needs is missing from the BlockMask"
     assert not (partial & full).any()
-    real = (meta.flex_row_pos >= 0).view(rows // Q_BLOCK, Q_BLOCK)
+    real = (meta.row_pos >= 0).view(rows // Q_BLOCK, Q_BLOCK)
     whole = (tiles.all(3) | ~real.unsqueeze(2)).all(1)  # every real row sees every key of the block
     assert full.any() and not (full & ~whole).any(), "a block listed full is not entirely visible"
     if window is not None:  # the window prunes: some query block skips blocks of its sequence it would see
@@ -105,8 +101,8 @@ def test_compiled_flex_kernel_equals_gather():
     tables, cache, q, k, v = _batch(seed=3)
     ref, _ = _attend(_metadata(tables, window, flex=False), cache, q, k, v)
     meta = _metadata(tables, window, flex=True)
-    prefill_blocks = meta.flex_full_kv_num_blocks[0, 0, NUM_DECODES:]
-    assert prefill_blocks.any() and (meta.flex_kv_num_blocks[0, 0, NUM_DECODES:] > 0).all()
+    prefill_blocks = meta.full_kv_num_blocks[0, 0, NUM_DECODES:]
+    assert prefill_blocks.any() and (meta.kv_num_blocks[0, 0, NUM_DECODES:] > 0).all()
     pool = cache.clone()
     with torch.inference_mode():
         k_new = k.view(-1, KV_HEADS, HEAD_DIM).transpose(0, 1)

@@ -1,15 +1,17 @@
-"""ForwardPass: turns a step's batch into flat tensors once per step and runs the model.
+"""ForwardPass: turns a step's batch into the model's input once per step and runs the model.
 
 Layout: decode sequences (one new token) first, then prefill chunks. A `StepBatch` says, per
 sequence, where its new tokens start, how many there are, those tokens and its block table;
-everything the attention layers need (slot mapping, gather indices, masks) is derived from it
-with tensor operations, into buffers allocated once (`InputBuffers`); no per-token loops. Every
-rank of a parallel runner prepares the same batch over its own KV shard. The metadata follows the
-attention backend (`resolve_attention_backend`): flex, the native CPU kernel, or gather.
+`InputBuffers.fill` writes them into buffers allocated once (ids, positions, slot mapping, block
+tables) and returns the step's `CommonAttentionMetadata`, from which the attention backend's builder
+(`METADATA_BUILDERS`: gather, native, flex, each beside its backend in layers/) makes that
+backend's metadata, with tensor operations; no per-token loops. Every rank of a parallel runner
+prepares the same batch over its own KV shard.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 
@@ -18,107 +20,30 @@ import torch
 from runner_core.engine.input_batch import InputBuffers, StepBatch
 from runner_core.layers.attention import (
     Attention,
-    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
     resolve_attention_backend,
     set_forward_context,
 )
-from runner_core.layers.flex_attention import build_flex_fields, finish_flex_fields
+from runner_core.layers.flex_attention import FlexMetadataBuilder
+from runner_core.layers.gather_attention import GatherMetadataBuilder
+from runner_core.layers.native_attention import NativeMetadataBuilder
+
+# each attention backend's metadata builder (resolve_attention_backend names them)
+METADATA_BUILDERS: dict[str, AttentionMetadataBuilder] = {
+    "gather": GatherMetadataBuilder(), "native": NativeMetadataBuilder(), "flex": FlexMetadataBuilder()}
 
 
 @dataclass(slots=True)
 class ModelInput:
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
-    meta: AttentionMetadata
+    meta: object  # the attention backend's metadata, on the device
     logits_indices: torch.Tensor  # [S] flat index of the last token of each sampling sequence
     num_prefill_tokens: int
     num_decode_tokens: int
     num_pad_tokens: int = 0  # rows added to reach a decode program's size (repeats of the first row)
     multimodal: tuple[torch.Tensor, torch.Tensor] | None = None  # (flat positions, image features) to merge
-
-
-def _kv_gather(block_tables: torch.Tensor | None, base: torch.Tensor | None, length: int, block_size: int,
-               num_tokens: int):
-    """[B, length] gather index of keys 0..length-1: pool slots via block tables, or base + j
-    into the step's own tokens (clamped: positions past a sequence's end are masked anyway)."""
-    j = torch.arange(length)
-    if block_tables is None:
-        return (base.unsqueeze(1) + j).clamp_(max=num_tokens - 1)
-    blocks = block_tables.gather(1, (j // block_size).expand(block_tables.shape[0], -1))
-    return blocks * block_size + j % block_size
-
-
-def _visible(q_pos: torch.Tensor, key_len: int, sliding_window: int | None) -> torch.Tensor:
-    """Causal (and sliding-window) mask: key j visible from a query at position p iff j <= p (and p - j < w)."""
-    j = torch.arange(key_len)
-    mask = j <= q_pos.unsqueeze(-1)
-    if sliding_window is not None:
-        mask &= q_pos.unsqueeze(-1) - j < sliding_window
-    return mask
-
-
-def build_metadata(starts: list[int], q_lens: list[int], num_decodes: int, block_size: int,
-                   sliding_window: int | None, decode_kernel: bool = False,
-                   filled: dict[str, torch.Tensor] | None = None,
-                   decode_len: int | None = None, flex: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Positions [N] and attention metadata for sequences whose first `num_decodes` have one query token.
-
-    `filled` holds the positions, slot mapping and block tables InputBuffers wrote for a step
-    over the KV pool; without it there is no pool and keys come from the step's own tokens
-    (stateless forward). With `decode_kernel` (and `filled`), every row carries its sequence and
-    context length for the native kernel, which reads the pool in place (no gather indices).
-    `decode_len` fixes the decodes' key length (masked past each context) so their metadata has one
-    shape per batch size (CUDA graphs).
-    With `flex` (and `filled`), every token's attention is FlexAttention over the pool in place
-    (flex_attention.py); ForwardPass finishes its metadata on the device.
-    """
-    start_t, qlen_t = torch.tensor(starts), torch.tensor(q_lens)
-    n = int(qlen_t.sum())
-    cu = torch.cumsum(qlen_t, 0) - qlen_t  # flat offset of each sequence
-    if filled is not None:
-        positions, slot_mapping, bt = filled["positions"], filled["slot_mapping"], filled["block_tables"]
-    else:
-        positions = torch.arange(n) - torch.repeat_interleave(cu - start_t, qlen_t)
-        slot_mapping = bt = None
-    d, p = num_decodes, len(starts) - num_decodes
-    meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=d, decode_kv_idx=None, decode_bias=None,
-                             num_prefills=p, max_query_len=0, prefill_q_idx=None, prefill_kv_idx=None,
-                             prefill_mask=None, block_size=block_size, sliding_window=sliding_window)
-    if flex and filled is not None:
-        tables = filled["block_tables_full"] if decode_len else bt
-        for name, value in build_flex_fields(start_t, qlen_t, tables, block_size, sliding_window).items():
-            setattr(meta, name, value)
-        return positions, meta
-    if decode_kernel and filled is not None:
-        # the native kernel: every row (decode or prefill) attends to its sequence's keys 0..position
-        meta.native_block_tables, meta.native_context_lens = bt, positions[:n] + 1
-        meta.native_row_seq = torch.repeat_interleave(torch.arange(len(starts)), qlen_t)
-        return positions, meta
-    if d:
-        length = decode_len or int(start_t[:d].max()) + 1
-        if decode_len:
-            bt = filled["block_tables_full"]
-        meta.decode_kv_idx = _kv_gather(None if bt is None else bt[:d], None if bt is not None else cu[:d],
-                                        length, block_size, n)
-        visible = _visible(start_t[:d], length, sliding_window)
-        meta.decode_bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[None, :, None, :]
-    if p:
-        p_start, p_len = start_t[d:], qlen_t[d:]
-        max_q = int(p_len.max())
-        key_len = int((p_start + p_len).max())
-        meta.max_query_len = max_q
-        row = torch.repeat_interleave(torch.arange(p), p_len)
-        meta.prefill_q_idx = row * max_q + positions[d:] - torch.repeat_interleave(p_start, p_len)
-        meta.prefill_kv_idx = _kv_gather(None if bt is None else bt[d:], None if bt is not None else cu[d:],
-                                         key_len, block_size, n)
-        if int(p_start.max()) == 0 and (sliding_window is None or sliding_window >= key_len):
-            # fresh prompts, right-padded: plain causal attention is exact for every real query
-            # (padded keys sit after the last real query), and lets SDPA skip the upper triangle
-            meta.prefill_mask = None
-        else:
-            q_pos = p_start.unsqueeze(1) + torch.arange(max_q)
-            meta.prefill_mask = _visible(q_pos, key_len, sliding_window).unsqueeze(1)
-    return positions, meta
 
 
 class ForwardPass:
@@ -144,17 +69,22 @@ class ForwardPass:
     def decode_kernel(self, on: bool) -> None:
         self.attention_backend = resolve_attention_backend("native" if on else "gather", self.device, self.block_size)
 
-    def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
+    def _metadata(self, common: CommonAttentionMetadata, backend: str | None = None):
+        """The backend's metadata for the step (default: this pass's backend), on the device. The
+        slot mapping goes through its persistent device twin; the rest is copied as it is."""
+        builder = METADATA_BUILDERS[backend or self.attention_backend]
+        meta = builder.build(common)
         if self.device.type != "cpu":
-            for name, value in vars(meta).items():
+            for f in dataclasses.fields(meta):
+                value = getattr(meta, f.name)
                 if isinstance(value, torch.Tensor):
-                    if name == "slot_mapping":
-                        setattr(meta, name, self.buffers.to_device(name, value))
-                    else:
-                        setattr(meta, name, value.to(self.device, non_blocking=True))
-        if meta.flex_q_rows is not None:
-            finish_flex_fields(meta, self._attention.kv_cache.shape[2] // self.block_size)
+                    setattr(meta, f.name, self.buffers.to_device(f.name, value) if f.name == "slot_mapping"
+                            else value.to(self.device, non_blocking=True))
+        builder.finish(meta, common)
         return meta
+
+    def _num_pool_blocks(self) -> int:
+        return self._attention.kv_cache.shape[2] // self.block_size if self._attention is not None else 0
 
     def prepare(self, batch: StepBatch, multimodal: tuple[torch.Tensor, torch.Tensor] | None = None) -> ModelInput:
         """The step's model input; `multimodal`: image features for the batch's image tokens."""
@@ -166,14 +96,13 @@ class ForwardPass:
                 pad, decode_len = size - d, self.decode_programs.static_decode_len
                 starts, counts = starts + [starts[0]] * pad, counts + [1] * pad
                 ids, tables = ids + [ids[0]] * pad, tables + [tables[0]] * pad
-        filled = self.buffers.fill(ids, starts, counts, tables, self.block_size, full_rows=decode_len is not None)
-        positions, meta = build_metadata(starts, counts, d + pad, self.block_size, self.sliding_window,
-                                         self.decode_kernel, filled, decode_len, self.attention_backend == "flex")
-        ends = torch.cumsum(torch.tensor(counts), 0) - 1
+        common = self.buffers.fill(ids, starts, counts, d + pad, tables, self.block_size, self.sliding_window,
+                                   decode_len=decode_len, num_pool_blocks=self._num_pool_blocks())
+        ends = torch.cumsum(common.query_lens, 0) - 1
         return ModelInput(
-            input_ids=self.buffers.to_device("input_ids", filled["input_ids"]),
-            positions=self.buffers.to_device("positions", positions),
-            meta=self._to_device(meta),
+            input_ids=self.buffers.to_device("input_ids", self.buffers.cpu["input_ids"][:len(ids)]),
+            positions=self.buffers.to_device("positions", common.positions),
+            meta=self._metadata(common),
             logits_indices=ends[batch.sample_rows].to(self.device),
             num_prefill_tokens=batch.num_prefill_tokens,
             num_decode_tokens=d,
@@ -200,16 +129,21 @@ class ForwardPass:
         Writes nothing itself."""
         starts, q_lens = [0] * size, [1] * size
         if decode_len is not None:
-            filled = self.buffers.fill([0] * size, starts, q_lens, [[0]] * size, self.block_size, full_rows=True)
-            positions, meta = build_metadata(starts, q_lens, size, self.block_size, self.sliding_window,
-                                             self.decode_kernel, filled, decode_len,
-                                             self.attention_backend == "flex")
+            common = self.buffers.fill([0] * size, starts, q_lens, size, [[0]] * size, self.block_size,
+                                       self.sliding_window, decode_len=decode_len,
+                                       num_pool_blocks=self._num_pool_blocks())
+            meta = self._metadata(common)
         else:
             self.buffers.np["input_ids"][:size] = self.buffers.np["positions"][:size] = 0
-            _, meta = build_metadata(starts, q_lens, size, self.block_size, self.sliding_window)
+            meta = self._stateless_metadata(starts, q_lens, size)
         bufs = self.buffers  # their slices, as in a real step (a compiled program's guards see no difference)
         ids = bufs.to_device("input_ids", bufs.cpu["input_ids"][:size])
-        return ids, bufs.to_device("positions", bufs.cpu["positions"][:size]), self._to_device(meta)
+        return ids, bufs.to_device("positions", bufs.cpu["positions"][:size]), meta
+
+    def _stateless_metadata(self, starts: list[int], q_lens: list[int], num_decodes: int):
+        """The gather backend's metadata, on the device, for sequences attending over the step's own tokens."""
+        return self._metadata(CommonAttentionMetadata.without_pool(starts, q_lens, num_decodes, self.block_size,
+                                                                   self.sliding_window), "gather")
 
     @torch.inference_mode()
     def run_dummy(self, num_tokens: int) -> torch.Tensor:
@@ -218,10 +152,10 @@ class ForwardPass:
         bufs = self.buffers
         bufs.np["input_ids"][:num_tokens] = 0
         bufs.np["positions"][:num_tokens] = range(num_tokens)
-        positions, meta = build_metadata([0], [num_tokens], int(num_tokens == 1), self.block_size, self.sliding_window)
+        meta = self._stateless_metadata([0], [num_tokens], int(num_tokens == 1))
         ids = bufs.to_device("input_ids", bufs.cpu["input_ids"][:num_tokens])
         pos = bufs.to_device("positions", bufs.cpu["positions"][:num_tokens])
-        with set_forward_context(self._to_device(meta), False):
+        with set_forward_context(meta, False):
             return self.model(ids, pos)
 
     def run_stateless(self, seqs_ids: list[list[int]], return_order: bool = False):
@@ -231,13 +165,14 @@ class ForwardPass:
         num_decodes = sum(1 for n in q_lens if n == 1)
         order = sorted(range(len(q_lens)), key=lambda i: q_lens[i] > 1)
         q_sorted = [q_lens[i] for i in order]
-        positions, meta = build_metadata([0] * len(order), q_sorted, num_decodes, self.block_size,
-                                         self.sliding_window)
+        common = CommonAttentionMetadata.without_pool([0] * len(order), q_sorted, num_decodes, self.block_size,
+                                                      self.sliding_window)
+        meta = self._metadata(common, "gather")
         ids = torch.tensor(list(chain.from_iterable(seqs_ids[i] for i in order)), device=self.device)
         # made outside inference mode and passed as views, like the engine's buffer slices, so a
         # compiled model sees the same kind of tensor (its guards check both) and does not recompile
-        with torch.inference_mode(), set_forward_context(self._to_device(meta), False):
-            hidden = self.model(ids[:], positions.to(self.device)[:])
+        with torch.inference_mode(), set_forward_context(meta, False):
+            hidden = self.model(ids[:], common.positions.to(self.device)[:])
         # back to the caller's order
         offsets = torch.cumsum(torch.tensor([0] + q_sorted), 0)
         caller_order = sorted(range(len(order)), key=lambda k: order[k])

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from runner_core.layers.attention import CommonAttentionMetadata
+
 if TYPE_CHECKING:
     from runner_core.engine.sequence import Sequence
 
@@ -79,18 +81,22 @@ class InputBuffers:
         self.device_bufs = ({name: torch.zeros_like(t, device=device) for name, t in self.cpu.items()}
                             if device.type != "cpu" else self.cpu)
 
-    def fill(self, ids: list[int], starts: list[int], q_lens: list[int], block_tables: list[list[int]],
-             block_size: int, full_rows: bool = False) -> dict[str, torch.Tensor]:
-        """Write one step's inputs; returns CPU views {input_ids, positions, slot_mapping: [N],
-        block_tables: [B, width], block_tables_full: [B, max_blocks]}; the columns past `width` are
-        zeros only with `full_rows` (a static-length decode reads every column)."""
+    def fill(self, ids: list[int], starts: list[int], q_lens: list[int], num_decodes: int,
+             block_tables: list[list[int]], block_size: int, sliding_window: int | None, *,
+             decode_len: int | None = None, num_pool_blocks: int = 0) -> CommonAttentionMetadata:
+        """Write one step over the pool (token ids, positions, block tables, slot mapping) and return
+        its common metadata, whose tensors are views of these buffers: block tables [S, W], W the
+        longest table's blocks, or every column with `decode_len` (a static-length decode reads them
+        all), zeros past each table."""
         n, b = len(ids), len(starts)
         width = max(map(len, block_tables))
         if n > self.max_tokens or b > self.max_seqs or width > self.max_blocks:
             raise ValueError(f"step of {n} tokens / {b} sequences / {width} blocks exceeds the input buffers "
                              f"({self.max_tokens} / {self.max_seqs} / {self.max_blocks})")
         ids_np, pos_np, slot_np = self.np["input_ids"][:n], self.np["positions"][:n], self.np["slot_mapping"][:n]
-        self.np["block_tables"][:b, : None if full_rows else width] = 0
+        if decode_len is not None:
+            width = self.max_blocks
+        self.np["block_tables"][:b, :width] = 0
         bt_np = self.np["block_tables"][:b, :width]
         ids_np[:] = ids
         start_np, qlen_np = np.asarray(starts), np.asarray(q_lens)
@@ -100,9 +106,11 @@ class InputBuffers:
             bt_np[row, : len(table)] = table
         rows = np.repeat(np.arange(b), qlen_np)
         np.add(bt_np[rows, pos_np // block_size] * block_size, pos_np % block_size, out=slot_np)
-        return {"input_ids": self.cpu["input_ids"][:n], "positions": self.cpu["positions"][:n],
-                "slot_mapping": self.cpu["slot_mapping"][:n], "block_tables": self.cpu["block_tables"][:b, :width],
-                "block_tables_full": self.cpu["block_tables"][:b]}
+        return CommonAttentionMetadata(
+            starts=torch.from_numpy(start_np), query_lens=torch.from_numpy(qlen_np), num_decodes=num_decodes,
+            positions=self.cpu["positions"][:n], block_size=block_size, sliding_window=sliding_window,
+            slot_mapping=self.cpu["slot_mapping"][:n], block_tables=self.cpu["block_tables"][:b, :width],
+            decode_len=decode_len, num_pool_blocks=num_pool_blocks)
 
     def to_device(self, name: str, view: torch.Tensor) -> torch.Tensor:
         """The device twin's slice holding `view` (the same tensor on the CPU)."""

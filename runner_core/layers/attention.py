@@ -3,11 +3,12 @@
 The batch is laid out decodes first (one query token per sequence), then prefill
 chunks. K/V of every token are written into the KV pool at `slot_mapping`; queries
 then read their sequence's keys by one of three backends, chosen by ForwardPass
-(`attention_backend`) through the metadata it builds once per step for all layers:
-"gather" copies each sequence's keys out of the pool through gather indices derived
-from block tables; "native" runs the CPU kernel over the pool in place for every token;
-"flex" runs FlexAttention over the pool in place for every token (flex_attention.py).
-Under torch.compile the whole of it is one custom op, opaque to the graph, declared as writing
+(`attention_backend`). Each backend is one module holding its metadata class, the builder that
+makes it from the step's `CommonAttentionMetadata` once per step for all layers, and its
+`attend`: "gather" (gather_attention.py) copies each sequence's keys out of the pool through
+gather indices derived from block tables; "native" (native_attention.py) runs the CPU kernel over
+the pool in place for every token; "flex" (flex_attention.py) runs FlexAttention over the pool in
+place for every token. Under torch.compile the whole of it is one custom op, opaque to the graph, declared as writing
 the pool (tests/test_custom_ops.py checks every op's schema with torch.library.opcheck).
 
 The forward context (the step's metadata, and whether the KV pool is used) is set by ForwardPass
@@ -23,52 +24,51 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runner_core.config import ATTENTION_BACKENDS
 from runner_core.errors import ConfigError
-from runner_core.kernels import cpu_kernels_available, native_paged_attention
-from runner_core.layers.flex_attention import flex_paged_attention
+from runner_core.kernels import cpu_kernels_available
 
 
 @dataclass
-class AttentionMetadata:
-    """Per-step attention inputs, shared by every layer.
+class CommonAttentionMetadata:
+    """A step's shape as every backend's builder reads it (vLLM's CommonAttentionMetadata), CPU tensors
+    built once per step: by InputBuffers.fill for a step over the pool, by `without_pool` for a
+    stateless forward. Sequences are laid out decodes (one new token) first."""
 
-    For the decode part, `decode_kv_idx[i, j]` is the pool slot of the j-th key of
-    decode sequence i. For the prefill part, queries are scattered into a padded
-    [num_prefills, max_query_len] grid by `prefill_q_idx`, and keys gathered through
-    `prefill_kv_idx` from the pool (or, with no pool, from the step's own tokens).
-    The prefill mask is True where a query may attend; the decode mask is an additive bias.
-    """
+    starts: torch.Tensor  # [S] first new position of each sequence (the tokens before it are in the pool)
+    query_lens: torch.Tensor  # [S] new tokens of each sequence
+    num_decodes: int  # the first sequences with one new token (a decode program's pad rows included)
+    positions: torch.Tensor  # [N]
+    block_size: int
+    sliding_window: int | None
+    slot_mapping: torch.Tensor | None = None  # [N] pool slot of each token; None: no pool (a stateless forward)
+    # [S, W] each sequence's blocks, zeros past them; W is the longest table's, or every column with decode_len
+    block_tables: torch.Tensor | None = None
+    decode_len: int | None = None  # the decodes' fixed key length (CUDA graphs: one shape per batch size)
+    num_pool_blocks: int = 0  # blocks in the pool (what the flex backend maps block ids over)
 
-    slot_mapping: torch.Tensor | None  # [N] pool slot of each token, None when there is no KV pool
-    num_decode_tokens: int
-    decode_kv_idx: torch.Tensor | None  # [D, L_d]
-    decode_bias: torch.Tensor | None  # [1, D, 1, L_d] additive: 0 where visible, -inf elsewhere
-    num_prefills: int
-    max_query_len: int
-    prefill_q_idx: torch.Tensor | None  # [N - D] position of each prefill token in the padded grid
-    prefill_kv_idx: torch.Tensor | None  # [P, L_p]
-    prefill_mask: torch.Tensor | None  # [P, 1, max_query_len, L_p]; None: plain causal (fresh prompts)
-    # set instead of all the gather fields when the native kernel runs every row over the pool in place
-    native_block_tables: torch.Tensor | None = None  # [S, max_blocks]
-    native_row_seq: torch.Tensor | None = None  # [N] each token's sequence (its row of the block tables)
-    native_context_lens: torch.Tensor | None = None  # [N] keys 0..len-1 of its sequence: its position + 1
-    block_size: int = 0
-    sliding_window: int | None = None
-    # set instead of all the above (but the slot mapping) by the flex backend: flex_attention.py
-    flex_q_rows: torch.Tensor | None = None  # [N]
-    flex_row_seq: torch.Tensor | None = None  # [R]
-    flex_row_pos: torch.Tensor | None = None  # [R]
-    flex_kv_num_blocks: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK]
-    flex_kv_indices: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK, W]
-    flex_full_kv_num_blocks: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK]
-    flex_full_kv_indices: torch.Tensor | None = None  # [1, 1, R / Q_BLOCK, W]
-    flex_block_tables: torch.Tensor | None = None  # [S, W]
-    flex_num_blocks: torch.Tensor | None = None  # [S]
-    flex_logical_of: torch.Tensor | None = None  # [pool blocks + 1], made on the device
+    @classmethod
+    def without_pool(cls, starts: list[int], query_lens: list[int], num_decodes: int, block_size: int,
+                     sliding_window: int | None) -> CommonAttentionMetadata:
+        """Independent sequences attending over the step's own tokens (a stateless forward)."""
+        start_t, qlen_t = torch.tensor(starts), torch.tensor(query_lens)
+        offsets = torch.cumsum(qlen_t, 0) - qlen_t
+        positions = torch.arange(int(qlen_t.sum())) - torch.repeat_interleave(offsets - start_t, qlen_t)
+        return cls(start_t, qlen_t, num_decodes, positions, block_size, sliding_window)
+
+
+class AttentionMetadataBuilder:
+    """Builds a backend's metadata from the step's common metadata, once per step for every layer
+    (each backend module has one: gather_attention.py, native_attention.py, flex_attention.py)."""
+
+    def build(self, common: CommonAttentionMetadata):
+        """The backend's metadata (CPU tensors), whose `attend` the attention layers call."""
+        raise NotImplementedError
+
+    def finish(self, meta, common: CommonAttentionMetadata) -> None:
+        """Complete `meta` once it is on the device (default: nothing to do)."""
 
 
 def resolve_attention_backend(choice: str, device: torch.device, block_size: int) -> str:
@@ -92,7 +92,7 @@ def resolve_attention_backend(choice: str, device: torch.device, block_size: int
 # ---- the forward context: the step's metadata, set by ForwardPass around a model call -----------
 @dataclass
 class ForwardContext:
-    meta: AttentionMetadata
+    meta: object  # the backend's metadata (GatherMetadata, NativeMetadata, FlexMetadata)
     use_kv_cache: bool  # False for a stateless forward (no pool: attend over the step's own tokens)
     # image features to place in the embeddings: (flat token positions [M], features [M, H]), or None
     multimodal: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -118,32 +118,14 @@ def get_forward_context() -> ForwardContext:
     return ctx
 
 
-def _decode(q, k, v, bias, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
-    """One query per sequence. q: [D, H, Dh]; k, v: [KVH, D, L, Dh] (as gathered); bias: [1, D, 1, L].
-
-    Grouped heads fold into the query dimension, so each KV head is read once and no repeat
-    of K/V is needed: two batched matmuls over (KVH, D)."""
-    d = q.shape[0]
-    qg = q.view(d, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # [KVH, D, G, Dh]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(bias)  # [KVH, D, G, L]
-    out = torch.matmul(scores.softmax(dim=-1), v)  # [KVH, D, G, Dh]
-    return out.transpose(0, 1).reshape(d, num_heads, head_dim)
-
-
-def _prefill(q, k, v, mask, gqa: bool, scale: float) -> torch.Tensor:
-    """q: [P, Lq, H, Dh]; k, v: [KVH, P, Lk, Dh]; mask: [P, 1, Lq, Lk] or None (causal) -> [P, Lq, H, Dh]."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
-    return out.transpose(1, 2)
-
-
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, num_heads: int,
                     num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
     """q: [N, H*Dh], k/v: [N, KVH*Dh] -> [N, H*Dh]. kv_cache is this layer's [2, KVH, slots, Dh]
     view of the pool; the step's metadata comes from the forward context, which also says
-    whether the pool is used (a stateless forward attends over the step's own tokens)."""
+    whether the pool is used (a stateless forward attends over the step's own tokens). The
+    metadata's backend does the attending (`attend`)."""
     ctx = get_forward_context()
-    meta: AttentionMetadata = ctx.meta
+    meta = ctx.meta
     n = q.shape[0]
     q = q.view(n, num_heads, head_dim)
     k = k.view(n, num_kv_heads, head_dim).transpose(0, 1)
@@ -151,29 +133,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if ctx.use_kv_cache:
         kv_cache[0].index_copy_(1, meta.slot_mapping, k)
         kv_cache[1].index_copy_(1, meta.slot_mapping, v)
-        k_src, v_src = kv_cache[0], kv_cache[1]
-    else:
-        k_src, v_src = k, v
-    if ctx.use_kv_cache and meta.flex_q_rows is not None:
-        return flex_paged_attention(q, k_src, v_src, meta, scale).reshape(n, num_heads * head_dim)
-    out = torch.empty_like(q)
-    if ctx.use_kv_cache and meta.native_row_seq is not None:
-        native_paged_attention(out, q, k_src, v_src, meta.native_block_tables, meta.native_row_seq,
-                               meta.native_context_lens, meta.block_size, scale, meta.sliding_window)
-        return out.view(n, num_heads * head_dim)
-    d = meta.num_decode_tokens
-    if d:
-        idx = meta.decode_kv_idx
-        out[:d] = _decode(q[:d], k_src[:, idx], v_src[:, idx], meta.decode_bias, num_heads, num_kv_heads,
-                          head_dim, scale)
-    if meta.num_prefills:
-        grid = q.new_zeros(meta.num_prefills * meta.max_query_len, num_heads, head_dim)
-        grid[meta.prefill_q_idx] = q[d:]
-        grid = grid.view(meta.num_prefills, meta.max_query_len, num_heads, head_dim)
-        idx = meta.prefill_kv_idx
-        o = _prefill(grid, k_src[:, idx], v_src[:, idx], meta.prefill_mask, num_kv_heads != num_heads, scale)
-        out[d:] = o.reshape(-1, num_heads, head_dim)[meta.prefill_q_idx]
-    return out.view(n, num_heads * head_dim)
+        k, v = kv_cache[0], kv_cache[1]
+    return meta.attend(q, k, v, scale).reshape(n, num_heads * head_dim)
 
 
 @torch.library.custom_op("runner_core::paged_attention", mutates_args=("kv_cache",))
