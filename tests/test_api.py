@@ -138,6 +138,36 @@ def test_metrics_parse_and_count_the_served_requests(server, client):
     assert after[("runner_workbench:num_requests_running", model)] == 0
 
 
+def test_metrics_observe_each_request_by_its_record():
+    from prometheus_client import generate_latest
+
+    from runner_core import RequestMetrics
+    from workbench.api.prometheus import ApiMetrics
+
+    metrics = ApiMetrics()
+    served = RequestMetrics(10.0, 7, token_times=[10.2, 10.3, 10.5])
+    served.finish(10.5, "stop")
+    aborted = RequestMetrics(20.0, 3)  # cancelled before its first token: an E2E, no TTFT nor TPOT
+    aborted.finish(20.25, "abort")
+    for record in (served, aborted):
+        metrics.observe(record, "m")
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+           for s in family.samples}
+    m = (("model_name", "m"),)
+    assert got[("runner_workbench:prompt_tokens_total", m)] == 10
+    assert got[("runner_workbench:generation_tokens_total", m)] == 3
+    for reason in ("stop", "abort"):
+        assert got[("runner_workbench:request_success_total", (("finished_reason", reason), *m))] == 1
+    prefix = "runner_workbench:"
+    assert got[(prefix + "time_to_first_token_seconds_count", m)] == 1
+    assert (served.ttft, served.tpot) == pytest.approx((0.2, 0.15))
+    assert got[(prefix + "time_to_first_token_seconds_sum", m)] == pytest.approx(served.ttft)
+    assert got[(prefix + "time_per_output_token_seconds_sum", m)] == pytest.approx(served.tpot)
+    assert got[(prefix + "e2e_request_latency_seconds_count", m)] == 2
+    assert got[(prefix + "e2e_request_latency_seconds_sum", m)] == pytest.approx(0.5 + 0.25)
+
+
 def test_a_client_that_leaves_mid_stream_aborts_its_request_and_frees_its_blocks(session, server):
     idle = session.memory_stats()["blocks_used"]
     body = {"model": "tiny-llama", "prompt": PROMPT * 8, "max_tokens": 200, "temperature": 0, "ignore_eos": True,

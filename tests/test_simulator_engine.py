@@ -110,7 +110,7 @@ def test_a_load_run_takes_its_times_from_the_step_times():
     assert [r.time for r in records] == pytest.approx(ends, rel=1e-9)
     assert result.summary["completed"] == 6 and result.summary["duration_s"] == pytest.approx(ends[-1])
     for rec in result.records:  # every token reaches the client at the end of a step
-        assert rec.output_tokens == 10
+        assert rec.num_output_tokens == 10
         assert all(any(abs(x - e) < 1e-12 for e in ends) for x in rec.token_times)
     first = result.records[0]  # admitted at once: its first token ends the steps its 40-token prompt took
     assert first.ttft == pytest.approx(ends[0])
@@ -125,7 +125,7 @@ def test_idle_gaps_of_a_poisson_workload_jump_the_clock(monkeypatch):
         result = run_workload(runner, workload)
         busy = sum(r.total_s for r in runner.step_metrics)
     assert result.summary["completed"] == 5
-    assert [rec.sent for rec in result.records] == pytest.approx(due)  # each one sent exactly when due
+    assert [rec.arrival_time for rec in result.records] == pytest.approx(due)  # each one sent exactly when due
     assert result.summary["duration_s"] > due[-1] > busy  # most of the run was idle time, jumped over
 
 

@@ -22,7 +22,8 @@ GAP = 0.05  # seconds between the stub's chunks
 
 def _stub_app(seen: list, live: dict) -> FastAPI:
     """prompt [1]: "ab" (2 tokens) then "c"; [2]: a 400; [3]: one chunk then an error event; other prompts:
-    one token per chunk, max_tokens of them. Usage in every chunk when continuous_usage_stats is asked."""
+    one token per chunk, max_tokens of them, the last with finish_reason "length". Usage in every chunk when
+    continuous_usage_stats is asked."""
     app = FastAPI()
 
     @app.post("/v1/completions")
@@ -40,10 +41,11 @@ def _stub_app(seen: list, live: dict) -> FastAPI:
             live["max"] = max(live["max"], live["now"])
             sent = 0
             try:
-                for text, n in pieces:
+                for i, (text, n) in enumerate(pieces, 1):
                     await asyncio.sleep(GAP)
                     sent += n
-                    chunk = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
+                    reason = "length" if i == len(pieces) and body["prompt"] != [3] else None
+                    chunk = {"choices": [{"index": 0, "text": text, "finish_reason": reason}]}
                     if continuous:
                         chunk["usage"] = {"prompt_tokens": len(body["prompt"]), "completion_tokens": sent}
                     yield f"data: {json.dumps(chunk)}\n\n"
@@ -88,12 +90,13 @@ def test_chunks_become_token_times_and_usage_sets_the_counts(stub, tmp_path, con
     url, seen, _ = stub
     w = Workload(num_requests=1, dataset=_dataset(tmp_path, [[1]]), seed=5)
     (r,) = run_http_workload(url, "stub", w, continuous_usage=continuous, api_key="sk-1").records
-    assert r.ok and r.output_tokens == 3 and r.prompt_tokens == 1
+    assert r.ok and r.num_output_tokens == 3 and r.num_prompt_tokens == 1
+    assert (r.side, r.finish_reason) == ("client", "length")
     # "ab" carries two tokens: with per-chunk usage both take its time; without, the chunk counts as one
     # and the final usage's extra token takes the last chunk's time
     first, last = r.token_times[0], r.token_times[-1]
     assert r.token_times == ([first, first, last] if continuous else [first, last, last])
-    assert len(r.itls) == 1 and r.ttft >= GAP and r.end >= last
+    assert len(r.itls) == 1 and r.ttft >= GAP and r.finished_time >= last
     body = seen[-1]
     assert (body["prompt"], body["max_tokens"], body["seed"], body["ignore_eos"], body["stream"]) == ([1], 4, 5,
                                                                                                     True, True)
@@ -106,7 +109,7 @@ def test_server_errors_are_failed_records_with_the_servers_message(stub, tmp_pat
     result = run_http_workload(url, "stub", w, target=Target("e2e_p99_ms", 60_000))
     refused, broken, fine = result.records
     assert refused.error == "HTTP 400: prompt is too long" and broken.error == "the engine failed"
-    assert fine.ok and fine.output_tokens == 4
+    assert fine.ok and fine.num_output_tokens == 4 and refused.finish_reason == broken.finish_reason == "error"
     assert (result.summary["completed"], result.summary["failed"]) == (1, 2)
 
 
@@ -130,7 +133,7 @@ def test_concurrency_caps_requests_in_flight_and_arrivals_spread_them(stub):
     due = [q.arrival_s for q in w.requests(100)]
     before = time.perf_counter()
     for r, t in zip(run_http_workload(url, "stub", w, vocab_size=100).records, due):
-        assert r.sent - before >= t
+        assert r.arrival_time - before >= t
 
 
 def test_synthetic_prompts_need_a_vocabulary():
@@ -154,8 +157,10 @@ def test_against_the_sessions_api_it_sends_what_the_in_process_driver_sends(tiny
         over_http = run_http_workload(server.url, "tiny-llama", w, tokenizer=runner.tokenizer)  # its vocab
     finally:
         session.close()
-    for a, b in zip(over_http.records, in_process.records, strict=True):
-        assert a.ok and (a.index, a.prompt_tokens, a.output_tokens) == (b.index, b.prompt_tokens, b.output_tokens)
+    for a, b in zip(over_http.records, in_process.records, strict=True):  # one record class, two sides
+        assert a.ok and (a.num_prompt_tokens, a.num_output_tokens, a.finish_reason) == (
+            b.num_prompt_tokens, b.num_output_tokens, b.finish_reason)
+        assert (a.side, b.side) == ("client", "engine")
     assert over_http.summary["output_tokens"] == sum(q.max_tokens for q in w.requests(runner.engine.vocab_size))
 
 
@@ -163,4 +168,4 @@ def test_it_runs_from_inside_an_event_loop_as_a_notebook_cell_does(stub, tmp_pat
     async def cell():
         return run_http_workload(stub[0], "stub", Workload(num_requests=1, dataset=_dataset(tmp_path, [[4]])))
 
-    assert asyncio.run(cell()).records[0].output_tokens == 4
+    assert asyncio.run(cell()).records[0].num_output_tokens == 4

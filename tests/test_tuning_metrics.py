@@ -1,6 +1,7 @@
-"""Request metrics and the run summary on hand-built records (expected figures by explicit arithmetic),
-latency targets, and the in-process driver on tiny-llama: exact output lengths, sends no earlier than
-due, a concurrency cap that holds, a refused request that fails alone."""
+"""RequestMetrics' figures and the run summary on hand-built records (expected figures by explicit
+arithmetic), latency targets, and the in-process driver on tiny-llama: the engine's records (one time per
+token), exact output lengths, sends no earlier than due, a concurrency cap that holds, a refused request that
+fails alone."""
 
 from __future__ import annotations
 
@@ -10,19 +11,24 @@ import time
 
 import pytest
 
-from runner_core import ModelRunner
-from runner_core.tuning import Arrivals, Lengths, RequestRecord, Target, Workload, run_workload, summarize
+from runner_core import ModelRunner, RequestMetrics
+from runner_core.tuning import Arrivals, Lengths, Target, Workload, run_workload, summarize
 
 
-def _records() -> list[RequestRecord]:
+def _record(arrival: float, prompt_tokens: int, token_times: list[float], end: float | None,
+            error: str | None = None) -> RequestMetrics:
+    return RequestMetrics(arrival, prompt_tokens, token_times=token_times, finished_time=end, error=error)
+
+
+def _records() -> list[RequestMetrics]:
     return [
         # TTFT 0.1, E2E 0.6, TPOT (0.6 - 0.1) / 2 = 0.25, ITLs 0.2 and 0.3
-        RequestRecord(0, sent=0.0, prompt_tokens=10, token_times=[0.1, 0.3, 0.6], end=0.6),
+        _record(0.0, 10, [0.1, 0.3, 0.6], 0.6),
         # a chunk of two tokens at 0.35: TTFT 0.05, E2E 0.35, TPOT 0.3 / 3 = 0.1, ITLs 0.1 and 0.2 (one per chunk)
-        RequestRecord(1, sent=0.2, prompt_tokens=20, token_times=[0.25, 0.35, 0.35, 0.55], end=0.55),
-        RequestRecord(2, sent=0.5, prompt_tokens=7, token_times=[], end=0.5, error="refused"),
+        _record(0.2, 20, [0.25, 0.35, 0.35, 0.55], 0.55),
+        _record(0.5, 7, [], 0.5, error="refused"),
         # one token: TTFT = E2E = 0.05, no TPOT, no ITL
-        RequestRecord(3, sent=0.4, prompt_tokens=5, token_times=[0.45], end=0.45),
+        _record(0.4, 5, [0.45], 0.45),
     ]
 
 
@@ -30,8 +36,13 @@ def test_record_properties():
     a, b, failed, single = _records()
     assert (a.ttft, a.e2e, a.tpot, *a.itls) == pytest.approx((0.1, 0.6, 0.25, 0.2, 0.3))
     assert (b.ttft, b.e2e, b.tpot, *b.itls) == pytest.approx((0.05, 0.35, 0.1, 0.1, 0.2))
-    assert b.output_tokens == 4 and not failed.ok and single.tpot is None and single.itls == []
-    assert not RequestRecord(4, sent=0.0, prompt_tokens=1, token_times=[0.1]).ok  # never ended
+    assert b.num_output_tokens == 4 and not failed.ok and single.tpot is None and single.itls == []
+    assert not _record(0.0, 1, [0.1], None).ok  # never ended
+    # a stream closing after its last token (a client's record): E2E runs to the close, TPOT to the last token
+    late = RequestMetrics(1.0, 3, token_times=[1.1, 1.3, 1.5], side="client")
+    late.finish(1.9, "length")
+    assert late.ok and (late.ttft, late.tpot, late.e2e) == pytest.approx((0.1, 0.2, 0.9))
+    assert (late.first_token_time, late.last_token_time) == (1.1, 1.5)
 
 
 def test_summary_figures_by_hand():
@@ -69,7 +80,7 @@ def test_goodput_and_target_on_ttft_and_explicit_slo():
 
 
 def test_a_run_with_nothing_completed_has_no_latencies_and_misses_its_target():
-    s = summarize([RequestRecord(0, 0.0, 3, [], end=0.1, error="refused")], 1.0, Target())
+    s = summarize([_record(0.0, 3, [], 0.1, error="refused")], 1.0, Target())
     assert s["completed"] == 0 and s["ttft_p99_ms"] is None and s["tokens_per_s_per_user"] is None
     assert s["target_met"] is False and Target().margin(s) == -math.inf and s["goodput"] == 0
 
@@ -105,12 +116,14 @@ def test_every_request_completes_with_exactly_max_tokens(runner):
     w = _workload()
     result = run_workload(runner, w, target=Target("e2e_p99_ms", 60_000))
     reqs = w.requests(runner.engine.vocab_size)
-    assert [r.index for r in result.records] == list(range(12))
-    assert [r.output_tokens for r in result.records] == [q.max_tokens for q in reqs]
-    assert [r.prompt_tokens for r in result.records] == [len(q.prompt) for q in reqs]
-    for r in result.records:
-        assert r.ok and r.sent <= r.token_times[0] and r.token_times == sorted(r.token_times) \
-            and r.token_times[-1] == r.end
+    assert len(result.records) == 12  # in the workload's order, as the prompt lengths show
+    assert [r.num_output_tokens for r in result.records] == [q.max_tokens for q in reqs]
+    assert [r.num_prompt_tokens for r in result.records] == [len(q.prompt) for q in reqs]
+    for r in result.records:  # the engine's record: scheduled after the send, one time per token, ended at the last
+        assert r.ok and r.side == "engine" and r.finish_reason == "length" and r.num_preemptions == 0
+        assert r.arrival_time <= r.first_scheduled_time <= r.token_times[0]
+        assert r.token_times == sorted(r.token_times) and len(set(r.token_times)) == len(r.token_times)
+        assert r.token_times[-1] == r.finished_time
     s = result.summary
     assert (s["completed"], s["output_tokens"], s["target_met"]) == (12, sum(q.max_tokens for q in reqs), True)
     assert result.workload is w and result.settings == {}
@@ -123,7 +136,7 @@ def test_poisson_arrivals_are_sent_no_earlier_than_due(runner):
     result = run_workload(runner, w)
     assert due[-1] > 0.1  # the arrivals spread out ...
     for r, t in zip(result.records, due):
-        assert r.sent - before >= t  # ... and no request went before its time
+        assert r.arrival_time - before >= t  # ... and no request went before its time
     assert result.summary["duration_s"] >= due[-1] and result.summary["completed"] == 12
 
 
@@ -147,7 +160,7 @@ def test_a_refused_request_is_a_failed_record_and_the_run_goes_on(runner, tmp_pa
     result = run_workload(runner, Workload(num_requests=3, dataset=str(path)))
     ok = [r.ok for r in result.records]
     assert ok == [True, False, True] and str(vocab + 5) in result.records[1].error
-    assert [r.output_tokens for r in result.records] == [4, 0, 3] and result.summary["failed"] == 1
+    assert [r.num_output_tokens for r in result.records] == [4, 0, 3] and result.summary["failed"] == 1
     assert not runner.has_unfinished_requests()
 
 
@@ -159,6 +172,6 @@ def test_a_sharegpt_file_runs_with_reply_lengths_counted_by_the_models_tokenizer
                                 for i, reply in enumerate(replies)]))
     result = run_workload(runner, Workload(num_requests=2, dataset=str(path)))
     hf = runner.tokenizer.hf
-    assert [r.output_tokens for r in result.records] == [len(hf(t, add_special_tokens=False).input_ids)
+    assert [r.num_output_tokens for r in result.records] == [len(hf(t, add_special_tokens=False).input_ids)
                                                          for t in replies]
-    assert [r.prompt_tokens for r in result.records] == [len(hf(f"question {i}").input_ids) for i in range(2)]
+    assert [r.num_prompt_tokens for r in result.records] == [len(hf(f"question {i}").input_ids) for i in range(2)]

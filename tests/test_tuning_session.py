@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from runner_core import ConfigError, ModelRunner
+from runner_core import ConfigError, InvalidRequestError, ModelRunner
 from runner_core.tuning import Arrivals, Lengths, SweepSpace, Target, Workload, propose_space, run_workload
 from tests.sessions import TINY, slow_steps, tiny_session
 from workbench import SessionBusyError
@@ -34,13 +34,26 @@ def _percentile(values, q):
     return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
 
 
-def test_handle_token_times_one_per_token(session):
+def test_handle_holds_the_engines_record_one_time_per_token(session):
+    before = time.perf_counter()
     h = session.submit("Once upon a time", max_tokens=12, ignore_eos=True, temperature=0.0)
-    h.result(timeout=60)
-    assert len(h.token_times) == len(h.token_ids) == 12
-    assert h.token_times == sorted(h.token_times)
-    assert h.first_token_time == h.token_times[0] and h.last_token_time == h.token_times[-1]
-    assert h.submitted <= h.token_times[0] <= h.end_time
+    out = h.result(timeout=60)
+    m = h.metrics
+    assert len(m.token_times) == len(h.token_ids) == m.num_output_tokens == 12
+    assert m.token_times == sorted(m.token_times) and len(set(m.token_times)) == 12  # one step each
+    assert before <= m.arrival_time <= m.first_scheduled_time <= m.token_times[0]  # arrival: the submit
+    assert m.token_times[-1] == m.finished_time and (m.finish_reason, m.error, m.ok) == ("length", None, True)
+    assert m.num_prompt_tokens == len(out.prompt_token_ids) and m.side == "engine"
+    assert out.metrics["time_to_first_token_s"] == m.ttft and h.tokens_per_s == pytest.approx(1 / m.tpot)
+
+
+def test_handle_of_a_refused_request_ends_its_record(session):
+    h = session.submit("word " * 600, max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        h.result(timeout=60)
+    m = h.metrics
+    assert not m.ok and "max_model_len" in m.error and m.finish_reason == "error"
+    assert m.arrival_time <= m.finished_time and m.token_times == []
 
 
 def test_run_load_poisson_honours_arrivals_and_summarizes_its_records(session):
@@ -50,13 +63,14 @@ def test_run_load_poisson_honours_arrivals_and_summarizes_its_records(session):
     before = time.perf_counter()
     result = run_load(session, workload, target=Target("ttft_p99_ms", 60_000.0))
     records, summary = result.records, result.summary
-    assert [r.index for r in records] == list(range(8)) and all(r.ok for r in records)
+    assert len(records) == 8 and all(r.ok for r in records)
+    assert [r.num_prompt_tokens for r in records] == [len(r.prompt) for r in workload.requests(512)]  # in order
     for record, offset in zip(records, due):
-        assert record.sent >= before + offset  # never sent before it was due
-        assert len(record.token_times) == record.output_tokens > 0
+        assert record.arrival_time >= before + offset  # never sent before it was due
+        assert len(record.token_times) == record.num_output_tokens > 0
     assert summary["completed"] == 8 and summary["failed"] == 0
     assert summary["output_tokens"] == sum(len(r.token_times) for r in records)
-    ttfts_ms = [1e3 * (r.token_times[0] - r.sent) for r in records]
+    ttfts_ms = [1e3 * (r.token_times[0] - r.arrival_time) for r in records]
     assert summary["ttft_p90_ms"] == pytest.approx(_percentile(ttfts_ms, 90))
     assert summary["goodput"] == pytest.approx(8 / summary["duration_s"]) and summary["target_met"] is True
     events = [e for e in session.metrics.events() if e["kind"] in ("load_start", "load_end")]
@@ -83,8 +97,10 @@ def test_run_load_matches_the_in_process_driver(session):
     with ModelRunner({"model": "tiny-llama", **TINY}) as runner:
         runner.load_model()
         reference = run_workload(runner, workload)
+    assert len(ours.records) == len(reference.records) == workload.num_requests
     for a, b in zip(ours.records, reference.records):
-        assert (a.index, a.prompt_tokens, a.output_tokens, a.ok) == (b.index, b.prompt_tokens, b.output_tokens, b.ok)
+        assert (a.num_prompt_tokens, a.num_output_tokens, a.ok, a.side) == (b.num_prompt_tokens, b.num_output_tokens,
+                                                                            b.ok, b.side)
     for key in ("num_requests", "completed", "input_tokens", "output_tokens"):
         assert ours.summary[key] == reference.summary[key]
 

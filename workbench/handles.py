@@ -1,4 +1,5 @@
-"""`RequestHandle`: what `Session.submit` returns — stream, result, cancel — and the session's errors."""
+"""`RequestHandle`: what `Session.submit` returns — stream, result, cancel, its timing — and the session's
+errors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from runner_core import RunnerError
+from runner_core import RequestMetrics, RunnerError
 
 
 class SessionError(RunnerError):
@@ -34,7 +35,9 @@ class RequestHandle:
 
     `stream()` yields text pieces as they are produced (several readers may stream the same
     handle, and a late reader gets the whole text); `result(timeout)` waits for the final
-    `RequestOutput`; `cancel()` aborts it. A request that failed raises from both.
+    `RequestOutput`; `cancel()` aborts it. A request that failed raises from both. `metrics` is its
+    RequestMetrics: arriving when submitted, then filled by the engine (its tokens' times, its end), or
+    ended here when it never ran (refused, failed, cancelled before it reached the engine).
     """
 
     def __init__(self, request_id: str, model: str, prompt: Any, params: Any,
@@ -46,25 +49,22 @@ class RequestHandle:
         self.token_ids: list[int] = []
         self.output = None  # the final RequestOutput
         self.exception: BaseException | None = None
-        self.submitted = time.perf_counter()
-        self.token_times: list[float] = []  # time.perf_counter() at which each output token arrived
-        self.end_time: float | None = None  # when it finished (any finish reason, or failed)
+        self.metrics = RequestMetrics(time.perf_counter(), len(prompt) if isinstance(prompt, list) else 0)
         self._done_callbacks: list[Callable[[RequestHandle], None]] = []
         self._update_callbacks: list[Callable[[RequestHandle], None]] = []
 
     # ---- written by the engine thread (workbench.routing) -----------------------------------
     def deliver(self, out) -> None:
         """Take the engine's next RequestOutput of this request."""
-        now = time.perf_counter()
         with self._cond:
             if out.delta_token_ids:
                 self.token_ids.extend(out.delta_token_ids)
-                self.token_times.extend([now] * len(out.delta_token_ids))  # a chunk's tokens arrive together
             if out.delta_text:
                 self._pieces.append(out.delta_text)
             if out.finished:
                 self.output = out
-                self.end_time = now
+                if self.metrics.finished_time is None:  # an output the engine did not make (cancelled before it ran)
+                    self.metrics.finish(time.perf_counter(), out.finish_reason, out.error)
                 if out.finish_reason == "error":
                     self.exception = GenerationError(out.error or "the generation failed")
             self._cond.notify_all()
@@ -78,7 +78,8 @@ class RequestHandle:
         with self._cond:
             if self.output is None and self.exception is None:
                 self.exception = exc
-                self.end_time = time.perf_counter()
+                if self.metrics.finished_time is None:
+                    self.metrics.finish(time.perf_counter(), "error", str(exc))
             self._cond.notify_all()
         self._run_done_callbacks()
 
@@ -104,14 +105,6 @@ class RequestHandle:
     @property
     def done(self) -> bool:
         return self.output is not None or self.exception is not None
-
-    @property
-    def first_token_time(self) -> float | None:
-        return self.token_times[0] if self.token_times else None
-
-    @property
-    def last_token_time(self) -> float | None:
-        return self.token_times[-1] if self.token_times else None
 
     def add_done_callback(self, fn: Callable[[RequestHandle], None]) -> None:
         """Call `fn(handle)` once the request has finished or failed: at once if it has, else on the engine
@@ -157,11 +150,9 @@ class RequestHandle:
 
     @property
     def tokens_per_s(self) -> float | None:
-        """Decode rate after the first token, live while it streams."""
-        first, last, n = self.first_token_time, self.last_token_time, len(self.token_ids)
-        if first is None or n < 2 or last <= first:
-            return None
-        return (n - 1) / (last - first)
+        """Decode rate after the first token (1 / TPOT), live while it streams."""
+        tpot = self.metrics.tpot
+        return 1 / tpot if tpot else None
 
     def stream(self, timeout: float | None = None) -> Iterator[str]:
         """Yield text pieces until the request finishes; raises its error if it failed.

@@ -97,7 +97,8 @@ class Router:
             self._backlog.setdefault(entry.name, []).append(handle)
             return
         try:
-            entry.runner.add_request(handle.prompt, handle.params, request_id=handle.request_id, stream=True)
+            entry.runner.add_request(handle.prompt, handle.params, request_id=handle.request_id, stream=True,
+                                     metrics=handle.metrics)
         except Exception as exc:
             self._fail(handle, exc)
 

@@ -1,7 +1,7 @@
 """Load runs and the sweep's backend over a session: `run_load` (a runner_core.tuning Workload against a
-loaded model, sent from the caller's thread at its arrival times, one RequestRecord per request, summarized as
-the in-process driver does) and `SessionBackend` (the TuneBackend a sweep drives: live knobs through the engine
-thread, the rest by reloading the model under the same name).
+loaded model, sent from the caller's thread at its arrival times, summarized from each request's RequestMetrics,
+which its handle holds and the engine fills, as the in-process driver's) and `SessionBackend` (the TuneBackend
+a sweep drives: live knobs through the engine thread, the rest by reloading the model under the same name).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 from runner_core import ConfigError, RunnerConfig, SamplingParams
 from runner_core.config import RECONFIGURABLE
-from runner_core.tuning import RequestRecord, RunResult, Target, Workload, summarize, vocab_and_tokenizer
+from runner_core.tuning import RunResult, Target, Workload, summarize, vocab_and_tokenizer
 from workbench.handles import RequestHandle
 
 __all__ = ["DEFAULT_WORKLOAD", "SessionBackend", "run_load"]
@@ -41,7 +41,7 @@ def run_load(session, workload: Workload | None = None, *, target: Target | None
     session.record_event("load_start", model=entry.name, workload=workload.label, num_requests=len(requests))
     sent, t0 = _send(session, entry.name, requests, params, workload.arrivals.concurrency, stop)
     duration = time.perf_counter() - t0
-    records = [_record(r.index, h, r.prompt) for r, h in sent]
+    records = [h.metrics for h in sent]
     summary = summarize(records, duration, target)
     session.record_event("load_end", model=entry.name, workload=workload.label,
                              stopped=bool(stop and stop.is_set()), **{k: summary.get(k) for k in _EVENT_FIGURES})
@@ -52,9 +52,9 @@ _EVENT_FIGURES = ("num_requests", "completed", "failed", "duration_s", "request_
                   "ttft_p99_ms", "tpot_p99_ms", "goodput", "target_met")
 
 
-def _send(session, model: str, requests, params, cap: int | None, stop) -> tuple[list, float]:
+def _send(session, model: str, requests, params, cap: int | None, stop) -> tuple[list[RequestHandle], float]:
     """Submit each request when due and while fewer than `cap` are in flight; wait for them all.
-    Returns [(request, handle)] of those sent and the run's start (perf_counter)."""
+    Returns the handles of those sent and the run's start (perf_counter)."""
     cond = threading.Condition()
     running: set[RequestHandle] = set()
 
@@ -66,7 +66,7 @@ def _send(session, model: str, requests, params, cap: int | None, stop) -> tuple
     def stopped() -> bool:
         return stop is not None and stop.is_set()
 
-    sent: list = []
+    sent: list[RequestHandle] = []
     t0 = time.perf_counter()
     try:
         for request, p in zip(requests, params):
@@ -84,15 +84,15 @@ def _send(session, model: str, requests, params, cap: int | None, stop) -> tuple
             with cond:
                 running.add(handle)
             handle.add_done_callback(finished)
-            sent.append((request, handle))
+            sent.append(handle)
         with cond:
             while running and not stopped():
                 cond.wait(_WAKE_S)
     except BaseException:
-        _cancel_all(h for _, h in sent)
+        _cancel_all(sent)
         raise
     if stopped():
-        _cancel_all(h for _, h in sent)
+        _cancel_all(sent)
     return sent, t0
 
 
@@ -102,24 +102,6 @@ def _cancel_all(handles) -> None:
         h.cancel()
     for h in handles:
         h.wait(10.0)
-
-
-def _record(index: int, handle: RequestHandle, prompt) -> RequestRecord:
-    """The runner_core record of one request, from its handle (sent = when it was submitted), as
-    runner_core.tuning.run_workload builds it."""
-    out = handle.output
-    if out is not None and out.prompt_token_ids:
-        prompt_tokens = len(out.prompt_token_ids)
-    else:
-        prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
-    if handle.exception is not None:
-        error = handle.error
-    elif handle.finish_reason == "abort":
-        error = "request ended with finish_reason 'abort'"  # as the in-process driver words it
-    else:
-        error = None if handle.done else "did not finish"
-    return RequestRecord(index=index, sent=handle.submitted, prompt_tokens=prompt_tokens,
-                         token_times=list(handle.token_times), end=handle.end_time, error=error)
 
 
 class SessionBackend:

@@ -1,15 +1,17 @@
-"""The in-process load driver: sends a Workload's requests to a ModelRunner when they are due and
-timestamps every streamed token, on the caller's thread, with the engine's clock (the wall clock; a
-simulated runner's virtual clock, where waiting for the next arrival takes no time). It is the reference
-definition of a run's RequestRecords; the session and HTTP drivers produce the same records.
+"""The in-process load driver: sends a Workload's requests to a ModelRunner when they are due, on the
+caller's thread, with the engine's clock (the wall clock; a simulated runner's virtual clock, where waiting
+for the next arrival takes no time). Each request's RequestMetrics is created at its send and handed to the
+engine, which stamps its tokens and its end; the session's driver does the same through its handles, the
+HTTP driver stamps its own client-side record.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from runner_core.engine.sequence import RequestMetrics
 from runner_core.errors import InvalidRequestError
-from runner_core.tuning.request_metrics import RequestRecord, RunResult, Target, summarize
+from runner_core.tuning.request_metrics import RunResult, Target, summarize
 from runner_core.tuning.workload import Workload
 
 
@@ -33,8 +35,8 @@ def run_workload(runner, workload: Workload, *, target: Target | None = None) ->
     vocab_size, tokenizer = vocab_and_tokenizer(runner)
     pending = deque(workload.requests(vocab_size, tokenizer))
     limit = workload.arrivals.concurrency
-    records: list[RequestRecord] = []
-    inflight: dict[str, RequestRecord] = {}
+    records: list[RequestMetrics] = []
+    inflight: dict[str, RequestMetrics] = {}
     clock = runner.engine.clock
     start = clock.now()
     try:
@@ -42,29 +44,19 @@ def run_workload(runner, workload: Workload, *, target: Target | None = None) ->
             now = clock.now()
             while pending and start + pending[0].arrival_s <= now and (limit is None or len(inflight) < limit):
                 req = pending.popleft()
-                record = RequestRecord(req.index, clock.now(),
-                                       len(req.prompt) if isinstance(req.prompt, list) else 0)
+                record = RequestMetrics(clock.now(), len(req.prompt) if isinstance(req.prompt, list) else 0)
                 records.append(record)
                 try:
-                    inflight[runner.add_request(req.prompt, req.sampling_params(), stream=True)] = record
+                    rid = runner.add_request(req.prompt, req.sampling_params(), stream=True, metrics=record)
+                    inflight[rid] = record
                 except InvalidRequestError as e:
-                    record.error, record.end = str(e), clock.now()
+                    record.finish(clock.now(), "error", str(e))
             if inflight:
                 if not runner.has_unfinished_requests():
                     raise RuntimeError(f"engine went idle with {len(inflight)} requests of the run unanswered")
-                outputs = runner.step()
-                now = clock.now()
-                for out in outputs:
-                    record = inflight.get(out.request_id)
-                    if record is None:
-                        continue
-                    record.token_times.extend([now] * len(out.delta_token_ids))
+                for out in runner.step():
                     if out.finished:
-                        del inflight[out.request_id]
-                        record.end = now
-                        record.prompt_tokens = len(out.prompt_token_ids) or record.prompt_tokens
-                        if out.finish_reason in ("error", "abort"):
-                            record.error = out.error or f"request ended with finish_reason {out.finish_reason!r}"
+                        inflight.pop(out.request_id, None)
             elif pending:
                 clock.sleep_until(start + pending[0].arrival_s)
     finally:

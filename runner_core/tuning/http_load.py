@@ -1,14 +1,15 @@
 """The HTTP load driver: sends a Workload to any OpenAI-compatible server's streamed `/v1/completions`
-(ours, vLLM's, ...) with the same arrival times as the in-process driver, and records the same
-RequestRecords from the server-sent events, with asyncio and httpx.
+(ours, vLLM's, ...) with the same arrival times as the in-process driver, and stamps each request's
+RequestMetrics on the client's side (`side="client"`) from the server-sent events, with asyncio and httpx.
 
 Token times: with `continuous_usage` (vLLM's `stream_options.continuous_usage_stats`, which our server
 also serves) every chunk carries the running `completion_tokens`, so a chunk's token count is exact.
 Without it a chunk with text counts as one token (vLLM's benchmark counts chunks the same way), and the
 final usage chunk reconciles the total: tokens the chunks did not show take the last chunk's time (or
 the end's, when no chunk had text). TTFT, TPOT and ITL do not depend on that choice: they use the first
-chunk's time, the total and the chunk gaps. `sent` is just before the request is written, after any
-wait for the concurrency cap; times include the network and the server's HTTP framing.
+chunk's time, the total and the chunk gaps. The arrival is just before the request is written, after any
+wait for the concurrency cap, and the end when the stream closed; times include the network and the
+server's HTTP framing.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import json
 import threading
 import time
 
-from runner_core.tuning.request_metrics import RequestRecord, RunResult, Target, summarize
+from runner_core.engine.sequence import RequestMetrics
+from runner_core.tuning.request_metrics import RunResult, Target, summarize
 from runner_core.tuning.workload import Workload, WorkloadRequest, tokenizer_vocab
 
 
@@ -75,7 +77,7 @@ async def run_http_workload_async(base_url: str, model: str, workload: Workload,
     async with client:
         start = time.perf_counter()
 
-        async def one(req: WorkloadRequest) -> RequestRecord:
+        async def one(req: WorkloadRequest) -> RequestMetrics:
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
             if gate is None:
                 return await _send(client, url, _body(model, req, continuous_usage), req, tokenizer)
@@ -111,15 +113,15 @@ def _error_message(status: int, body: bytes) -> str:
     return f"HTTP {status}: {message}"
 
 
-async def _send(client, url: str, body: dict, req: WorkloadRequest, tokenizer) -> RequestRecord:
+async def _send(client, url: str, body: dict, req: WorkloadRequest, tokenizer) -> RequestMetrics:
     import httpx
 
-    record = RequestRecord(req.index, time.perf_counter(), _prompt_tokens(req, tokenizer))
-    usage, counted = None, 0
+    record = RequestMetrics(time.perf_counter(), _prompt_tokens(req, tokenizer), side="client")
+    usage, counted, reason, error = None, 0, None, None
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code >= 400:
-                record.error = _error_message(resp.status_code, await resp.aread())
+                error = _error_message(resp.status_code, await resp.aread())
             else:
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
@@ -130,8 +132,8 @@ async def _send(client, url: str, body: dict, req: WorkloadRequest, tokenizer) -
                     now = time.perf_counter()
                     chunk = json.loads(data)
                     if "error" in chunk and not chunk.get("choices"):
-                        error = chunk["error"]
-                        record.error = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+                        err = chunk["error"]
+                        error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
                         break
                     usage = chunk.get("usage") or usage
                     choices = chunk.get("choices") or []
@@ -144,15 +146,16 @@ async def _send(client, url: str, body: dict, req: WorkloadRequest, tokenizer) -
                         k = 1 if choices[0].get("text") else 0
                         counted += k
                     record.token_times.extend([now] * k)
+                    reason = choices[0].get("finish_reason") or reason
     except (httpx.HTTPError, OSError, ValueError) as e:
-        record.error = f"{type(e).__name__}: {e}"
-    record.end = time.perf_counter()
-    if record.error is None and usage:
+        error = f"{type(e).__name__}: {e}"
+    record.finish(time.perf_counter(), "error" if error else reason, error)
+    if record.ok and usage:
         _reconcile(record, usage)
     return record
 
 
-def _reconcile(record: RequestRecord, usage: dict) -> None:
+def _reconcile(record: RequestMetrics, usage: dict) -> None:
     """Match the token times to the server's final counts (see the module docstring)."""
     total = usage.get("completion_tokens")
     if isinstance(total, int) and total >= 0:
@@ -160,6 +163,6 @@ def _reconcile(record: RequestRecord, usage: dict) -> None:
         if total < len(times):
             del times[total:]
         else:
-            times.extend([times[-1] if times else record.end] * (total - len(times)))
+            times.extend([times[-1] if times else record.finished_time] * (total - len(times)))
     if isinstance(usage.get("prompt_tokens"), int):
-        record.prompt_tokens = usage["prompt_tokens"]
+        record.num_prompt_tokens = usage["prompt_tokens"]

@@ -1,16 +1,15 @@
-"""Per-request latency records of a load run and the run's summary (percentiles, throughput, goodput
-under a latency target), with the definitions of vLLM's serving benchmark (`vllm bench serve`).
+"""A load run's summary (percentiles, throughput, goodput under a latency target) over its requests'
+RequestMetrics, with the definitions of vLLM's serving benchmark (`vllm bench serve`); each request's TTFT,
+TPOT, ITLs and E2E are RequestMetrics' (runner_core/engine/sequence.py), defined there only.
 
-Per request: TTFT = first token's arrival - `sent`; E2E = `end` - `sent`; TPOT = (E2E - TTFT) /
-(output tokens - 1), so it excludes the first token (as vLLM's); ITL = the gaps between successive
-token *arrivals*: a chunk carrying k tokens gives one gap, as vLLM records one ITL per streamed chunk
-(in process every engine step delivers one token per request, so a chunk is a token). Percentiles are
-numpy's linear interpolation (vLLM's). Goodput is vLLM's request goodput: completed requests meeting
-every SLO threshold, per second; a request with one output token has TPOT 0 there, as in vLLM.
+Percentiles are numpy's linear interpolation (vLLM's). Goodput is vLLM's request goodput: completed
+requests meeting every SLO threshold, per second; a request with one output token has TPOT 0 there, as in
+vLLM. Input and output token counts are over completed requests only (as vLLM's).
 
-Where ours differs from vLLM's: `sent` is when the client submitted the request (in process: when
-`add_request` was called, which may be later than it was due); in-process times have no network or
-HTTP framing in them; input and output token counts are over completed requests only (as vLLM's).
+Where ours differs from vLLM's: a request's arrival is when the client submitted it (in process: when the
+driver or the session handed it in, which may be later than it was due), and E2E ends when the request
+finished (over HTTP: when its stream closed; vLLM's ends at the last chunk); engine-side records
+(`side="engine"`, the in-process and session drivers) hold no network or HTTP framing.
 """
 
 from __future__ import annotations
@@ -20,55 +19,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runner_core.engine.sequence import RequestMetrics
 from runner_core.tuning.workload import Workload
 
 STAT_METRICS = ("ttft", "tpot", "itl", "e2e")
 STATS = ("mean", "p50", "p90", "p99")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
-
-
-@dataclass
-class RequestRecord:
-    """One request of a run; times are time.perf_counter() seconds. `token_times` holds one entry per
-    output token, when it reached the client (a chunk of k tokens: k equal times)."""
-
-    index: int
-    sent: float
-    prompt_tokens: int
-    token_times: list[float] = field(default_factory=list)
-    end: float | None = None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.end is not None
-
-    @property
-    def output_tokens(self) -> int:
-        return len(self.token_times)
-
-    @property
-    def ttft(self) -> float | None:
-        return self.token_times[0] - self.sent if self.token_times else None
-
-    @property
-    def e2e(self) -> float | None:
-        return None if self.end is None else self.end - self.sent
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens < 2 or self.end is None:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-    @property
-    def itls(self) -> list[float]:
-        gaps, last = [], None
-        for t in self.token_times:
-            if last is not None and t != last:
-                gaps.append(t - last)
-            last = t
-        return gaps
 
 
 def _slo_for(metric: str, limit: float) -> dict[str, float]:
@@ -113,7 +69,7 @@ class Target:
         value = self.value(summary)
         return -math.inf if value is None else (self.limit - value) / self.limit
 
-    def good(self, record: RequestRecord) -> bool:
+    def good(self, record: RequestMetrics) -> bool:
         """Whether one completed request meets every SLO threshold."""
         got = {"ttft_ms": record.ttft, "tpot_ms": record.tpot or 0.0, "e2e_ms": record.e2e}
         return record.ok and all(got[k] is not None and 1e3 * got[k] <= v for k, v in self.slo.items())
@@ -132,7 +88,7 @@ def _stats(name: str, seconds: list[float]) -> dict:
             f"{name}_p99_ms": float(p99)}
 
 
-def summarize(records: list[RequestRecord], duration_s: float, target: Target | None = None) -> dict:
+def summarize(records: list[RequestMetrics], duration_s: float, target: Target | None = None) -> dict:
     """The run's figures: counts, throughputs (per second of `duration_s`), TTFT/TPOT/ITL/E2E mean
     and p50/p90/p99 in ms, tokens/s per user (the median over requests of 1/TPOT), goodput under
     `target` (None without one) and whether the target is met."""
@@ -140,7 +96,7 @@ def summarize(records: list[RequestRecord], duration_s: float, target: Target | 
         raise ValueError(f"duration_s must be > 0, got {duration_s!r}")
     done = [r for r in records if r.ok]
     tpots = [r.tpot for r in done if r.tpot is not None]
-    inputs, outputs = sum(r.prompt_tokens for r in done), sum(r.output_tokens for r in done)
+    inputs, outputs = sum(r.num_prompt_tokens for r in done), sum(r.num_output_tokens for r in done)
     out = {"num_requests": len(records), "completed": len(done), "failed": len(records) - len(done),
            "duration_s": duration_s, "input_tokens": inputs, "output_tokens": outputs,
            "request_throughput": len(done) / duration_s, "output_throughput": outputs / duration_s,
@@ -160,9 +116,10 @@ def summarize(records: list[RequestRecord], duration_s: float, target: Target | 
 
 @dataclass
 class RunResult:
-    """One load run: its records, their summary, the workload sent and the engine settings it ran with."""
+    """One load run: its requests' RequestMetrics (in the workload's order), their summary, the workload sent
+    and the engine settings it ran with."""
 
-    records: list[RequestRecord]
+    records: list[RequestMetrics]
     summary: dict
     workload: Workload
     settings: dict = field(default_factory=dict)

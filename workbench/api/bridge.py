@@ -5,7 +5,6 @@ text from the handle."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 
 class Job:
@@ -37,7 +36,7 @@ class Job:
             pass
 
     def _done(self, handle) -> None:
-        self.metrics.observe(handle, self.usage_prompt_tokens(), time.perf_counter(), model=self.model)
+        self.metrics.observe(handle.metrics, self.model or handle.model)
         self._wake(None)
 
     async def next(self, request=None, poll_s: float = 0.5) -> str:

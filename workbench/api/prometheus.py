@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from runner_core import RequestMetrics
 from workbench.api.names import served_names
 
 PREFIX = "runner_workbench:"
@@ -17,7 +18,8 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 
 
 class ApiMetrics:
-    """One server's metrics. `observe(handle)` when a request finishes; `render(session)` for a scrape."""
+    """One server's metrics. `observe(request_metrics, model)` when a request finishes; `render(session)` for a
+    scrape."""
 
     def __init__(self):
         self.registry = CollectorRegistry(auto_describe=True)
@@ -46,19 +48,16 @@ class ApiMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end latency of served requests.",
                              label, buckets=E2E_BUCKETS, registry=reg)
 
-    def observe(self, handle, prompt_tokens: int, end: float, model: str | None = None) -> None:
-        """Count a finished request (its RequestHandle: submitted, first/last token times, token ids) under
-        `model`, the name it was served under (default: the handle's)."""
-        model, n = model or handle.model, len(handle.token_ids)
-        self.prompt_tokens.labels(model).inc(prompt_tokens)
+    def observe(self, metrics: RequestMetrics, model: str) -> None:
+        """Count a finished request by its RequestMetrics (the engine's times from the session's submit) under
+        `model`, the name it was served under."""
+        n = metrics.num_output_tokens
+        self.prompt_tokens.labels(model).inc(metrics.num_prompt_tokens)
         self.generation_tokens.labels(model).inc(n)
-        self.finished.labels(model, handle.finish_reason or "error").inc()
-        self.e2e.labels(model).observe(max(0.0, end - handle.submitted))
-        first, last = handle.first_token_time, handle.last_token_time
-        if first is not None:
-            self.ttft.labels(model).observe(max(0.0, first - handle.submitted))
-            if n > 1:
-                self.tpot.labels(model).observe(max(0.0, (last - first) / (n - 1)))
+        self.finished.labels(model, metrics.finish_reason or "error").inc()
+        for histogram, seconds in ((self.e2e, metrics.e2e), (self.ttft, metrics.ttft), (self.tpot, metrics.tpot)):
+            if seconds is not None:
+                histogram.labels(model).observe(max(0.0, seconds))
 
     def render(self, session) -> bytes:
         """The text exposition, gauges refreshed from the session's published state (no engine call)."""
