@@ -20,7 +20,7 @@ from torch import nn
 
 from runner_core.errors import ConfigError, ModelLoadError
 from runner_core.layers import quantization as quant
-from runner_core.layers.weight_storage import quant_tensors, row_major_weight
+from runner_core.layers.weight_storage import WeightLayer, WeightStorage
 from runner_core.models.llama import STACKED_PARAMS, LlamaForCausalLM
 
 QUANT_METHOD = "runner_core"  # quantization_config["quant_method"] of a checkpoint this project wrote
@@ -29,12 +29,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "vocab.json", "merges.txt", "generation_config.json")
 
 
-def _hf_names(name: str, module: nn.Module) -> list[tuple[str, int, int]]:
-    """(checkpoint name prefix, first row, rows) of each tensor a layer's fused weight came from."""
+def _hf_names(name: str, module: nn.Module) -> list[tuple[str, int, int]] | None:
+    """(checkpoint name prefix, first row, rows) of each tensor a layer's fused weight came from; None for a
+    layer that is not fused."""
     fused = name.rsplit(".", 1)[-1]
     shards = [(ckpt, shard) for ckpt, part, shard in STACKED_PARAMS if part == fused]
     if not shards:
-        return [(name, 0, module.weight_shape[0] if hasattr(module, "weight_shape") else module.weight.shape[0])]
+        return None
     if hasattr(module, "output_sizes"):
         sizes = module.output_sizes
     else:
@@ -46,27 +47,25 @@ def _hf_names(name: str, module: nn.Module) -> list[tuple[str, int, int]]:
 
 
 def stored_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) of everything `model` holds, its weights as stored."""
+    """(checkpoint name, tensor) of everything `model` holds, its weights as stored (`storage.row_major()`
+    of each layer that multiplies one; an embedding sharing a tied head's storage holds nothing of its own)."""
     for name, module in model.named_modules():
-        stored = hasattr(module, "weight_shape")
-        own = {p: t for p, t in module._parameters.items() if t is not None}
-        if stored:
-            fmt = module.storage.fmt
-            n, k = module.weight_shape
-            if fmt is None:
-                tensors = {"weight": row_major_weight(module)}
-            else:
-                tensors = quant_tensors(module)
-                if module.storage.panels:
-                    tensors = quant.unpack(tensors, fmt, n, k)
-            own.update(tensors)
+        if isinstance(module, WeightStorage):
+            continue  # its layer's: read through the layer
+        own = dict(module.named_parameters(recurse=False))
+        if isinstance(module, WeightLayer) and module.multiplies:
+            own.update(module.storage.row_major())
         if not own:
             continue
-        for prefix, start, size in _hf_names(name, module):
+        parts = _hf_names(name, module)
+        if parts is None:
+            yield from ((f"{name}.{part}", tensor.contiguous()) for part, tensor in own.items())
+            continue
+        rows = sum(size for _, _, size in parts)
+        for prefix, start, size in parts:
             for part, tensor in own.items():
-                rows = tensor.narrow(0, start, size) if tensor.shape[0] == sum(
-                    s for _, _, s in _hf_names(name, module)) else tensor
-                yield f"{prefix}.{part}", rows.contiguous()
+                yield f"{prefix}.{part}", (tensor.narrow(0, start, size) if tensor.shape[0] == rows else tensor
+                                           ).contiguous()
 
 
 def save_stored(model: nn.Module, hf_config, quantization: dict, tokenizer_dir: Path, directory: str | Path) -> Path:

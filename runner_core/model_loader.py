@@ -28,7 +28,14 @@ from runner_core.config import RunnerConfig, resolve_max_model_len
 from runner_core.errors import ModelLoadError
 from runner_core.layers.quantization import QuantFormat
 from runner_core.layers.rotary import rotary_positions
-from runner_core.layers.weight_storage import finish_storage, num_weights, panels_apply, plan_storage, stored_bytes
+from runner_core.layers.weight_storage import (
+    finish_storage,
+    num_weights,
+    panels_apply,
+    plan_storage,
+    stored_bytes,
+    stored_storages,
+)
 from runner_core.memory.release import trim_heap
 from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
 from runner_core.models.registry import MODEL_ATTRIBUTES, ModelAdapter
@@ -180,8 +187,8 @@ def quantization_info(model: nn.Module, fmt: QuantFormat | None, lm_head: bool, 
                       kept: dict[str, str], weight_bytes: int) -> dict:
     """What model_info reports of the storage format: the format, the layers it holds and those kept in
     the compute dtype (with why), and the weights' bytes as stored beside their bytes in the compute dtype."""
-    quantized = [m for m in model.modules() if getattr(getattr(m, "storage", None), "fmt", None) is not None]
-    groups = sorted({m.storage.fmt.group for m in quantized if m.storage.fmt.name == "int4"})
+    quantized = [s for s in stored_storages(model) if s.fmt is not None]
+    groups = sorted({s.fmt.group for s in quantized if s.fmt.name == "int4"})
     dense = num_weights(model)
     return {"format": fmt.name if fmt else None, "group_size": fmt.group if fmt and fmt.group else None,
             "int4_groups": groups, "lm_head": lm_head if fmt else False,

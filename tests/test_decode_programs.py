@@ -81,7 +81,7 @@ def test_decode_program_reads_a_rebound_pool(compiled, eager):
 
 def test_prepacked_weights_are_reported_and_dropped(compiled):
     stats = compiled.memory_stats()
-    packed = [n for n, _ in compiled.model.named_buffers() if n.endswith("packed_weight")]
+    packed = [n for n, _ in compiled.model.named_buffers() if n.endswith(".storage.packed")]
     assert stats["decode_programs_bytes"] == compiled.compile_stats()["decode_programs"]["memory_bytes"] > 0
     estimate = compiled.memory_estimate  # predicted before loading, from config.json alone
     assert estimate.decode_programs_bytes == stats["decode_programs_bytes"]
@@ -91,7 +91,7 @@ def test_prepacked_weights_are_reported_and_dropped(compiled):
     compiled.set_compile_mode(False)
     try:
         assert compiled.memory_stats()["decode_programs_bytes"] == 0
-        assert not any(n.endswith("packed_weight") for n, _ in compiled.model.named_buffers())
+        assert not any(n.endswith(".storage.packed") for n, _ in compiled.model.named_buffers())
     finally:
         stats = compiled.set_compile_mode(True)
     assert stats["cache"] == "hit" and set(stats["decode_programs"]["cache"].values()) == {"hit"}
@@ -216,7 +216,7 @@ def test_programs_over_weights_stored_once_take_no_copy(compiled_tiny_llama, eag
     programs = runner.engine.worker.forward_pass.decode_programs
     assert programs.sizes == [1, 4] and programs.kind.endswith("stored weights")
     assert runner.memory_stats()["decode_programs_bytes"] == 0
-    assert not any(n.endswith("packed_weight") for n, _ in runner.engine.worker.model.named_buffers())
+    assert not any(n.endswith(".storage.packed") for n, _ in runner.engine.worker.model.named_buffers())
     runs = programs.runs[4]
     assert _run(runner, _prompts()[:3])[0] == _run(eager, _prompts()[:3])[0] and programs.runs[4] >= runs + 11
 
@@ -265,7 +265,7 @@ def test_default_keeps_the_decode_program_only_when_it_pays(eager, monkeypatch):
         stats = switch()
         assert stats["decode_programs"] == {"sizes": [], "reason": "device default [1] dropped: slower"}
         assert eng.worker.forward_pass.decode_programs is None and eager.memory_stats()["decode_programs_bytes"] == 0
-        assert not any(n.endswith("packed_weight") for n, _ in eng.worker.model.named_buffers())
+        assert not any(n.endswith(".storage.packed") for n, _ in eng.worker.model.named_buffers())
         monkeypatch.setattr(dp.PackedDecodePrograms, "pays_off", lambda self, run, rounds=5: (True, "faster"))
         stats = switch()
         assert stats["decode_programs"]["sizes"] == [1] and stats["decode_programs"]["reason"].endswith("; faster")

@@ -81,7 +81,8 @@ def test_layers_multiply_their_panels_in_eager_and_in_compiled_graphs(tier, monk
     model = torch.nn.Sequential(layer, head)
     assert weight_storage.plan_storage(model, dtype, True, None, False) == {}
     weight_storage.finish_storage(model)
-    assert "weight" not in layer._parameters and "weight" not in head._parameters  # one copy: the panels
+    assert not any("weight" in dict(m.named_parameters(recurse=False)) for m in (layer, head))  # one copy: the panels
+    assert layer.storage.kind == head.storage.kind == "panels"
     assert weight_storage.stored_bytes(model) == (48 * 24 + 64 * 24) * dtype.itemsize
     assert weight_storage.panel_bytes(40, 24, dtype) + weight_storage.panel_bytes(50, 24, dtype) == \
         (48 * 24 + 64 * 24) * dtype.itemsize

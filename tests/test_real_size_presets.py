@@ -91,7 +91,7 @@ def test_a_scaled_copy_runs_in_our_engine_with_transformers_greedy_tokens(scaled
     try:
         stored = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
         # the embedding's rows, read from the one copy (a tied head's panels)
-        embed = runner.model.model.embed_tokens.lookup(torch.arange(stored.shape[0]))
+        embed = runner.model.model.embed_tokens.storage.embedding(torch.arange(stored.shape[0]))
         assert embed.dtype == getattr(torch, dtype)
         assert torch.equal(embed.to(torch.bfloat16), stored)
         outs = runner.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))

@@ -12,6 +12,7 @@ import transformers
 
 from runner_core import ModelLoadError, ModelRunner, SamplingParams
 from runner_core.layers import weight_storage
+from runner_core.layers.linear import LinearBase
 from runner_core.layers.quantization import QuantFormat, dequantize, quantize
 from tests.helpers import make_tiny_hf_model, native_kernels_off
 
@@ -28,7 +29,11 @@ def _tokens(runner) -> list[list[int]]:
 
 
 def _stored_layers(model):
-    return [m for m in model.modules() if getattr(m, "uses_panels", False)]
+    return [m for m in model.modules() if isinstance(m, weight_storage.WeightLayer) and m.multiplies]
+
+
+def _holds_parameter(module) -> bool:
+    return "weight" in dict(module.named_parameters(recurse=False))
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +52,9 @@ def test_each_weight_is_held_once_and_counted_to_the_byte(untied, quantization, 
     runner = _runner(untied, dtype=dtype, quantization=quantization)
     model, torch_dtype = runner.model, getattr(torch, dtype)
     layers = _stored_layers(model)
-    assert layers and all("weight" not in m._parameters for m in layers)  # no row-major copy beside the stored one
-    expected = sum(weight_storage.weight_bytes(*m.weight_shape, torch_dtype, m.storage.fmt, True) for m in layers)
+    assert layers and not any(map(_holds_parameter, layers))  # no row-major copy beside the stored one
+    expected = sum(weight_storage.weight_bytes(*m.storage.shape, torch_dtype, m.storage.fmt, True) for m in layers)
+    assert expected == sum(m.storage.nbytes for m in layers)
     assert weight_storage.stored_bytes(model) == expected
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert runner.memory_stats()["weights_bytes"] == expected + params == runner.model_info()["weights_bytes"]
@@ -70,15 +76,15 @@ def test_layers_are_stored_as_the_checkpoint_streams_in(untied, monkeypatch):
     from runner_core.model_loader import ModelLoader
 
     built, others_waiting = [], []
-    build, store = ModelLoader._build, weight_storage.store_weight
+    build, store = ModelLoader._build, LinearBase.store_weight
 
     def counting_store(module, source=None):
         others_waiting.append(sum(1 for m in _stored_layers(built[0]) if m is not module
-                                  and "weight" in m._parameters and getattr(m, "shards_loaded", None)))
+                                  and _holds_parameter(m) and m.shards_loaded))
         store(module, source)
 
     monkeypatch.setattr(ModelLoader, "_build", lambda self, *a: built.append(build(self, *a)) or built[-1])
-    monkeypatch.setattr("runner_core.layers.linear.store_weight", counting_store)
+    monkeypatch.setattr(LinearBase, "store_weight", counting_store)
     runner = _runner(untied, quantization="int8")
     assert len(others_waiting) == 2 * 4 and max(others_waiting) == 1  # 2 layers x (qkv, o, gate_up, down)
     runner.shutdown()
@@ -107,7 +113,7 @@ def test_a_tied_quantized_head_gives_transformers_tokens_and_embeds_from_its_one
     fmt = QuantFormat.of(quantization, 32)
     runner = _runner(tied, quantization=quantization, quantization_group_size=32, quantize_lm_head=True)
     embed = runner.model.model.embed_tokens
-    assert "weight" not in embed._parameters and embed.rows_from == [runner.model.lm_head]
+    assert not _holds_parameter(embed) and embed.storage is runner.model.lm_head.storage
     assert runner.model_info()["quantization"]["kept_layers"] == {}
     assert _tokens(runner) == _hf_tokens(_quantized_reference(tied, fmt, head=True))
     runner.shutdown()
@@ -131,7 +137,7 @@ def test_without_the_kernels_quantized_rows_give_the_same_tokens(untied):
 def test_a_saved_model_loads_again_as_it_was_stored(tied, tmp_path, config):
     runner = _runner(tied, **config)
     expected, info = _tokens(runner), runner.model_info()["quantization"]
-    before = {n: t.clone() for n, t in runner.model.named_buffers() if n.endswith(("q_qpanels", "panel_weight"))}
+    before = {n: t.clone() for n, t in runner.model.named_buffers() if n.endswith((".qpanels", ".panels"))}
     out = runner.save_pretrained(tmp_path / "saved")
     runner.shutdown()
     saved = json.loads((out / "config.json").read_text())

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runner_core.layers.linear import default_weight_loader
-from runner_core.layers.weight_storage import direct_source, embedding_rows, matmul, store_weight
+from runner_core.layers.weight_storage import WeightLayer
 from runner_core.parallel.state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(WeightLayer):
+    """Token ids -> rows of this rank's slice of the vocabulary, read from its `storage` (its own row-major
+    weight, or the storage of an LM head tied to it: weight_storage.py)."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -20,10 +22,6 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.rows_from: list[nn.Module] = []  # a tied head whose stored weight holds the rows (weight_storage.py)
-
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return embedding_rows(self.rows_from[0], ids) if self.rows_from else F.embedding(ids, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
@@ -37,10 +35,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.lookup(input_ids)
+            return self.storage.embedding(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.shard_size)
-        y = self.lookup(local.masked_fill(outside, 0))
+        y = self.storage.embedding(local.masked_fill(outside, 0))
         return tp_all_reduce(y.masked_fill(outside.unsqueeze(-1), 0))
 
 
@@ -53,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     (docs/benchmarks.md, "Where the time goes"). A head tied to the embedding keeps its layout.
     Where the native kernels run, the loader stores it as panels or quantized instead (weight_storage.py)."""
 
-    uses_panels = True
+    multiplies = True
     is_lm_head = True  # stored in the compute dtype unless quantize_lm_head
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
@@ -61,12 +59,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = nn.Parameter(torch.empty(embedding_dim, self.shard_size).t(), requires_grad=False)
         self.weight.weight_loader = self.load_shard
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        source = direct_source(self, param, loaded)
-        if source is None:
-            self.weight_loader(param, loaded)
-        store_weight(self, source)
-
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = tp_all_gather(matmul(self, hidden_states, None))
+        logits = tp_all_gather(self.storage.matmul(hidden_states, None))
         return logits[..., : self.num_embeddings]

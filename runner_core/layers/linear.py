@@ -4,15 +4,16 @@ Each parameter carries a `weight_loader` that copies this rank's slice of a
 checkpoint tensor into it, so fused layouts (qkv, gate_up) and sharding are
 handled where the layout is defined.
 
-After loading, each layer holds its weight once, in the form its matmul reads (weight_storage.py: the
-native kernels' panels, int8/int4, or the row-major parameter): `weight_loader` counts the fused shards
-and stores the weight as soon as the last one is in.
+Each layer is a `WeightLayer` (weight_storage.py): its `storage` holds the weight once, in the form its
+matmul reads (the native kernels' panels, int8/int4, or the row-major parameter), and multiplies it; the
+weight is stored as soon as its last fused shard is in.
 
 Prepacked weights (CPU decode programs, only where the weights stay row-major: the kernels off):
-`pack_linear_weights` gives each layer a copy of its weight in MKL's packed GEMM layout as a buffer; while
-`packed_weights_in_use()` is on (when a static decode program is exported) the layers call the opaque
-`runner_core::packed_linear` op on it. The packed buffer cannot move (MKL keeps address-dependent metadata
-in it), so it is a program *input* made in this process, never a constant stored in a package.
+`pack_linear_weights` turns each layer's row-major storage into an `MKLPackedWeight`, which also holds the
+weight in MKL's packed GEMM layout; while `packed_weights_in_use()` is on (when a static decode program is
+exported) it calls the opaque `runner_core::packed_linear` op on that copy. The packed buffer cannot move (MKL
+keeps address-dependent metadata in it), so it is a program *input* made in this process, never a constant
+stored in a package.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from runner_core.layers.weight_storage import direct_source, matmul, store_weight
+from runner_core.layers.weight_storage import RowMajorWeight, WeightLayer
 from runner_core.parallel.state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -63,6 +64,23 @@ def _(x, packed, weight):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+class MKLPackedWeight(RowMajorWeight):
+    """The row-major parameter and MKL's packed copy of it (`packed`, tuned for `batch_size` rows), which it
+    multiplies inside `packed_weights_in_use` (a decode program's export); elsewhere it is a RowMajorWeight."""
+
+    def __init__(self, weight: nn.Parameter, batch_size: int):
+        super().__init__(weight)
+        self.register_buffer("packed", torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), batch_size),
+                             persistent=False)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # (dynamo cannot trace a ContextVar; its graphs never use the packed copy)
+        if not torch.compiler.is_dynamo_compiling() and _PACKED_IN_USE.get():
+            y = packed_linear(x, self.packed, self.weight)
+            return y if bias is None else y + bias
+        return super().matmul(x, bias)
+
+
 @functools.cache
 def _packed_size(shape: tuple[int, int]) -> int:
     return torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(shape), 1).nbytes
@@ -76,74 +94,60 @@ def packed_bytes(shapes: Counter) -> int:
 
 
 def _row_major_linears(model: nn.Module) -> list[LinearBase]:
-    """The linear layers that hold a row-major weight (stored ones have no second copy to pack)."""
-    return [m for m in model.modules() if isinstance(m, LinearBase) and "weight" in m._parameters]
+    """The linear layers whose weight stays row-major (stored ones have no second copy to pack)."""
+    return [m for m in model.modules() if isinstance(m, LinearBase) and m.storage.kind is None]
 
 
 def packed_weight_bytes(model: nn.Module) -> int:
     """What `pack_linear_weights` will take for `model`."""
-    return packed_bytes(Counter(tuple(m.weight.shape) for m in _row_major_linears(model)))
+    return packed_bytes(Counter(m.storage.shape for m in _row_major_linears(model)))
 
 
 def pack_linear_weights(model: nn.Module, batch_size: int) -> int:
-    """Give every linear layer that holds a row-major weight a `packed_weight` buffer (MKL's layout, tuned
-    for `batch_size` rows); returns the bytes they take. Layers stored as panels or quantized keep their one
-    copy: a program multiplies that."""
-    total = 0
-    for m in _row_major_linears(model):
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), batch_size)
-        m.register_buffer("packed_weight", packed, persistent=False)
-        total += packed.numel() * packed.element_size()
-    return total
+    """Give every linear layer whose weight stays row-major MKL's packed copy of it (tuned for `batch_size`
+    rows); returns the bytes the copies take. Layers stored as panels or quantized keep their one copy: a
+    program multiplies that."""
+    return sum(m.pack_weight(batch_size) for m in _row_major_linears(model))
 
 
 def unpack_linear_weights(model: nn.Module) -> None:
-    for m in model.modules():
-        if isinstance(m, LinearBase) and "packed_weight" in m._buffers:
-            del m._buffers["packed_weight"]
+    for m in _row_major_linears(model):
+        m.unpack_weight()
 
 
-class LinearBase(nn.Module):
-    """y = x W^T + b over this rank's [out, in] slice of W."""
+class LinearBase(WeightLayer):
+    """y = x W^T + b over this rank's [out, in] slice of W, held and multiplied by its `storage`."""
 
-    uses_panels = True  # the loader plans how it stores its weight (weight_storage.py)
-    num_shards = 1  # checkpoint tensors that make up the weight
+    multiplies = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.load_shard
-        self.shards_loaded: set = set()
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
-        """The weight's loader: this shard in, and the weight stored once its last shard is (a weight of one
-        shard straight from the checkpoint tensor, never copied into the parameter)."""
-        source = direct_source(self, param, loaded) if self.num_shards == 1 else None
-        if source is not None:
-            store_weight(self, source)
-            return
-        self.weight_loader(param, loaded, *shard_id)
-        self.shards_loaded.add(shard_id)
-        if len(self.shards_loaded) == self.num_shards:
-            store_weight(self)
-
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # (dynamo cannot trace a ContextVar; its graphs never use the packed weights)
-        if "packed_weight" in self._buffers and not torch.compiler.is_dynamo_compiling() and _PACKED_IN_USE.get():
-            y = packed_linear(x, self._buffers["packed_weight"], self.weight)
-            return y if bias is None else y + bias
-        return matmul(self, x, bias)
+        return self.storage.matmul(x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.storage.matmul(x, self.bias)
+
+    def pack_weight(self, batch_size: int) -> int:
+        """Its row-major weight with MKL's packed copy beside it (`MKLPackedWeight`); the copy's bytes."""
+        self.storage = MKLPackedWeight(self.weight, batch_size)
+        return self.storage.packed.nbytes
+
+    def unpack_weight(self) -> None:
+        """Drop MKL's packed copy, if any."""
+        if isinstance(self.storage, MKLPackedWeight):
+            self.storage = RowMajorWeight(self.weight)
 
 
 class ColumnParallelLinear(LinearBase):

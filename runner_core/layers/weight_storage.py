@@ -1,50 +1,267 @@
-"""One copy of each weight, in the form its matmul reads (vLLM's process_weights_after_loading).
+"""One object per layer holds its weight, once, in the form its matmul reads (vLLM's per-layer `quant_method`
+with `process_weights_after_loading`; here the object also holds the tensors).
 
-The loader gives every layer that multiplies a weight (linear layers, the LM head: `uses_panels`) a
-`WeightStorage` before the checkpoint streams in (`plan_storage`). As soon as a layer's weight is complete
-(every fused shard loaded), `store_weight` turns it into its stored form and drops the row-major parameter,
-so the model is never held twice and a quantized model never exists in full precision:
+A layer with a weight (linear layers, the vocabulary embedding, the LM head) is a `WeightLayer`; its `storage`
+is a `WeightStorage`, a child module that alone holds and reads the weight's tensors: `store(tensor)`,
+`matmul(x, bias)`, `embedding(ids)` (rows), `row_major()` (for saving) and `nbytes`. The kinds:
 
-- "panels": the compute dtype, packed into the native CPU kernels' panels (`panel_weight` buffer);
-- "quant-panels": int8 / int4 (layers/quantization.py) in the kernels' own layout (`q_*` buffers);
-- "quant-rows": int8 / int4 row-major, dequantized one layer at a time at each call (no native kernels:
-  several processes, CUDA, RUNNER_CORE_NO_KERNELS); the reference path, not a fast one;
-- None: the row-major parameter, as loaded (a float weight where the panels do not apply).
+- `RowMajorWeight` (kind None): the layer's row-major parameter itself, as loaded (several processes, CUDA, the
+  kernels off); for CPU decode programs a linear layer's may become an `MKLPackedWeight` (layers/linear.py);
+- `PanelWeight` ("panels"): the compute dtype in the native kernels' 16-column panels;
+- `QuantPanelWeight` ("quant-panels"): int8 / int4 (layers/quantization.py) in the kernels' own layout;
+- `QuantRowWeight` ("quant-rows"): int8 / int4 row-major, dequantized at each call (no native kernels); the
+  reference path, not a fast one.
 
-A head tied to the embedding is stored like any head; the embedding then reads its rows from that one
-copy (`embedding_rows`). `matmul` is the one place that multiplies a stored weight.
+Loading: before the checkpoint streams in, the loader gives each layer that multiplies a weight its storage
+(`plan_storage`). The weight streams into the layer's row-major parameter (`weight`, under the checkpoint's
+name, with its `weight_loader`); as soon as it is complete (every fused shard in; a one-shard weight straight
+from the checkpoint tensor) the layer hands it to `storage.store` and drops the parameter
+(`WeightLayer.store_weight`), so the model is never held twice and a quantized model never exists in full
+precision. `finish_storage` stores what streaming left. A head tied to the embedding is stored when the
+embedding's tensor streams in; the embedding then shares the head's storage and reads its rows from that copy.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear, panels_support
+from runner_core.kernels import (
+    PANEL_COLUMNS,
+    cpu_kernels_available,
+    pack_panels,
+    panel_linear,
+    panels_shape,
+    panels_support,
+    quant_linear,
+)
 from runner_core.layers import quantization as quant
 from runner_core.layers.quantization import QuantFormat
 
-logger = logging.getLogger("runner_core")
-PANEL_ROWS = 16  # output columns per panel (NR in kernels/tier.h)
 
+class WeightStorage(nn.Module):
+    """How one layer holds its [n, k] weight once it is loaded. A kind defines `_convert` (the weight -> its
+    tensors, set as buffers), `_linear` (flat x [m, k] -> [m, n]), `_rows` (flat ids -> [len, k]) and
+    `row_major`."""
 
-@dataclass(frozen=True)
-class WeightStorage:
-    """How one layer holds its weight after loading."""
+    kind: str | None = None
+    fmt: QuantFormat | None = None  # the storage format, or None for the compute dtype
+    stored = False  # whether `store` has taken the weight in
 
-    dtype: torch.dtype  # the compute dtype
-    fmt: QuantFormat | None  # the storage format, or None for the compute dtype
-    panels: bool  # the native CPU kernels' layout (else row-major)
+    def __init__(self, n: int, k: int, dtype: torch.dtype):
+        super().__init__()
+        self.n, self.k, self.dtype = n, k, dtype  # dtype: the compute dtype
 
     @property
-    def kind(self) -> str | None:
-        if self.fmt is not None:
-            return "quant-panels" if self.panels else "quant-rows"
-        return "panels" if self.panels else None
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds."""
+        return sum(t.nbytes for t in self.buffers())
+
+    def store(self, weight: torch.Tensor) -> None:
+        """Take the complete [n, k] weight in, in the stored form (vLLM's process_weights_after_loading)."""
+        with torch.no_grad():
+            for name, tensor in self._convert(weight.detach()).items():
+                setattr(self, name, tensor)
+        self.stored = True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b (vLLM's apply), over any leading shape of x."""
+        flat = x.reshape(-1, self.k).to(self.dtype)
+        y = self._linear(flat, None if bias is None else bias.to(self.dtype))
+        return y.view(*x.shape[:-1], self.n)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight in the compute dtype (a tied head read as the embedding): only those rows."""
+        return self._rows(ids.reshape(-1)).view(*ids.shape, self.k)
+
+    def row_major(self) -> dict[str, torch.Tensor]:
+        """The weight as a checkpoint holds it: {"weight": [n, k]}, or a format's row-major tensors."""
+        raise NotImplementedError
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_buffers(recurse=False))
+
+
+class RowMajorWeight(WeightStorage):
+    """The layer's row-major parameter itself (the layer's `weight`, where the checkpoint's names find it),
+    multiplied by F.linear."""
+
+    stored = True
+
+    def __init__(self, weight: nn.Parameter):
+        nn.Module.__init__(self)
+        self.weight = weight
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def store(self, weight: torch.Tensor) -> None:
+        """Nothing to do: the parameter, loaded, is the stored form."""
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def row_major(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight}
+
+
+class PanelWeight(WeightStorage):
+    """The compute dtype in the native kernels' panels of PANEL_COLUMNS output columns (`panel_linear`)."""
+
+    kind = "panels"
+
+    def __init__(self, n: int, k: int, dtype: torch.dtype):
+        super().__init__(n, k, dtype)
+        self.register_buffer("panels", None, persistent=False)
+
+    def _convert(self, weight):
+        return {"panels": pack_panels(weight.to(self.dtype))}
+
+    def _linear(self, flat, bias):
+        return panel_linear(flat, self.panels, self.n, bias)
+
+    def _columns(self) -> torch.Tensor:
+        """The panels as [panel, k step, column, k values per step]."""
+        count, steps, width = self.panels.shape
+        return self.panels.view(count, steps, PANEL_COLUMNS, width // PANEL_COLUMNS)
+
+    def _rows(self, ids):
+        return self._columns()[ids // PANEL_COLUMNS, :, ids % PANEL_COLUMNS, :].reshape(ids.shape[0], -1)[:, :self.k]
+
+    def row_major(self):
+        cols = self._columns()
+        count, steps, _, pair = cols.shape
+        return {"weight": cols.permute(0, 2, 1, 3).reshape(count * PANEL_COLUMNS, steps * pair)[:self.n, :self.k]}
+
+
+class _Quantized(WeightStorage):
+    """int8 / int4 (layers/quantization.py): its tensors `_names` (int8 has no mins)."""
+
+    _names = ("qweight", "scales", "mins")
+
+    def __init__(self, n: int, k: int, dtype: torch.dtype, fmt: QuantFormat):
+        super().__init__(n, k, dtype)
+        self.fmt = fmt
+        for name in self._names:
+            self.register_buffer(name, None, persistent=False)
+
+
+
+class QuantPanelWeight(_Quantized):
+    """int8 / int4 in the kernels' panel layout (quantization.pack), multiplied by `quant_linear`, which
+    dequantizes in registers: no float copy of the weight is ever made."""
+
+    kind = "quant-panels"
+    _names = ("qpanels", "scales", "mins")
+
+    def _convert(self, weight):
+        return quant.pack(quant.quantize(weight, self.fmt), self.fmt, self.n, self.k)
+
+    def _linear(self, flat, bias):
+        return quant_linear(flat, self.qpanels, self.scales, self.mins, self.n, self.fmt.group, bias)
+
+    def _rows(self, ids):
+        return quant.dequantize_rows(self._tensors(), self.fmt, ids, self.k, self.dtype)
+
+    def row_major(self):
+        return quant.unpack(self._tensors(), self.fmt, self.n, self.k)
+
+
+class QuantRowWeight(_Quantized):
+    """int8 / int4 row-major, the whole layer dequantized at each call (the reference path: no native kernels)."""
+
+    kind = "quant-rows"
+
+    def _convert(self, weight):
+        return quant.quantize(weight, self.fmt)
+
+    def _linear(self, flat, bias):
+        return F.linear(flat, quant.dequantize(self._tensors(), self.fmt, self.dtype), bias)
+
+    def _rows(self, ids):
+        return quant.dequantize({name: t[ids] for name, t in self._tensors().items()}, self.fmt, self.dtype)
+
+    def row_major(self):
+        return self._tensors()
+
+
+class WeightLayer(nn.Module):
+    """A layer whose weight a `WeightStorage` holds (`storage`). Assigning a Parameter to `weight` (at
+    construction, or a model tying its head to the embedding) gives it a `RowMajorWeight` of that parameter;
+    the loader may plan another kind (`plan_storage`), which the weight goes into once loaded."""
+
+    multiplies = False  # True: the loader plans its storage (linear layers, the LM head; an embedding only reads)
+    num_shards = 1  # checkpoint tensors that make up the weight
+
+    def __init__(self):
+        super().__init__()
+        self.shards_loaded: set = set()
+
+    def __setattr__(self, name, value) -> None:
+        super().__setattr__(name, value)
+        if name == "weight" and isinstance(value, nn.Parameter):
+            super().__setattr__("storage", RowMajorWeight(value))
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
+        """The weight's loader: this shard in, and the weight stored once its last shard is (a weight of one
+        shard straight from the checkpoint tensor, never copied into the parameter)."""
+        if self.num_shards == 1 and _whole(self.storage, param, loaded):
+            self.store_weight(loaded)
+            return
+        self.weight_loader(param, loaded, *shard_id)
+        self.shards_loaded.add(shard_id)
+        if len(self.shards_loaded) == self.num_shards:
+            self.store_weight()
+
+    def store_weight(self, source: torch.Tensor | None = None) -> None:
+        """Hand the complete weight (the parameter, or `source`, the whole checkpoint tensor) to `storage` and
+        drop the parameter (its bytes are freed at once: the loader's references to it see an empty tensor)."""
+        if self.storage.stored:
+            return
+        param = self.weight
+        self.storage.store(param if source is None else source)
+        del self.weight
+        param.data = torch.empty(0, dtype=param.dtype)
+
+    def use_storage(self, storage: WeightStorage) -> None:
+        """Hold the weight in `storage` once it is loaded. A quantized one is staged in float32, so it is
+        quantized from the checkpoint's own values (the untied LM head's parameter is the [vocab, hidden] view
+        of a [hidden, vocab] tensor, and keeps that layout)."""
+        self.storage = storage
+        if storage.fmt is not None:
+            w = self.weight
+            self.weight.data = (torch.empty(w.shape[1], w.shape[0], dtype=torch.float32).t()
+                                if not w.is_contiguous() else torch.empty(w.shape, dtype=torch.float32))
+
+    def share_storage(self, head: WeightLayer) -> None:
+        """Read this layer's weight from `head`'s storage (an embedding tied to the head: rows from one copy)."""
+        if "weight" in dict(self.named_parameters(recurse=False)):
+            del self.weight
+        self.storage = head.storage
+
+
+def _whole(storage: WeightStorage, param: nn.Parameter, loaded) -> bool:
+    """Whether `loaded` is the whole of a weight stored in another form (one shard, one process)."""
+    return storage.kind is not None and isinstance(loaded, torch.Tensor) and loaded.shape == param.shape
 
 
 def panels_apply(device: torch.device | str, dtype: torch.dtype, world_size: int) -> bool:
@@ -54,28 +271,35 @@ def panels_apply(device: torch.device | str, dtype: torch.dtype, world_size: int
         and cpu_kernels_available() and panels_support(dtype)
 
 
+def make_storage(n: int, k: int, dtype: torch.dtype, fmt: QuantFormat | None, panels: bool) -> WeightStorage | None:
+    """The storage of an [n, k] weight in `fmt` (None: the compute dtype), in the kernels' layout or not; None
+    where it stays the row-major parameter."""
+    if fmt is not None:
+        return (QuantPanelWeight if panels else QuantRowWeight)(n, k, dtype, fmt)
+    return PanelWeight(n, k, dtype) if panels else None
+
+
 def plan_storage(model: nn.Module, dtype: torch.dtype, panels: bool, fmt: QuantFormat | None,
                  quantize_lm_head: bool) -> dict[str, str]:
-    """Give every layer that multiplies a weight its `WeightStorage`, before the checkpoint streams in;
-    returns the layers kept in the compute dtype under a format, with why. A quantized layer's weight is
-    staged in float32, so it is quantized from the checkpoint's own values (one layer at a time). A head
-    tied to the embedding is stored when the embedding's tensor streams in, and the embedding then reads
-    its rows from it; tied to a module that reads the weight itself (transformers' nn.Embedding), it keeps
-    the shared row-major weight."""
+    """Give every layer that multiplies a weight its storage, before the checkpoint streams in; returns the
+    layers kept in the compute dtype under a format, with why. A head tied to the embedding is stored when the
+    embedding's tensor streams in; tied to a module that reads the weight itself (transformers' nn.Embedding),
+    it keeps the shared row-major weight."""
     readers: dict[int, list[nn.Module]] = {}
     for module in model.modules():
-        if module._parameters.get("weight") is not None:
-            readers.setdefault(id(module._parameters["weight"]), []).append(module)
+        if not isinstance(module, WeightStorage):
+            for p in module.parameters(recurse=False):
+                readers.setdefault(id(p), []).append(module)
     kept = {}
     for name, module in model.named_modules():
-        if not getattr(module, "uses_panels", False):
+        if not (isinstance(module, WeightLayer) and module.multiplies):
             continue
         tied = [m for m in readers[id(module.weight)] if m is not module]
-        if any(not hasattr(m, "rows_from") for m in tied):
+        if any(not isinstance(m, WeightLayer) for m in tied):
             continue
+        n, k = module.weight.shape
         layer_fmt, why = fmt, None
         if fmt is not None:
-            k = module.weight.shape[1]
             if getattr(module, "is_lm_head", False) and not quantize_lm_head:
                 layer_fmt, why = None, "the LM head (quantize_lm_head=False)"
             elif getattr(module, "keep_dtype", None):
@@ -85,59 +309,60 @@ def plan_storage(model: nn.Module, dtype: torch.dtype, panels: bool, fmt: QuantF
                 why = None if layer_fmt is not None else f"k={k} is a multiple of no int4 group"
         if why is not None:
             kept[name] = why
-        module.storage = WeightStorage(dtype, layer_fmt, panels)
-        if layer_fmt is not None:
-            w = module.weight  # the untied LM head is the [vocab, hidden] view of a [hidden, vocab] tensor
-            module.weight.data = (torch.empty(w.shape[1], w.shape[0], dtype=torch.float32).t()
-                                  if not w.is_contiguous() else torch.empty(w.shape, dtype=torch.float32))
-        if tied and module.storage.kind is not None:
-            module.weight.weight_loader = _TiedLoader(module.weight.weight_loader, module, tied)
+        storage = make_storage(n, k, dtype, layer_fmt, panels)
+        if storage is not None:
+            module.use_storage(storage)
+            if tied:
+                module.weight.weight_loader = _TiedLoader(module.weight.weight_loader, module, tied)
     return kept
 
 
 class _TiedLoader:
     """The shared parameter's loader (the embedding's): the tensor goes straight into the head's stored
-    form, and the embedding reads its rows from there."""
+    form, and the embedding shares the head's storage."""
 
-    def __init__(self, load, head: nn.Module, embeddings: list[nn.Module]):
+    def __init__(self, load, head: WeightLayer, embeddings: list[WeightLayer]):
         self.load, self.head, self.embeddings = load, head, embeddings
 
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, *shard) -> None:
-        source = direct_source(self.head, param, loaded)
-        if source is None:
+        whole = _whole(self.head.storage, param, loaded)
+        if not whole:
             self.load(param, loaded, *shard)
-        store_weight(self.head, source)
+        self.head.store_weight(loaded if whole else None)
         for module in self.embeddings:
-            module.rows_from = [self.head]
-            module._parameters.pop("weight", None)
-
-
-def direct_source(module: nn.Module, param: nn.Parameter, loaded) -> torch.Tensor | None:
-    """`loaded` when it is the whole of `module`'s weight (one shard, one process), so the layer can be stored
-    from it without copying it into the parameter first; else None."""
-    storage = getattr(module, "storage", None)
-    if storage is None or storage.kind is None or not isinstance(loaded, torch.Tensor):
-        return None
-    return loaded if tuple(loaded.shape) == tuple(param.shape) else None
+            module.share_storage(self.head)
 
 
 def finish_storage(model: nn.Module) -> None:
     """Store any layer whose weight streaming left row-major (a safety net: every complete layer is stored
     as its last shard comes in)."""
     for module in model.modules():
-        if "weight" in module._parameters and getattr(module, "storage", None) is not None:
-            store_weight(module)
+        if isinstance(module, WeightLayer) and module.multiplies and not module.storage.stored:
+            module.store_weight()
+
+
+def stored_storages(model: nn.Module) -> list[WeightStorage]:
+    """The storages holding a weight in another form than a parameter (a shared one once)."""
+    return [m for m in model.modules() if isinstance(m, WeightStorage) and m.kind is not None and m.stored]
+
+
+def num_weights(model: nn.Module) -> int:
+    """The model's parameter count: its parameters and the weights stored in another form (tied ones once)."""
+    return sum(p.numel() for p in model.parameters()) + sum(s.n * s.k for s in stored_storages(model))
+
+
+def stored_bytes(model: nn.Module) -> int:
+    """Bytes of the weights stored in another form than a parameter (panels, quantized tensors) of `model`."""
+    return sum(s.nbytes for s in stored_storages(model))
 
 
 def panel_bytes(n: int, k: int, dtype: torch.dtype) -> int:
-    """Bytes of the compute-dtype panels of an [n, k] weight: 16 output columns per panel; bfloat16 panels
-    hold k in pairs."""
-    pair = 2 if dtype == torch.bfloat16 else 1
-    return -(-n // PANEL_ROWS) * PANEL_ROWS * -(-k // pair) * pair * dtype.itemsize
+    """Bytes of the compute-dtype panels of an [n, k] weight."""
+    return math.prod(panels_shape(n, k, dtype)) * dtype.itemsize
 
 
 def weight_bytes(n: int, k: int, dtype: torch.dtype, fmt: QuantFormat | None, panels: bool) -> int:
-    """The exact bytes an [n, k] weight holds after loading, stored as `WeightStorage(dtype, fmt, panels)`."""
+    """The exact bytes an [n, k] weight holds after loading, stored as `make_storage(n, k, dtype, fmt, panels)`."""
     if fmt is not None:
         return quant.packed_bytes(n, k, fmt) if panels else fmt.stored_bytes(n, k)
     return panel_bytes(n, k, dtype) if panels else n * k * dtype.itemsize
@@ -150,92 +375,3 @@ def layer_format(fmt: QuantFormat, k: int) -> QuantFormat | None:
         return fmt
     smaller = [g for g in (64, 32) if g < fmt.group and k % g == 0]
     return QuantFormat.of("int4", smaller[0]) if smaller else None
-
-
-def store_weight(module: nn.Module, source: torch.Tensor | None = None) -> None:
-    """Turn `module`'s complete weight (the row-major parameter, or `source`, the whole checkpoint tensor) into
-    its stored form and drop the parameter (its bytes are freed at once: the loader's own references to the
-    Parameter object see an empty tensor)."""
-    storage: WeightStorage | None = getattr(module, "storage", None)
-    if storage is None or storage.kind is None or "weight" not in module._parameters:
-        return
-    param = module._parameters["weight"]
-    n, k = param.shape
-    weight = (param if source is None else source).detach()
-    with torch.no_grad():
-        if storage.fmt is None:
-            module.register_buffer("panel_weight", pack_panels(weight.to(storage.dtype)), persistent=False)
-        else:
-            tensors = quant.quantize(weight, storage.fmt)
-            if storage.panels:
-                tensors = quant.pack(tensors, storage.fmt, n, k)
-            for name, tensor in tensors.items():
-                module.register_buffer(f"q_{name}", tensor, persistent=False)
-    module.weight_shape = (n, k)
-    del module._parameters["weight"]
-    param.data = torch.empty(0, dtype=param.dtype)
-
-
-def quant_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A quantized layer's stored tensors by name (without the `q_` prefix)."""
-    return {name[2:]: t for name, t in module._buffers.items() if name.startswith("q_")}
-
-
-def matmul(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b over `module`'s weight as it is stored."""
-    kind = module.storage.kind if getattr(module, "storage", None) is not None and "weight" not in module._parameters \
-        else None
-    if kind is None:
-        return F.linear(x, module.weight, bias)
-    n, k = module.weight_shape
-    dtype = module.storage.dtype
-    flat = x.reshape(-1, k).to(dtype)
-    bias = None if bias is None else bias.to(dtype)
-    if kind == "panels":
-        y = panel_linear(flat, module._buffers["panel_weight"], n, bias)
-    elif kind == "quant-panels":
-        y = quant.quant_linear(flat, quant_tensors(module), module.storage.fmt, n, bias)
-    else:
-        y = F.linear(flat, quant.dequantize(quant_tensors(module), module.storage.fmt, dtype), bias)
-    return y.view(*x.shape[:-1], n)
-
-
-def row_major_weight(module: nn.Module) -> torch.Tensor:
-    """A weight stored as compute-dtype panels back as its [n, k] matrix (for saving)."""
-    n, k = module.weight_shape
-    panels = module._buffers["panel_weight"]
-    count, steps, width = panels.shape
-    pair = width // PANEL_ROWS  # k values per panel step
-    cols = panels.view(count, steps, PANEL_ROWS, pair).permute(0, 2, 1, 3)
-    return cols.reshape(count * PANEL_ROWS, steps * pair)[:n, :k]
-
-
-def embedding_rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of `module`'s stored [vocab, hidden] weight (a tied head read as the embedding), in the
-    compute dtype, gathered from the one copy."""
-    n, k = module.weight_shape
-    kind, dtype = module.storage.kind, module.storage.dtype
-    flat = ids.reshape(-1)
-    if kind == "panels":
-        panels = module._buffers["panel_weight"]
-        pair = panels.shape[2] // PANEL_ROWS  # k values per panel step
-        cols = panels.view(panels.shape[0], panels.shape[1], PANEL_ROWS, pair)
-        rows = cols[flat // PANEL_ROWS, :, flat % PANEL_ROWS, :].reshape(flat.shape[0], -1)[:, :k]
-    elif kind == "quant-panels":
-        rows = quant.dequantize_rows(quant_tensors(module), module.storage.fmt, flat, k, dtype)
-    else:
-        tensors = {name: t[flat] for name, t in quant_tensors(module).items()}
-        rows = quant.dequantize(tensors, module.storage.fmt, dtype)
-    return rows.view(*ids.shape, k)
-
-
-def num_weights(model: nn.Module) -> int:
-    """The model's parameter count: its parameters and the weights stored in another form (tied ones once)."""
-    return sum(p.numel() for p in model.parameters()) + sum(
-        m.weight_shape[0] * m.weight_shape[1] for m in model.modules() if hasattr(m, "weight_shape"))
-
-
-def stored_bytes(model: nn.Module) -> int:
-    """Bytes of the stored weights (panel and quantized buffers) of `model`."""
-    return sum(t.numel() * t.element_size() for m in model.modules() for name, t in m._buffers.items()
-               if t is not None and (name == "panel_weight" or name.startswith("q_")))
