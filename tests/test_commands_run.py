@@ -114,6 +114,13 @@ def test_a_benchmark_that_needs_what_is_missing_says_so(script, tmp_path):
     assert proc.returncode != 0 and need in said and "Traceback" not in said, said[-3000:]
 
 
+def test_a_benchmark_option_out_of_its_choices_is_refused_naming_them(tmp_path):
+    proc = run(command("benchmarks/contention.py", "bench-contention", ["--settings", "adaptive,sleepy"], tmp_path),
+               tmp_path, timeout=120)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "--settings: unknown ['sleepy']; choose of" in said and "Traceback" not in said
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
