@@ -62,7 +62,6 @@ from runner_core.compile.compile_cache import (
     write_atomic,
 )
 from runner_core.config import COMPILE_SCOPES, CUDA_GRAPH_MODES
-from runner_core.layers.linear import unpack_linear_weights
 from runner_core.progress import progress, ticking
 
 logger = logging.getLogger("runner_core")
@@ -290,8 +289,7 @@ class CompileOptimizer:
         self._compiled = targets
 
     def reset(self, model: nn.Module) -> None:
-        """Undo an earlier `apply` (back to eager), dropping the decode programs' packed weights."""
-        unpack_linear_weights(model)
+        """Undo an earlier `apply` (back to eager; the decode programs release their own packed weights)."""
         for module in model.modules():
             if module._compiled_call_impl is not None:
                 module._compiled_call_impl = None

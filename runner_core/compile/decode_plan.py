@@ -124,7 +124,11 @@ def build_decode_programs(optimizer: CompileOptimizer, config, hf_config, model:
         if not sizes:
             return None, why
         programs = PackedDecodePrograms(model, sizes, optimizer)
-    programs.build(forward_pass.dummy_decode)
+    try:
+        programs.build(forward_pass.dummy_decode)
+    except BaseException:
+        programs.release()
+        raise
     if device.type == "cpu" and config.compile_sizes is None:  # the default: kept if it pays
         faster, measured = programs.pays_off(forward_pass.dummy_decode)
         if not faster:

@@ -97,6 +97,9 @@ class DecodePrograms:
     def _run(self, n, input_ids, positions, meta) -> torch.Tensor:
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Drop what the programs hold in the model (the CPU programs' packed weights): they are not to be used."""
+
 
 class PackedDecodePrograms(DecodePrograms):
     """CPU: one AOTInductor package per size, exported for exactly that many tokens. Linear weights stored
@@ -107,15 +110,15 @@ class PackedDecodePrograms(DecodePrograms):
 
     def __init__(self, model: nn.Module, sizes: list[int], optimizer):
         super().__init__(model, sizes)
-        # an MKL copy of the linear weights that stay row-major (the kernels off); stored ones are multiplied as
-        # they are (weight_storage.py: no second copy)
-        self.memory_bytes = pack_linear_weights(model, sizes[0])
-        self.kind = "AOTInductor, static size, " + ("MKL-prepacked weights" if self.memory_bytes else "stored weights")
         self.calls, self.cache = {}, {}
         for size in sizes:
             program = AOTIProgram(optimizer, size)
             self.cache[size] = program.load_cached()
             self.calls[size] = AOTICall(model, program)
+        # an MKL copy of the linear weights that stay row-major (the kernels off), made here and dropped only by
+        # `release`; stored ones are multiplied as they are (weight_storage.py: no second copy)
+        self.memory_bytes = pack_linear_weights(model, sizes[0])
+        self.kind = "AOTInductor, static size, " + ("MKL-prepacked weights" if self.memory_bytes else "stored weights")
 
     def _build_size(self, size: int, run_dummy) -> None:
         """Export, compile and save the package on a cache miss (else it is loaded already), then

@@ -17,7 +17,6 @@ from runner_core import faults
 from runner_core.compile import (
     WARMUP_SIZES,
     CompileOptimizer,
-    PackedDecodePrograms,
     build_decode_programs,
     cuda_capture_plan,
     cuda_graphs_status,
@@ -153,7 +152,7 @@ class Worker:
         optimizer = CompileOptimizer.create(self.config, self.hf_config, enabled=enabled, backend=backend, mode=mode,
                                             scope=scope)
         fp = self.forward_pass
-        fp.decode_programs = None
+        self._drop_decode_programs()
         try:
             optimizer.apply(faults.fire("compile", self.model))
             optimizer.warm_up(fp.run_dummy, WARMUP_SIZES)
@@ -161,7 +160,7 @@ class Worker:
                                                                self.memory, self.max_model_len)
             optimizer.finish_warm_up(reason)
         except Exception as e:
-            fp.decode_programs = None
+            self._drop_decode_programs()
             optimizer.reset(self.model)
             if not self.config.compile_fallback:
                 raise CompileError(f"compiling with {optimizer.settings} failed: {type(e).__name__}: {e}") from e
@@ -197,8 +196,7 @@ class Worker:
         keep = had_programs and "compile" not in groups and not programs.holds_pool_address and not resized
         if programs is not None and not keep:
             old_fp.decode_programs = None
-            if isinstance(programs, PackedDecodePrograms):
-                programs.release()
+            programs.release()
             programs = None  # CUDA graphs: their memory goes before the new pool's
         if rebuild_pool:
             self.memory.release_kv_cache()
@@ -234,6 +232,12 @@ class Worker:
         programs = self.forward_pass.decode_programs
         if programs is not None and programs.holds_pool_address and self.memory.kv_cache is not pool:
             self._rebuild_decode_programs()
+
+    def _drop_decode_programs(self) -> None:
+        """Steps run the general program from now on; what the decode programs held is released."""
+        programs, self.forward_pass.decode_programs = self.forward_pass.decode_programs, None
+        if programs is not None:
+            programs.release()
 
     def _rebuild_decode_programs(self) -> None:
         """Rebuild the decode programs over the moved pool. Their warm-up writes dummy K/V into
