@@ -121,10 +121,11 @@ def native_kernels_off() -> Iterator[None]:
 def step_metadata(backend: str, starts: list[int], q_lens: list[int], tables: list[list[int]], block_size: int,
                   sliding_window: int | None = None, num_pool_blocks: int = 0):
     """The `backend`'s metadata (CPU tensors) of one step over the pool: sequences (decodes, one new token,
-    first) with `q_lens` new tokens from `starts` and block tables `tables`, written into fresh
-    InputBuffers and built by the backend's builder, as ForwardPass.prepare does."""
+    first) with `q_lens` new tokens from `starts` and block tables `tables`, sent to a fresh BlockTable,
+    written into fresh InputBuffers and built by the backend's builder, as ForwardPass.prepare does."""
     buffers = InputBuffers(sum(q_lens), len(starts), max(map(len, tables)), torch.device("cpu"))
-    common = buffers.fill([0] * sum(q_lens), starts, q_lens, sum(1 for n in q_lens if n == 1), tables, block_size,
+    rows = buffers.block_table.update([], [(i, 0, table) for i, table in enumerate(tables)], range(len(tables)))
+    common = buffers.fill([0] * sum(q_lens), starts, q_lens, sum(1 for n in q_lens if n == 1), rows, block_size,
                           sliding_window, num_pool_blocks=num_pool_blocks)
     builder = METADATA_BUILDERS[backend]
     meta = builder.build(common)

@@ -1,5 +1,6 @@
 """Property tests over random request streams: no block leaks, no block owned twice,
-block tables always match what each sequence has computed."""
+block tables always match what each sequence has computed, and the worker's persistent block
+tables always match rank 0's, though each step sends only the entries they lack."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner_core import ModelRunner, SamplingParams
+from runner_core import ModelRunner, SamplingParams, faults
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -34,6 +35,20 @@ def check_invariants(engine) -> None:
     for seq in engine.requests.values():
         assert len(seq.block_table) == mem.blocks_for(seq.num_computed_tokens)
         assert mem.ref_counts.count(0) == mem.num_free_blocks
+    check_worker_block_table(engine)
+
+
+def check_worker_block_table(engine) -> None:
+    """The worker's BlockTable holds every entry rank 0 sent, zeros past them, and rows only for live
+    requests or those whose release the next batch carries."""
+    table = engine.worker.forward_pass.buffers.block_table
+    for rid, seq in engine.requests.items():
+        if seq.num_sent_blocks:
+            row = table.rows[rid]
+            assert table.num_blocks[row] == seq.num_sent_blocks
+            assert table.table[row, : seq.num_sent_blocks].tolist() == seq.block_table[: seq.num_sent_blocks]
+            assert not table.table[row, seq.num_sent_blocks:].any()
+    assert set(table.rows) <= set(engine.requests) | set(engine._freed)
 
 
 request = st.tuples(st.integers(1, 40), st.integers(1, 20), st.integers(0, 3))  # prompt len, max_tokens, arrival step
@@ -71,3 +86,23 @@ def test_random_request_streams_keep_the_pool_consistent(runner, requests, abort
         if rid not in aborted:
             assert finished[rid].finish_reason == "length"
             assert len(finished[rid].token_ids) == min(requests[i][1], 64 - requests[i][0])
+
+
+def test_each_block_id_goes_to_the_workers_once(runner):
+    """With no preemption, every block a request holds crosses to the workers once, in order: a step
+    sends only the entries the workers' block tables lack (most decode steps send none)."""
+    engine = runner.engine
+    batches = []
+    with faults.inject("forward", lambda batch: batches.append(batch) or batch):
+        outs = runner.generate([[5] * 6, [7] * 9, [9] * 3], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                              ignore_eos=True))
+    assert all(o.metrics["num_preemptions"] == 0 for o in outs)
+    sent = {}
+    for batch in batches:
+        for rid, first, ids in batch.new_blocks:
+            assert first == len(sent.setdefault(rid, []))  # each entry once, in order
+            sent[rid] += ids
+    for out in outs:  # the last sampled token is never computed: prompt + 11 tokens in the pool
+        assert len(sent[out.request_id]) == engine.memory.blocks_for(len(out.prompt_token_ids) + 11)
+    decodes = [b for b in batches if b.num_prefill_tokens == 0]
+    assert decodes and any(not b.new_blocks for b in decodes)

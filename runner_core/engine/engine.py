@@ -82,6 +82,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len, clock)
         self.observer = StepObserver(self.memory, self.scheduler, self.max_model_len, moe_spec=moe_spec, clock=clock)
         self.requests: dict[str, Sequence] = {}
+        self._freed: list[str] = []  # requests freed since the last batch: their block-table rows go on every rank
         self._ids = itertools.count()
 
     @property
@@ -158,18 +159,23 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         self.threads.before_step()
-        batch, ordered = StepBatch.build(sched.scheduled)
+        freed, self._freed = self._freed + [s.request_id for s in sched.preempted], []
+        batch, ordered = StepBatch.build(sched.scheduled, freed)
         seqs = [ordered[i] for i in batch.sample_rows]
         scheduled = clock.now()
         try:
             sampled, broken, prepare_s, expert_counts, executed = self._run_model(batch, seqs)
-        except WorkerError:  # a parallel runner lost a worker: the runner is over, tell the caller
-            raise
-        except Exception as e:  # the batch is lost, not the engine
+        except BaseException as e:
+            self._freed[:0] = freed  # a rank may not have taken them: they go again with the next batch
+            # a parallel runner lost a worker (the runner is over, tell the caller), or an interrupt
+            if isinstance(e, WorkerError) or not isinstance(e, Exception):
+                raise
+            # the batch is lost, not the engine
             logger.exception("step failed; failing the %d scheduled requests", len(sched.scheduled))
             return outputs + [self._fail(s, f"{type(e).__name__}: {e}") for s, _ in sched.scheduled]
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
+            seq.num_sent_blocks = len(seq.block_table)  # every rank took the batch's entries
             self.memory.cache_blocks(seq)
         if broken:  # those requests fail; the rest of the batch goes on
             outputs += [self._fail(seqs[i], NONFINITE_MESSAGE.format(n=seqs[i].num_output_tokens)) for i in broken]
@@ -210,6 +216,7 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
+        self._freed.append(seq.request_id)
         self.observer.on_release(seq.request_id)
         self.requests.pop(seq.request_id, None)
 

@@ -1,9 +1,10 @@
 """ForwardPass: turns a step's batch into the model's input once per step and runs the model.
 
 Layout: decode sequences (one new token) first, then prefill chunks. A `StepBatch` says, per
-sequence, where its new tokens start, how many there are, those tokens and its block table;
-`InputBuffers.fill` writes them into buffers allocated once (ids, positions, slot mapping, block
-tables) and returns the step's `CommonAttentionMetadata`, from which the attention backend's builder
+sequence, where its new tokens start, how many there are, those tokens and the entries its block
+table gained; the rank's BlockTable takes those in, and `InputBuffers.fill` writes the step into
+buffers allocated once (ids, positions, slot mapping, block tables) and returns the step's
+`CommonAttentionMetadata`, from which the attention backend's builder
 (`METADATA_BUILDERS`: gather, native, flex, each beside its backend in layers/) makes that
 backend's metadata, with tensor operations; no per-token loops. Every rank of a parallel runner
 prepares the same batch over its own KV shard.
@@ -17,7 +18,7 @@ from itertools import chain
 
 import torch
 
-from runner_core.engine.input_batch import InputBuffers, StepBatch
+from runner_core.engine.input_batch import BlockTable, InputBuffers, StepBatch
 from runner_core.layers.attention import (
     Attention,
     AttentionMetadataBuilder,
@@ -88,15 +89,16 @@ class ForwardPass:
 
     def prepare(self, batch: StepBatch, multimodal: tuple[torch.Tensor, torch.Tensor] | None = None) -> ModelInput:
         """The step's model input; `multimodal`: image features for the batch's image tokens."""
-        starts, counts, ids, tables = batch.starts, batch.num_new_tokens, batch.token_ids, batch.block_tables
+        rows = self.buffers.block_table.update(batch.freed, batch.new_blocks, batch.request_ids)
+        starts, counts, ids = batch.starts, batch.num_new_tokens, batch.token_ids
         d, pad, decode_len = batch.num_decodes, 0, None
         if self.decode_programs is not None and d == len(starts) and multimodal is None:
             size = self.decode_programs.padded_size(d)
             if size is not None:  # pad rows repeat the first row
                 pad, decode_len = size - d, self.decode_programs.static_decode_len
                 starts, counts = starts + [starts[0]] * pad, counts + [1] * pad
-                ids, tables = ids + [ids[0]] * pad, tables + [tables[0]] * pad
-        common = self.buffers.fill(ids, starts, counts, d + pad, tables, self.block_size, self.sliding_window,
+                ids, rows = ids + [ids[0]] * pad, rows + [rows[0]] * pad
+        common = self.buffers.fill(ids, starts, counts, d + pad, rows, self.block_size, self.sliding_window,
                                    decode_len=decode_len, num_pool_blocks=self._num_pool_blocks())
         ends = torch.cumsum(common.query_lens, 0) - 1
         return ModelInput(
@@ -129,7 +131,7 @@ class ForwardPass:
         Writes nothing itself."""
         starts, q_lens = [0] * size, [1] * size
         if decode_len is not None:
-            common = self.buffers.fill([0] * size, starts, q_lens, size, [[0]] * size, self.block_size,
+            common = self.buffers.fill([0] * size, starts, q_lens, size, [BlockTable.ZERO_ROW] * size, self.block_size,
                                        self.sliding_window, decode_len=decode_len,
                                        num_pool_blocks=self._num_pool_blocks())
             meta = self._metadata(common)

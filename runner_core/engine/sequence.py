@@ -113,6 +113,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # entries of block_table every rank's BlockTable holds (StepBatch.new_blocks sends the rest); 0 again
+    # when MemoryManager.free empties the table
+    num_sent_blocks: int = 0
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of its full blocks
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     finish_reason: str | None = None

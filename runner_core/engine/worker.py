@@ -223,10 +223,12 @@ class Worker:
         return [s for s in sizes if s <= config.max_num_seqs]
 
     def move_kv_blocks(self, moves: dict[int, int], num_blocks: int) -> None:
-        """Defragmentation on this rank: copy the K/V of each moved block, then cut the pool to
-        `num_blocks` (rank 0 renumbered its blocks already: MemoryManager.compact). A cut pool is a
-        new tensor: decode programs that hold the old one's address (CUDA graphs) are rebuilt."""
+        """Defragmentation on this rank: copy the K/V of each moved block and renumber them in the block
+        tables, then cut the pool to `num_blocks` (rank 0 renumbered its blocks already:
+        MemoryManager.compact). A cut pool is a new tensor: decode programs that hold the old one's
+        address (CUDA graphs) are rebuilt."""
         self.memory.move_blocks(moves)
+        self.forward_pass.buffers.block_table.move(moves)
         pool = self.memory.kv_cache
         self.memory.shrink(num_blocks)
         programs = self.forward_pass.decode_programs

@@ -102,6 +102,7 @@ class MemoryManager:
             self.pool.release(self.pool.blocks[block_id])
         seq.block_table = []
         seq.block_hashes = []
+        seq.num_sent_blocks = 0
 
     # ---- prefix caching ---------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
