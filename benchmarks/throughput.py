@@ -355,7 +355,7 @@ def main() -> None:
         print(f"decode step at batch 32 ({ov['steps']} pure-decode steps): {ov['total_ms']:.2f} ms total, "
               f"{ov['forward_ms']:.2f} ms forward, outside-forward share {100 * ov['share']:.1f}%; "
               f"target <= {100 * OVERHEAD_TARGET:g}%: {verdicts.outcome(ov['share'] <= OVERHEAD_TARGET, quiet)}; "
-              f"the step observer (record + waste figures) {ov['observer_us']:.0f} us per step")
+              f"the step observer (its record) {ov['observer_us']:.0f} us per step")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}\n\nsummary:")
     print("\n".join(summary.summary_lines(args.model, args.dtype, machine.run_tag(info), tok_s, b1, share, starts,
                                          devices)))

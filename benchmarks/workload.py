@@ -67,8 +67,8 @@ def matches(ids: list[list[int]], ref: list[list[int]]) -> int:
 
 def decode_overhead(model: str, dtype: str, device: str, seed: int) -> dict:
     """Mean pure-decode step time at batch 32 (32 requests, prompt 64, 64 outputs), the share of it
-    outside the model forward, and what the step's observer (its metrics record and waste figures)
-    costs per step."""
+    outside the model forward, and what the step's observer (its metrics record; the waste figures are
+    not recorded per step unless asked) costs per step."""
     from runner_core import ModelRunner, SamplingParams
 
     def greedy(n: int) -> SamplingParams:

@@ -341,3 +341,11 @@ class ModelRunner:
     @property
     def step_metrics(self):
         return self._engine().step_metrics
+
+    def record_waste_per_step(self, enabled: bool = True) -> None:
+        """From the next step on, every record in `step_metrics` also carries the KV waste figures of the
+        requests running then (kv_utilization, internal_fragmentation, static_reservation_waste,
+        firstfit_reserved_waste, firstfit_external_fragmentation; None while off). Off by default: they
+        cost each step time in proportion to the requests running. `memory_stats()` gives the same
+        figures, for now, either way."""
+        self._engine().record_waste_per_step(enabled)

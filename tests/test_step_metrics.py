@@ -1,5 +1,7 @@
 """The step's metrics record: its phase times add up to the step's total, and the total counts the
-observer's own time (making the record), so the share outside the forward includes recording."""
+observer's own time (making the record), so the share outside the forward includes recording; the KV
+waste figures are computed only when asked for (every step, or on demand), and on demand they equal
+what recording them every step gives."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def test_total_counts_the_observers_own_time(tiny_llama_path, monkeypatch):
         return waste(*args)
 
     monkeypatch.setattr(step_metrics, "static_reservation_waste", slow_waste)
+    runner.record_waste_per_step()  # the slowed figure is one of them
     runner.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     steps = list(runner.step_metrics)
     assert len(steps) == 3
@@ -31,3 +34,42 @@ def test_total_counts_the_observers_own_time(tiny_llama_path, monkeypatch):
         work = m.schedule_s + m.prepare_s + m.forward_s + m.sample_s
         assert m.total_s - work >= DELAY
         assert m.total_s == pytest.approx(work + m.observe_s, abs=1e-9) and m.observe_s >= DELAY
+
+
+BYTES_PER_BLOCK = 16 * 4 * 2 * 2 * 32 * 4  # tiny-llama: 16 tokens x 4 layers x K,V x 2 KV heads x 32 dims x fp32
+WASTE = ("kv_utilization", "internal_fragmentation", "static_reservation_waste", "firstfit_reserved_waste",
+         "firstfit_external_fragmentation")
+
+
+def test_waste_figures_only_when_asked_and_the_same_on_demand(tiny_llama_path, monkeypatch):
+    """Two runners step the same requests in lockstep on a pool too small for all of them (first fit
+    defers some): one records the waste figures every step, the other never computes them on the step's
+    path (its records carry None), yet its memory_stats(), asked mid-run and at the end, equal the
+    first's: the first-fit simulation takes the admissions and releases it missed, in order."""
+    config = {"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 8 * BYTES_PER_BLOCK,
+              "max_model_len": 128}
+    every_step, on_demand = (ModelRunner(dict(config)).load_model() for _ in range(2))
+    every_step.record_waste_per_step()
+    calls = []
+    waste = step_metrics.static_reservation_waste
+    monkeypatch.setattr(step_metrics, "static_reservation_waste", lambda *a: calls.append(a) or waste(*a))
+    for runner in (every_step, on_demand):
+        for k in (40, 35, 30, 25):
+            runner.add_request(list(range(3, 3 + k)), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while every_step.has_unfinished_requests():
+        every_step.step()
+        before = len(calls)
+        on_demand.step()
+        assert len(calls) == before  # nothing of it on the on-demand runner's step
+        steps += 1
+        if steps == 12:
+            assert on_demand.memory_stats() == every_step.memory_stats()
+    assert not on_demand.has_unfinished_requests()
+    assert on_demand.memory_stats() == every_step.memory_stats()
+    assert every_step.memory_stats()["firstfit_failed"] > 0  # the comparison had something to defer
+    for lazy, eager in zip(on_demand.step_metrics, every_step.step_metrics):
+        assert all(getattr(lazy, f) is None for f in WASTE)
+        assert all(isinstance(getattr(eager, f), float) for f in WASTE)
+        assert (lazy.blocks_used, lazy.blocks_free, lazy.num_running) == (eager.blocks_used, eager.blocks_free,
+                                                                         eager.num_running)

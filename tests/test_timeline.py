@@ -11,8 +11,9 @@ from workbench.timeline import step_timeline, step_waste
 BYTES_PER_BLOCK = 16 * 4 * 2 * 2 * 32 * 4  # tiny-llama: 16 tokens x 4 layers x K,V x 2 KV heads x 32 dims x fp32
 
 
-def _run(path, prompts, max_tokens, **config):
+def _run(path, prompts, max_tokens, waste: bool = False, **config):
     runner = ModelRunner({"model": str(path), "dtype": "float32", **config}).load_model()
+    runner.record_waste_per_step(waste)
     ids = [runner.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
            for p, n in zip(prompts, max_tokens)]
     finished_at = {}
@@ -71,7 +72,8 @@ def test_timeline_draws_the_records(tiny_llama_path):
 
 def test_waste_per_step_compares_the_allocators(tiny_llama_path):
     prompts = [list(range(3, 3 + k)) for k in (40, 35, 30, 25)]
-    runner, _, _ = _run(tiny_llama_path, prompts, [40] * 4, kv_cache_memory=8 * BYTES_PER_BLOCK, max_model_len=128)
+    runner, _, _ = _run(tiny_llama_path, prompts, [40] * 4, waste=True, kv_cache_memory=8 * BYTES_PER_BLOCK,
+                        max_model_len=128)
     steps = [m for m in runner.step_metrics if m.num_running]
     traces = {t.name: list(t.y) for t in step_waste(runner.step_metrics).data}
     assert traces["paged pool"] == pytest.approx([100 * (1 - m.kv_utilization) for m in steps])

@@ -316,6 +316,10 @@ class LLMEngine:
             stats["cuda_allocated_bytes"] = cuda.get("allocated_bytes.all.current", 0)
         return stats
 
+    def record_waste_per_step(self, enabled: bool = True) -> None:
+        """Put the KV waste figures in every step's record from the next step on (StepObserver.waste_per_step)."""
+        self.observer.waste_per_step = enabled
+
     def moe_stats(self, recent_steps: int = 64) -> dict:
         """Tokens routed to each expert of each MoE layer (StepObserver.moe_stats)."""
         return self.observer.moe_stats(recent_steps)

@@ -1,14 +1,19 @@
 """The step's observer: once per step, after the step's work, it records what the step did (a
-`StepMetrics` in a bounded deque the workbench reads) and feeds the same live requests to the
-contiguous allocators the paged pool is compared with (a static max_model_len reservation and a
-first-fit simulation). `memory_figures()` gives those figures on demand.
+`StepMetrics` in a bounded deque the workbench reads). The KV waste diagnostics (the pool's
+utilization and internal fragmentation, and what the contiguous allocators it is compared with would
+waste for the same live requests: a static max_model_len reservation and a first-fit simulation) are
+off the step's path unless asked for: `memory_figures()` computes them on demand (`memory_stats()`,
+which the workbench samples), and `waste_per_step` (`record_waste_per_step()`) puts them in every
+record. The first-fit simulation sees every admission and release, in order, when it is next asked
+(or every PENDING_LIMIT of them).
 
 A record's times: `schedule_s` (the scheduler), `prepare_s` (building the step's input tensors),
 `forward_s` (the model, without `prepare_s`), `sample_s` (sampling and handing the tokens out),
 `observe_s` (this observer making the record, up to the moment it is stored, the waste figures
-included) and `total_s`, their sum: from the step's start until its record is stored. So the share
-of a step outside the forward, 1 - forward_s / total_s, counts the recording too. The observer also
-keeps `seconds`, its own time over all steps (a benchmark figure, benchmarks/throughput.py).
+included when recorded) and `total_s`, their sum: from the step's start until its record is stored.
+So the share of a step outside the forward, 1 - forward_s / total_s, counts the recording too. The
+observer also keeps `seconds`, its own time over all steps (a benchmark figure,
+benchmarks/throughput.py).
 
 For an MoE model each record also holds the step's tokens per expert (`expert_counts`, [MoE
 layers, experts], pad rows of decode programs excluded), and the observer keeps their running
@@ -27,6 +32,8 @@ from runner_core.engine.clock import WallClock
 from runner_core.errors import InvalidRequestError
 from runner_core.memory import FragmentationTracker, MemoryManager
 from runner_core.memory.fragmentation import static_reservation_waste
+
+PENDING_LIMIT = 4096  # admissions and releases the first-fit simulation is left behind by, at most
 
 if TYPE_CHECKING:
     from runner_core.engine.input_batch import StepBatch
@@ -58,13 +65,14 @@ class StepMetrics:
     blocks_used: int
     blocks_free: int
     blocks_cached: int
-    kv_utilization: float
-    internal_fragmentation: float
-    static_reservation_waste: float  # what a max_model_len reservation per request would waste
-    firstfit_reserved_waste: float  # a contiguous worst-case reservation per request ...
-    firstfit_external_fragmentation: float  # ... and the holes between those reservations
     prefix_cache_hit_rate: float
     expert_counts: torch.Tensor | None = None  # MoE: tokens per expert [MoE layers, experts] (int64, CPU)
+    # the KV waste figures of the live requests, with StepObserver.waste_per_step (else None)
+    kv_utilization: float | None = None
+    internal_fragmentation: float | None = None
+    static_reservation_waste: float | None = None  # what a max_model_len reservation per request would waste
+    firstfit_reserved_waste: float | None = None  # a contiguous worst-case reservation per request ...
+    firstfit_external_fragmentation: float | None = None  # ... and the holes between those reservations
     # the step's shape, decodes first: tokens already in the pool and tokens run, per sequence (the cost model's input)
     batch_shape: tuple[list[int], list[int]] = ((), ())
 
@@ -91,6 +99,10 @@ class StepObserver:
         self.expert_totals = (torch.zeros(len(moe_spec.sparse_layers), moe_spec.num_experts, dtype=torch.int64)
                               if moe_spec is not None else None)  # since load: the one running total
         self.contiguous = FragmentationTracker(memory.num_blocks * memory.block_size)
+        # what the first-fit simulation has not seen yet, in order: (request, reserve) admitted, (request, None)
+        # released
+        self._pending: list[tuple[str, int | None]] = []
+        self.waste_per_step = False  # the waste figures in every record (record_waste_per_step)
         self.num_steps = 0
         self.seconds = 0.0  # spent in on_step, in all
 
@@ -102,12 +114,10 @@ class StepObserver:
             self.expert_totals += expert_counts
         for seq in sched.admitted:  # idempotent: the contiguous comparison reserves once per request
             if not seq.is_finished:
-                self.contiguous.on_admit(seq.request_id,
-                                         min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len))
+                self._pending.append((seq.request_id,
+                                      min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)))
         running = self.scheduler.running
-        mem = self.memory.stats(running)
-        alloc = self.contiguous.allocator
-        tokens = {s.request_id: s.num_computed_tokens for s in running}
+        blocks = self.memory.block_counts()
         self.num_steps += 1
         record = StepMetrics(
             step=self.num_steps, time=times.end, num_seqs=len(sched.scheduled),
@@ -116,30 +126,51 @@ class StepObserver:
             num_waiting=len(self.scheduler.waiting), num_running=len(running),
             schedule_s=times.scheduled - times.start, prepare_s=times.prepare_s,
             forward_s=times.executed - times.scheduled - times.prepare_s, sample_s=times.end - times.executed,
-            observe_s=0.0, total_s=0.0, blocks_used=mem["blocks_used"], blocks_free=mem["blocks_free"],
-            blocks_cached=mem["blocks_cached"], kv_utilization=mem["kv_utilization"],
-            internal_fragmentation=mem["internal_fragmentation"],
-            static_reservation_waste=static_reservation_waste(list(tokens.values()), self.max_model_len),
-            firstfit_reserved_waste=alloc.waste(tokens), firstfit_external_fragmentation=alloc.external_fragmentation(),
-            prefix_cache_hit_rate=mem["prefix_cache_hit_rate"], expert_counts=expert_counts,
-            batch_shape=(batch.starts, batch.num_new_tokens))
+            observe_s=0.0, total_s=0.0, blocks_used=blocks["blocks_used"], blocks_free=blocks["blocks_free"],
+            blocks_cached=blocks["blocks_cached"], prefix_cache_hit_rate=blocks["prefix_cache_hit_rate"],
+            expert_counts=expert_counts, batch_shape=(batch.starts, batch.num_new_tokens))
+        if self.waste_per_step:
+            self._record_waste(record, running)
+        elif len(self._pending) > PENDING_LIMIT:
+            self._catch_up()
         self.records.append(record)
         done = self.clock.now()
         record.observe_s, record.total_s = done - times.end, done - times.start
         self.seconds += done - t
 
+    def _record_waste(self, record: StepMetrics, running: list) -> None:
+        self._catch_up()
+        mem = self.memory.stats(running)
+        tokens = {s.request_id: s.num_computed_tokens for s in running}
+        alloc = self.contiguous.allocator
+        record.kv_utilization, record.internal_fragmentation = mem["kv_utilization"], mem["internal_fragmentation"]
+        record.static_reservation_waste = static_reservation_waste(list(tokens.values()), self.max_model_len)
+        record.firstfit_reserved_waste = alloc.waste(tokens)
+        record.firstfit_external_fragmentation = alloc.external_fragmentation()
+
+    def _catch_up(self) -> None:
+        """The first-fit simulation takes the admissions and releases it has not seen, in order."""
+        for request_id, reserve in self._pending:
+            if reserve is None:
+                self.contiguous.on_release(request_id)
+            else:
+                self.contiguous.on_admit(request_id, reserve)
+        self._pending.clear()
+
     def on_release(self, request_id: str) -> None:
         """A request finished, failed or was aborted: the contiguous allocators free its reservation."""
-        self.contiguous.on_release(request_id)
+        self._pending.append((request_id, None))
 
     def on_pool_resized(self) -> None:
         """The pool shrank: the comparison allocators model the new capacity (live requests re-reserve
         at their next step)."""
         self.contiguous = FragmentationTracker(self.memory.num_blocks * self.memory.block_size)
+        self._pending.clear()
 
     def memory_figures(self) -> dict:
         """The pool's block counts and utilization with, for the same live requests, what a static
         reservation and a first-fit contiguous allocator would waste."""
+        self._catch_up()
         running = self.scheduler.running
         tokens = {s.request_id: s.num_computed_tokens for s in running}
         return {**self.memory.stats(running), **self.contiguous.contiguous_figures(tokens, self.max_model_len)}

@@ -12,9 +12,9 @@ Three ways to hold the same live requests' KV, in the same number of slots:
   that fits. It wastes the reserved-but-unfilled tail and the holes between reservations
   (external fragmentation), and it refuses requests when no single hole is big enough.
 
-Everything here is plain Python over small lists: the engine's step observer calls
-`FragmentationTracker.contiguous_figures` every step, microseconds for tens of sequences
-(benchmarks/throughput.py measures the observer's cost per step). No torch.
+Everything here is plain Python over small lists, microseconds for tens of sequences; the engine's
+step observer feeds a FragmentationTracker and asks it for figures only when they are asked of it
+(`memory_stats()`, or every step after `record_waste_per_step()`). No torch.
 """
 
 from __future__ import annotations

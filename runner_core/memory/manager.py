@@ -208,22 +208,30 @@ class MemoryManager:
         logger.info("shrank the KV pool to %d blocks", num_blocks)
 
     # ---- figures ----------------------------------------------------------------------------
-    def stats(self, live: Iterable[Sequence]) -> dict:
-        """Physical block counts, KV utilization, internal fragmentation and prefix-cache figures.
-        Every block of a live sequence is full except its last (shared blocks are full), so the
-        figures cost O(live sequences)."""
-        used = self.num_blocks - self.pool.num_free
-        allocated = used * self.block_size
-        empty = sum(len(s.block_table) * self.block_size - s.num_computed_tokens for s in live if s.block_table)
+    def block_counts(self) -> dict:
+        """Physical block counts and the prefix cache's hit rate: O(1), in every step's record."""
         return {
             "blocks_total": self.num_blocks,
-            "blocks_used": used,
+            "blocks_used": self.num_blocks - self.pool.num_free,
             "blocks_cached": self.pool.num_cached_free,
             "blocks_free": self.pool.num_free,
             "block_size": self.block_size,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+        }
+
+    def stats(self, live: Iterable[Sequence]) -> dict:
+        """`block_counts` with the KV utilization and internal fragmentation of the `live` sequences.
+        Every block of a live sequence is full except its last (shared blocks are full), so the
+        figures cost O(live sequences)."""
+        counts = self.block_counts()
+        hit_rate = counts.pop("prefix_cache_hit_rate")
+        allocated = counts["blocks_used"] * self.block_size
+        empty = sum(len(s.block_table) * self.block_size - s.num_computed_tokens for s in live if s.block_table)
+        return {
+            **counts,
             "kv_utilization": (allocated - empty) / allocated if allocated else 0.0,
             "internal_fragmentation": empty / allocated if allocated else 0.0,
-            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "prefix_cache_hit_rate": hit_rate,
         }
 
 
