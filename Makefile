@@ -63,8 +63,13 @@ browser:
 lint: setup
 	$(VENV)/bin/ruff check runner_core workbench tests benchmarks
 
+# TEST_WORKERS pytest processes, each taking whole test files (their module fixtures stay in one process): much
+# of the suite waits on a browser, a kernel, a server or a child process, so two processes on 2 cores finish
+# sooner than one, and each test runs beside another as it does on CI's shared machine (tests/conftest.py starts
+# the longest files first). TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
 test: setup browser lint
-	$(PY) -m pytest -q -x --durations=25
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # the tests that wait on a browser, a kernel or a thread (the dashboards, lessons 01 and 03 in JupyterLab, the
 # session), BUSY_RUNS times beside one busy process: a Python loop holding one of the two cores, as a second kernel

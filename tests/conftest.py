@@ -1,5 +1,6 @@
-"""Session-wide test settings: a preset cache inside the repo, few CPU threads, the tiny preset, and the
-`tier` fixture that runs a kernel test on every kernel tier this CPU runs."""
+"""Session-wide test settings: a preset cache inside the repo, few CPU threads, the tiny preset, the
+`tier` fixture that runs a kernel test on every kernel tier this CPU runs, and the longest test files first
+(with `make test`'s worker processes, a long file started last would finish alone)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,19 @@ def compiled_tiny_llama(tiny_llama_path):
     runner = ModelRunner({"model": str(tiny_llama_path), **COMPILED}).load_model()
     yield runner
     runner.shutdown()
+
+
+# the files that take the longest (pytest --durations), started first
+LONGEST_FIRST = ("tests/test_jupyterlab.py", "tests/test_commands_run.py", "tests/test_parallel.py",
+                 "tests/test_compile.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
 
 
 def pytest_generate_tests(metafunc):
