@@ -114,6 +114,10 @@ def test_a_tied_quantized_head_gives_transformers_tokens_and_embeds_from_its_one
     runner = _runner(tied, quantization=quantization, quantization_group_size=32, quantize_lm_head=True)
     embed = runner.model.model.embed_tokens
     assert not _holds_parameter(embed) and embed.storage is runner.model.lm_head.storage
+    # the one copy is reached under the head's name alone, as an exported (compiled) program must see it
+    stored = [name for name, _ in runner.model.named_modules(remove_duplicate=False) if name.endswith(".storage")
+              and name.startswith(("model.embed_tokens", "lm_head"))]
+    assert stored == ["lm_head.storage"]
     assert runner.model_info()["quantization"]["kept_layers"] == {}
     assert _tokens(runner) == _hf_tokens(_quantized_reference(tied, fmt, head=True))
     runner.shutdown()

@@ -262,10 +262,13 @@ class WeightLayer(nn.Module):
                                 if not w.is_contiguous() else torch.empty(w.shape, dtype=torch.float32))
 
     def share_storage(self, head: WeightLayer) -> None:
-        """Read this layer's weight from `head`'s storage (an embedding tied to the head: rows from one copy)."""
+        """Read this layer's weight from `head`'s storage (an embedding tied to the head: rows from one copy). The
+        storage stays the head's submodule alone: under two names its tensors would reach an exported program
+        twice, and AOTInductor's package then reads a tensor it was never given (a compiled tied model failed)."""
         if "weight" in dict(self.named_parameters(recurse=False)):
             del self.weight
-        self.storage = head.storage
+        del self.storage
+        self.__dict__["storage"] = head.storage
 
 
 def _whole(storage: WeightStorage, param: nn.Parameter, loaded) -> bool:
