@@ -18,7 +18,7 @@ MKL), so an AVX2 row compares AVX2 code with AVX2 code; the micro-architecture s
              ops take a scalar path for float32 x (seconds per call at m > 1): there m = 1 only.
   attention  decode (one query per sequence, 8 sequences, block size 16, the blocks shuffled in the
              pool) at a few context lengths: the kernel reading K/V in place against the torch path
-             (gather the sequences' K/V, then runner_core.layers.attention._decode); GB/s of K/V read.
+             (gather the sequences' K/V, then runner_core.layers.gather_attention.decode_attention); GB/s of K/V read.
 The two engines take turns in each of `--repeats` rounds (after one untimed pass); the median and
 range over the rounds. The bandwidth is benchmarks/machine.py's probe (sum and copy past the
 last-level cache) in each tier's process, with its threads, before and after its rows, pooled. Every row names the
@@ -182,7 +182,7 @@ def quant_rows(dtype: torch.dtype, models: list[str], rows: list[int], repeats: 
 
 def _attention_case(dtype: torch.dtype, model: str, ctx: int, repeats: int, llc: int) -> dict:
     from runner_core.kernels import native_paged_attention
-    from runner_core.layers.attention import _decode
+    from runner_core.layers.gather_attention import decode_attention
 
     heads, kv_heads, dim = ATTENTION[model]
     blocks = SEQS * -(-ctx // BLOCK)
@@ -207,7 +207,7 @@ def _attention_case(dtype: torch.dtype, model: str, ctx: int, repeats: int, llc:
 
     def torch_path(i):
         pool, _, slots = ring[i]
-        _decode(q, pool[0][:, slots], pool[1][:, slots], bias, heads, kv_heads, dim, scale)
+        decode_attention(q, pool[0][:, slots], pool[1][:, slots], bias, kv_heads, scale)
 
     row = {"model": model, "heads": heads, "kv_heads": kv_heads, "dim": dim, "seqs": SEQS, "context": ctx}
     for name, t in _rounds({"ours": ours, "torch": torch_path}, len(ring), repeats).items():

@@ -40,7 +40,7 @@ class GatherMetadata:
         d = self.num_decode_tokens
         if d:
             idx = self.decode_kv_idx
-            out[:d] = _decode(q[:d], k[:, idx], v[:, idx], self.decode_bias, num_kv_heads, scale)
+            out[:d] = decode_attention(q[:d], k[:, idx], v[:, idx], self.decode_bias, num_kv_heads, scale)
         if self.num_prefills:
             grid = q.new_zeros(self.num_prefills * self.max_query_len, num_heads, q.shape[2])
             grid[self.prefill_q_idx] = q[d:]
@@ -107,7 +107,7 @@ def _visible(q_pos: torch.Tensor, key_len: int, sliding_window: int | None) -> t
     return mask
 
 
-def _decode(q, k, v, bias, num_kv_heads: int, scale: float) -> torch.Tensor:
+def decode_attention(q, k, v, bias, num_kv_heads: int, scale: float) -> torch.Tensor:
     """One query per sequence. q: [D, H, Dh]; k, v: [KVH, D, L, Dh] (as gathered); bias: [1, D, 1, L].
 
     Grouped heads fold into the query dimension, so each KV head is read once and no repeat
