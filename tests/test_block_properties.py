@@ -106,3 +106,28 @@ def test_each_block_id_goes_to_the_workers_once(runner):
         assert len(sent[out.request_id]) == engine.memory.blocks_for(len(out.prompt_token_ids) + 11)
     decodes = [b for b in batches if b.num_prefill_tokens == 0]
     assert decodes and any(not b.new_blocks for b in decodes)
+
+
+def test_block_table_rows_by_request():
+    """Entries are written where they belong, a freed request's row goes (and is reused zeroed), a
+    readmitted request's shorter table cuts its row, the same entries sent twice change nothing, a
+    defragmentation renumbers the ids in place, and entries that would leave a gap are refused."""
+    from runner_core.engine.input_batch import BlockTable
+
+    table = BlockTable(max_rows=2, max_blocks=6)
+    rows = table.update([], [("a", 0, [3, 4]), ("b", 0, [7])], ["b", "a"])
+    assert rows == [table.rows["b"], table.rows["a"]] and BlockTable.ZERO_ROW not in rows
+    table.update([], [("a", 2, [9]), ("a", 2, [9])])  # a decode's new block, and the same sent again
+    assert table.table[table.rows["a"]].tolist() == [3, 4, 9, 0, 0, 0] and table.num_blocks[table.rows["a"]] == 3
+    row_b = table.rows["b"]
+    table.update(["b", "never-sent"], [("c", 0, [5, 6])])  # b's row goes; c takes it, zeroed
+    assert "b" not in table.rows and table.rows["c"] == row_b and table.table[row_b].tolist() == [5, 6, 0, 0, 0, 0]
+    table.update([], [("a", 0, [1])])  # a was preempted and readmitted with a shorter table
+    assert table.table[table.rows["a"]].tolist() == [1, 0, 0, 0, 0, 0] and table.num_blocks[table.rows["a"]] == 1
+    table.update([], [("d", 0, [2])])  # more rows than planned: the table grows
+    table.move({5: 0, 6: 3})
+    assert table.table[table.rows["c"]].tolist() == [0, 3, 0, 0, 0, 0] and not table.table[BlockTable.ZERO_ROW].any()
+    with pytest.raises(RuntimeError, match="'a' has 1 block-table entries on this rank, yet its entries from 3"):
+        table.update([], [("a", 3, [8])])
+    with pytest.raises(RuntimeError, match="request 'e' has no block table on this rank"):
+        table.update([], [], ["e"])

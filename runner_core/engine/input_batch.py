@@ -101,12 +101,13 @@ class BlockTable:
                 self._free.append(row)
         for rid, first, ids in new_blocks:
             row = self.rows.get(rid)
+            held = 0 if row is None else int(self.num_blocks[row])
+            if first > held:
+                raise RuntimeError(f"request {rid!r} has {held} block-table entries on this rank, yet its entries "
+                                   f"from {first} on came: the ranks' block tables went out of step with rank 0's")
             if row is None:
-                if first:
-                    raise RuntimeError(f"request {rid!r} has no block table on this rank, yet its entries from "
-                                       f"{first} on came: the ranks' block tables went out of step with rank 0's")
                 row = self.rows[rid] = self._free.pop() if self._free else self._grow()
-            end, held = first + len(ids), int(self.num_blocks[row])
+            end = first + len(ids)
             if end > self.table.shape[1]:
                 raise ValueError(f"request {rid!r} has {end} KV blocks; its block table holds {self.table.shape[1]}")
             self.table[row, first:end] = ids
