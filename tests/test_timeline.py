@@ -90,3 +90,13 @@ def test_timeline_of_nothing_and_of_wrong_records():
     with pytest.raises(ValueError, match="no num_admitted, num_finished; pass runner.step_metrics"):
         step_timeline([{"step": 1, "num_prefill_tokens": 4, "num_decode_tokens": 0, "num_running": 1,
                         "num_waiting": 0, "num_preempted": 0}])
+
+
+def test_steps_without_their_waste_figures_say_how_to_record_them(tiny_llama_path):
+    from workbench.timeline import WASTE_FIELDS, step_rows
+
+    runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 22}).load_model()
+    runner.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
+    with pytest.raises(ValueError, match=r"only after runner\.record_waste_per_step\(\)"):
+        step_rows(runner.step_metrics, WASTE_FIELDS)
+    runner.shutdown()

@@ -34,8 +34,11 @@ def step_rows(steps: Iterable[Any], fields: tuple[str, ...] = FIELDS) -> list[di
         row = {k: get(k) for k in fields}
         missing = [k for k, v in row.items() if v is None]
         if missing:
-            raise ValueError(f"step record has no {', '.join(missing)}; pass runner.step_metrics records "
-                             f"(StepMetrics) or dicts with the fields {', '.join(fields)}")
+            waste = set(missing) & set(WASTE_FIELDS)
+            raise ValueError(f"step record has no {', '.join(missing)}; " + (
+                "the KV waste figures are recorded per step only after runner.record_waste_per_step()"
+                if waste else f"pass runner.step_metrics records (StepMetrics) or dicts with the fields "
+                              f"{', '.join(fields)}"))
         rows.append(row)
     return rows
 
