@@ -42,13 +42,24 @@ class LabServer:
     def notebook_url(self, name: str) -> str:
         return f"{self.url}lab/tree/{name}?token={self.token}&reset"
 
+    def _sessions(self, name: str) -> list[dict]:
+        with urllib.request.urlopen(f"{self.url}api/sessions?token={self.token}", timeout=10) as response:
+            return [s for s in json.load(response) if s["path"] == name]
+
+    def shut_down(self, name: str) -> None:
+        """End the notebook's session and its kernel: a finished lesson's kernel otherwise stays, its dashboards
+        refreshing, and takes CPU from the lessons after it."""
+        for session in self._sessions(name):
+            request = urllib.request.Request(f"{self.url}api/sessions/{session['id']}?token={self.token}",
+                                             method="DELETE")
+            urllib.request.urlopen(request, timeout=60).close()
+
     @contextlib.contextmanager
     def kernel_client(self, name: str):
         """A second client (beside the page's) of the kernel that runs the notebook `name`."""
         from jupyter_client import BlockingKernelClient
 
-        with urllib.request.urlopen(f"{self.url}api/sessions?token={self.token}", timeout=10) as response:
-            kernels = [s["kernel"]["id"] for s in json.load(response) if s["path"] == name]
+        kernels = [s["kernel"]["id"] for s in self._sessions(name)]
         if len(kernels) != 1:
             raise RuntimeError(f"expected one kernel for {name}, the server runs {len(kernels)}")
         client = BlockingKernelClient(connection_file=str(self.runtime / f"kernel-{kernels[0]}.json"))

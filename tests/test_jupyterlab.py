@@ -3,8 +3,9 @@ for the module (tests/lab_server.py) over a copy of notebooks/, Debian's Chromiu
 Playwright. For each notebook: Run All, wait until every cell has run and the kernel is idle, then
 no error output, widgets rendered as widgets, plotly charts drawn with their traces, the inline
 dashboard committing a value typed and confirmed with Enter (read back in the kernel); a screenshot
-of its main chart under test-output/screenshots/; then the notebook is saved from JupyterLab (Ctrl+S)
-and the saved copy passes its lesson's check of tests/test_notebooks.py and stays small.
+of its main chart under test-output/screenshots/; then the notebook is saved from JupyterLab (Ctrl+S),
+its kernel shut down, and the saved copy passes its lesson's check of tests/test_notebooks.py and stays
+small.
 """
 
 from __future__ import annotations
@@ -182,6 +183,7 @@ def test_notebook_in_jupyterlab(path, lab, browser):
         nb = _save(page, saved_path)
     finally:
         page.close()
+        lab.shut_down(path.name)
     errors = [f"{o.ename}: {o.evalue}" for o in _outputs(nb) if o.output_type == "error"]
     assert not errors
     widget_outputs = [o for o in _outputs(nb) if WIDGET in o.get("data", {})]
