@@ -48,20 +48,22 @@ class BenchLimits:
     kv_cache_gib: float
 
 
+# the rule's rounding: (below this raw value, up to a multiple of, at least)
+BATCH_STEPS = ((256, 32, 64), (1024, 128, 0), (math.inf, 256, 0))
+TOKEN_STEPS = ((4096, 256, 2048), (8192, 512, 0), (math.inf, 1024, 0))
+
+
+def _round_up(raw: float, steps: tuple) -> int:
+    _, multiple, least = next(step for step in steps if raw < step[0])
+    return max(least, multiple * math.ceil(raw / multiple))
+
+
 def _round_batch(raw: float) -> int:
-    if raw < 256:
-        return max(64, 32 * math.ceil(raw / 32))
-    if raw < 1024:
-        return 128 * math.ceil(raw / 128)
-    return 256 * math.ceil(raw / 256)
+    return _round_up(raw, BATCH_STEPS)
 
 
 def _round_tokens(raw: float) -> int:
-    if raw < 4096:
-        return max(2048, 256 * math.ceil(raw / 256))
-    if raw < 8192:
-        return 512 * math.ceil(raw / 512)
-    return 1024 * math.ceil(raw / 1024)
+    return _round_up(raw, TOKEN_STEPS)
 
 
 def trtllm_bench_limits(model: str, hardware: str, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
