@@ -6,6 +6,7 @@ measured ones, and the What-if tab of the ipywidgets view driven with .value and
 from __future__ import annotations
 
 import html
+import re
 import threading
 
 import pytest
@@ -197,3 +198,18 @@ def test_both_views_make_every_form_alike_and_a_served_one_checks_bounds_and_roo
     assert served.draw_memory(str(outside), "h100-sxm", "1", "1", "none") is None
     assert "is outside the folders this dashboard loads models from" in html.unescape(served.error.object)
     assert panel_view.draw_memory(str(outside), "h100-sxm", "1", "1", "none")  # the notebook's own: any path
+
+
+def test_a_forms_field_refuses_what_a_view_sends_past_it_naming_the_field_and_its_bounds():
+    from workbench.forms import TUNE_FIELDS, WHATIF_FIELDS
+
+    requests, limit, metric = TUNE_FIELDS["requests"], TUNE_FIELDS["limit"], TUNE_FIELDS["metric"]
+    assert requests.check("12") == 12 and limit.check(2) == 2.0 and metric.check("ttft_p99_ms") == "ttft_p99_ms"
+    for field, value, message in ((requests, "many", "requests per run 'many': give a number from 1 to 4096"),
+                                  (requests, 2.5, "requests per run 2.5: give a whole number from 1 to 4096"),
+                                  (requests, 4097, "requests per run 4097: must be from 1 to 4096"),
+                                  (limit, -1, "limit (ms) -1: must be of at least 0"),
+                                  (WHATIF_FIELDS["hardware"], "abacus",
+                                   "hardware 'abacus': choose one of a100-sxm-80g, h100-sxm")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            field.check(value)
