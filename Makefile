@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 
 # Re-trains the shipped tiny-speaker preset, as shipped, into runner_core/models/preset_data/tiny-speaker (CPU)
 preset: setup
-	nice -n 10 $(PY) -m runner_core.train_preset --steps 1000
+	nice -n 10 $(PY) -m runner_tools.train_preset --steps 1000
 
 # The Panel dashboard with $(MODEL) loaded, on http://127.0.0.1:$(PORT)/ (loopback only).
 run: setup
@@ -61,7 +61,7 @@ browser:
 
 # ruff over the code (its rules and why: pyproject.toml); tests/test_structure.py checks the layout
 lint: setup
-	$(VENV)/bin/ruff check runner_core workbench tests benchmarks
+	$(VENV)/bin/ruff check runner_core runner_tools workbench tests benchmarks
 
 # TEST_WORKERS pytest processes, each taking whole test files (their module fixtures stay in one process): much
 # of the suite waits on a browser, a kernel, a server or a child process, so two processes on 2 cores finish

@@ -46,9 +46,9 @@ from pathlib import Path
 import torch
 
 from runner_core import ModelRunner, SamplingParams
+from runner_core.loader.model_loader import resolve_model_path
 from runner_core.memory import kv_bytes_per_token
 from runner_core.memory.fragmentation import FragmentationTracker
-from runner_core.model_loader import resolve_model_path
 
 try:
     from workload import Request, make_workload, useful_tokens

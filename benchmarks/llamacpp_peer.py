@@ -12,7 +12,7 @@ gguf-py), which has no torch and no runner_core, so this file imports only the s
                  .npz the logit error and greedy agreement), then "batch1" (greedy from a 32-token prompt,
                  1 and 1 + N tokens) and "quit"
 From our venv, `python benchmarks/llamacpp_peer.py --model small-llama` resolves the preset's directory
-(runner_core.model_loader.resolve_model_path), writes the files into build/gguf/ when missing and prints
+(runner_core.loader.model_loader.resolve_model_path), writes the files into build/gguf/ when missing and prints
 each type's batch-1 tok/s (the figures beside ours come from benchmarks/quant.py).
 """
 
@@ -310,7 +310,7 @@ def drive(args) -> None:
     """From our venv: each type's GGUF written when missing, loaded and timed `--repeats` times."""
     import tempfile
 
-    from runner_core.model_loader import resolve_model_path
+    from runner_core.loader.model_loader import resolve_model_path
 
     if not available():
         raise SystemExit(f"benchmarks/llamacpp_peer.py needs llama.cpp's venv, {PYTHON.parent.parent}: "

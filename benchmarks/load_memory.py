@@ -1,7 +1,7 @@
 """What the process holds after a model is loaded: resident memory in steps, and its breakdown.
 
 Each run (model x dtype x weight format) is a fresh process that loads the model with `ModelRunner(...).load_model()`
-and records its memory (runner_core.memory.release.process_memory: resident, the anonymous and the
+and records its memory (runner_core.process_memory.process_memory: resident, the anonymous and the
 file-backed part, the peak) after each step of the load: Python alone; runner_core (and torch)
 imported; config.json read (transformers imported); the tokenizer; the model built; the weights read;
 the panel copies packed (while the runner makes them); the KV pool allocated; the load done; the freed
@@ -84,15 +84,16 @@ def _watch(steps: list, process_memory, owner, name: str, label: str) -> None:
 
 
 def child(spec: dict) -> dict:
-    from runner_core.memory.release import process_memory, release_freed_memory
+    from runner_core.process_memory import process_memory, release_freed_memory
 
     steps = [("python", spec["python"])]
     steps.append(("import runner_core (torch)", process_memory()))
     import torch
 
-    from runner_core import ModelRunner, model_loader
+    from runner_core import ModelRunner
     from runner_core.engine import worker
     from runner_core.layers.rotary import RotaryEmbedding
+    from runner_core.loader import model_loader
     from runner_core.memory import manager
 
     for owner, name, label in ((model_loader, "read_hf_config", CONFIG_STEP),

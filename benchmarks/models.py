@@ -38,7 +38,7 @@ import torch
 
 from runner_core import ModelRunner, SamplingParams
 from runner_core.layers import fused_moe
-from runner_core.model_loader import resolve_model_path
+from runner_core.loader.model_loader import resolve_model_path
 
 try:
     from hf_methods import hf_batches, hf_continuous
@@ -78,7 +78,7 @@ def _experts_ms(num_tokens: int, e: int, k: int, h: int, i: int, dtype: torch.dt
 
 def experts_microbench(models, rounds: int) -> dict:
     """ms per fused-experts call (best of `rounds`), loop vs grouped_mm, per model shape."""
-    from runner_core.model_loader import read_hf_config
+    from runner_core.loader.model_loader import read_hf_config
     from runner_core.models.moe_spec import MoESpec
 
     print(f"\nfused experts alone, ms per call (best of {rounds}): loop | grouped_mm")

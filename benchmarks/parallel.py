@@ -25,7 +25,7 @@ import time
 import torch
 
 from runner_core import ModelRunner, SamplingParams
-from runner_core.parallel.state import COMM_STATS
+from runner_core.distributed.parallel_state import COMM_STATS
 
 LAYOUTS = {"tp1": (1, 1), "tp1-1thread": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
 
@@ -169,7 +169,7 @@ def main() -> None:
     if args.quick:
         args.requests, args.prompt_len, args.max_tokens = 8, 64, 16
     torch.set_num_threads(args.threads)
-    from runner_core.model_loader import read_hf_config, resolve_model_path
+    from runner_core.loader.model_loader import read_hf_config, resolve_model_path
 
     vocab = read_hf_config(resolve_model_path(args.model)).vocab_size
     prompts = workload(args.requests, args.prompt_len, vocab)

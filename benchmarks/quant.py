@@ -24,7 +24,7 @@ each first; one bandwidth probe a round). A larger one (qwen2.5-0.5b, llama-3.2-
 GiB each do not fit beside llama.cpp in 24 GiB) has one process alive at a time unless `--interleave`: each
 turn starts its format's process (memory and quality measured at its first start only), gives it an
 untimed turn, probes the bandwidth, times it and closes it. Then the perplexity of the trained tiny-speaker
-per format on held-out prose (runner_core.quality: the standard library's test folders, which its corpus
+per format on held-out prose (runner_tools.quality: the standard library's test folders, which its corpus
 leaves out). Every figure names the CPU and kernel tier; the targets set for the formats are reported, never
 enforced, and the speed targets are refused when the machine was not quiet at the start (its 1-minute load
 average against its cores: benchmarks/verdicts.py); the last stdout line is one JSON object.
@@ -41,7 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner_core.model_loader import read_hf_config, resolve_model_path
+from runner_core.loader.model_loader import read_hf_config, resolve_model_path
 
 try:  # run as a script: benchmarks/ is on sys.path
     import child
@@ -227,7 +227,7 @@ def tiny_speaker_perplexity(args, errors: dict) -> dict:
     import torch
 
     from runner_core import ModelRunner
-    from runner_core.quality import held_out_paragraphs, perplexity, token_windows
+    from runner_tools.quality import held_out_paragraphs, perplexity, token_windows
 
     torch.set_num_threads(args.threads)
     texts = held_out_paragraphs(args.ppl_paragraphs)

@@ -9,7 +9,7 @@ and writes one JSON line to `--reply-fd`:
   read_bytes                        weight bytes one decode step reads: all but the input embedding's
                                     rows (it reads one row a token) unless the LM head is that same tensor
   kv_pool_bytes, quantization       the KV pool; model_info()["quantization"]
-  logit_error, agreement            runner_core.quality against the reference (absent for the reference,
+  logit_error, agreement            runner_tools.quality against the reference (absent for the reference,
                                     and with --skip-quality)
 Then for each command line on stdin one reply line:
   {"cmd": "batch1"}   one request with a 32-token prompt: seconds for 1 and for 1 + `--decode-tokens`
@@ -76,7 +76,7 @@ def quality(runner, args) -> dict:
     import torch
 
     from runner_core import SamplingParams
-    from runner_core.quality import greedy_agreement, logit_error
+    from runner_tools.quality import greedy_agreement, logit_error
 
     def forward(ids):
         return runner.forward(ids)["logits"]

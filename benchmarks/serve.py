@@ -262,10 +262,10 @@ def sweep(session, args) -> dict:
 
 
 def pareto_png(result, target, path: str) -> None:
-    """The sweep's Pareto chart (workbench.tuning_charts.pareto) as a PNG, drawn by Debian's Chromium."""
+    """The sweep's Pareto chart (workbench.views.tuning_charts.pareto) as a PNG, drawn by Debian's Chromium."""
     from playwright.sync_api import sync_playwright
 
-    from workbench import tuning_charts
+    from workbench.views import tuning_charts
 
     fig = tuning_charts.pareto(result.points, result.frontier, result.recommendation, target)
     fig.update_layout(width=900, height=480)

@@ -53,8 +53,8 @@ from pathlib import Path
 import torch
 
 from runner_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from runner_core.loader.model_loader import read_hf_config, resolve_model_path
 from runner_core.memory.shapes import ModelShape
-from runner_core.model_loader import read_hf_config, resolve_model_path
 from runner_core.models.presets import REAL_SIZE_PRESETS
 
 try:  # run as a script: benchmarks/ is on sys.path

@@ -10,15 +10,16 @@ from pathlib import Path
 
 import torch
 
-from runner_core.checkpoint_writer import save_stored
 from runner_core.compile import cpu_programs_expected
 from runner_core.config import RunnerConfig
 from runner_core.engine import LLMEngine, LocalExecutor, RequestMetrics, RequestOutput, Worker
 from runner_core.errors import ConfigError, EngineNotReadyError, InvalidRequestError
-from runner_core.memory import MemoryEstimate, check_config_fits, release_freed_memory
-from runner_core.model_loader import ModelLoader, read_hf_config, resolve_model_path
+from runner_core.loader.checkpoint_writer import save_stored
+from runner_core.loader.model_loader import ModelLoader, read_hf_config, resolve_model_path
+from runner_core.memory import MemoryEstimate, check_config_fits
 from runner_core.parallel.plan import validate_parallel_config
 from runner_core.parallel.worker_proc import launch
+from runner_core.process_memory import release_freed_memory
 from runner_core.sampling_params import SamplingParams
 
 logger = logging.getLogger("runner_core")

@@ -13,8 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import serve
 from benchmarks.machine import decode_weight_bytes, workload_flops
+from runner_core.loader.model_loader import read_hf_config
 from runner_core.memory.shapes import ModelShape
-from runner_core.model_loader import read_hf_config
 
 
 def test_workload_flops_equal_the_flop_counter_on_transformers(tiny_llama_path):

@@ -218,8 +218,8 @@ def test_adaptive_engine_gives_the_same_greedy_tokens(tiny_llama_path, monkeypat
 
 def test_both_dashboards_show_the_thread_choice(tiny_llama_path):
     from workbench import Session
-    from workbench.panel_app import SessionDashboard
-    from workbench.widgets import SessionWidgets
+    from workbench.views.panel_app import SessionDashboard
+    from workbench.views.widgets import SessionWidgets
 
     session = Session()
     try:

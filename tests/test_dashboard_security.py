@@ -53,8 +53,8 @@ def session():
 
 
 def test_the_path_box_loads_only_from_the_model_roots(session, tiny_llama_path, tmp_path):
-    from workbench.model_roots import ModelRoots
-    from workbench.panel_app import SessionDashboard
+    from workbench.runtime.model_roots import ModelRoots
+    from workbench.views.panel_app import SessionDashboard
 
     allowed, outside = tmp_path / "allowed", tmp_path / "outside"
     shutil.copytree(tiny_llama_path, outside / "model")

@@ -38,7 +38,7 @@ class _Connection:
 def test_a_patch_queued_while_the_previous_one_is_written_reaches_the_page(monkeypatch):
     from panel.io import document
 
-    import workbench.panel_app  # noqa: F401 - the dashboard's module sets up Panel's writer (workbench/panel_writer.py)
+    import workbench.views.panel_app  # noqa: F401 - the dashboard's module sets up Panel's writer (workbench/views/panel_writer.py)
 
     monkeypatch.setitem(document.extra_socket_handlers, _Socket, lambda conn, msg: conn._socket.write(msg))
 
@@ -91,7 +91,7 @@ class _FinishingHandle:
 
 
 def test_a_view_never_shows_finished_beside_a_text_short_of_its_end():
-    from workbench.controller import ViewController
+    from workbench.views.controller import ViewController
 
     view = ViewController(session=object())
     for _ in range(3):  # refreshes

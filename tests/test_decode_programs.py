@@ -25,7 +25,7 @@ def _row_major(config: dict) -> ModelRunner:
     """A runner whose linear weights stay row-major: the layout CPU decode programs pack MKL's copy of, which
     a runner keeps where the native kernels are off (with them on, the weights are stored once, as panels)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("runner_core.model_loader.panels_apply", lambda *args: False)
+        mp.setattr("runner_core.loader.model_loader.panels_apply", lambda *args: False)
         mp.setattr("runner_core.memory.estimate.panels_apply", lambda *args: False)  # predicted likewise
         return ModelRunner(config).load_model()
 

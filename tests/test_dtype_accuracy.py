@@ -19,7 +19,7 @@ from runner_core import ModelRunner, SamplingParams
 from runner_core.kernels import cpu_kernels_available, panels_support
 from runner_core.layers.weight_storage import stored_bytes
 from runner_core.models.presets import ensure_preset
-from runner_core.training.corpus import docstrings, prose_paragraphs
+from runner_tools.corpus import docstrings, prose_paragraphs
 from tests.conftest import REPO
 from tests.helpers import native_kernels_off
 

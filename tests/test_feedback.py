@@ -17,7 +17,7 @@ import torch
 from runner_core import RunnerConfig
 from runner_core.compile import aoti_program
 from runner_core.compile.compile_optimizer import CompileOptimizer
-from runner_core.weight_utils import SafetensorsWeights
+from runner_core.loader.weight_utils import SafetensorsWeights
 from tests.conftest import REPO
 
 WAIT_S = 60.0  # how long a fake step waits for the bar's refreshes before the test gives up
@@ -131,7 +131,8 @@ def test_the_leafspec_future_warning_of_a_cold_aoti_compile_is_not_shown(tmp_pat
 
 
 def test_dashboard_says_its_charts_are_coming_and_how_long_the_session_is_busy(monkeypatch):
-    from workbench import Session, panel_app
+    from workbench import Session
+    from workbench.views import panel_app
 
     class Busy(Session):  # a session loading a model (as the status line reads it)
         status = "loading tiny-llama…"

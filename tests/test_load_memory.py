@@ -20,7 +20,7 @@ from runner_core.layers.attention import Attention
 from runner_core.layers.rotary import RotaryEmbedding, rotary_positions
 from runner_core.memory.estimate import estimate_memory
 from runner_core.memory.manager import MemoryManager
-from runner_core.memory.release import resident_bytes
+from runner_core.process_memory import resident_bytes
 from tests.conftest import REPO
 
 MiB = 2**20
@@ -83,7 +83,7 @@ CHILD = """
 import json
 from runner_core import ModelRunner, estimate_memory
 from runner_core.kernels import cpu_kernels_available
-from runner_core.memory import resident_bytes
+from runner_core.process_memory import resident_bytes
 from runner_core.models.presets import ensure_preset
 
 path = str(ensure_preset("small-llama"))

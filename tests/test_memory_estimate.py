@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from runner_core import ConfigError, ModelRunner, RunnerConfig
+from runner_core.loader.model_loader import read_hf_config
 from runner_core.memory import ModelShape, kv_bytes_per_token
 from runner_core.memory.estimate import estimate_memory
 from runner_core.memory.fit import check_config_fits, check_fits, required_bytes
 from runner_core.memory.profile import dummy_batch
 from runner_core.memory.sizing import CPU_KV_CAP_BYTES, CPU_KV_FRACTION, plan_kv_pool, plan_pool
-from runner_core.model_loader import read_hf_config
 
 MAX_LEN, TOKENS = 512, 512
 KV_MEMORY = 8 << 20
@@ -54,7 +54,7 @@ def _dense_model(name: str) -> torch.nn.Module:
     """The preset as transformers builds it (every weight a float32 parameter), on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from runner_core.model_loader import resolve_model_path
+    from runner_core.loader.model_loader import resolve_model_path
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(read_hf_config(resolve_model_path(name)))

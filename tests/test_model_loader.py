@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from runner_core.config import RunnerConfig
 from runner_core.errors import InvalidRequestError, ModelLoadError
-from runner_core.model_loader import ModelLoader, resolve_model_path
+from runner_core.loader.model_loader import ModelLoader, resolve_model_path
+from runner_core.loader.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 from runner_core.models import MODEL_REGISTRY, ModelAdapterRegistry, presets
-from runner_core.tokenizer import ByteTokenizer, IncrementalDetokenizer, load_tokenizer
 
 STAND_IN_ARCH = "RunnerTestStandInForCausalLM"
 
@@ -314,7 +314,7 @@ def test_explicit_tokenizer_path_without_files(tmp_path, stand_in):
 
 
 def test_incremental_detokenizer_holds_split_characters():
-    from runner_core.tokenizer import Tokenizer
+    from runner_core.loader.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(ByteTokenizer(512))
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"))

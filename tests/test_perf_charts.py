@@ -1,4 +1,4 @@
-"""The lessons' measurement charts (workbench/perf_charts.py): each draws the figures it is given,
+"""The lessons' measurement charts (workbench/views/perf_charts.py): each draws the figures it is given,
 in the units its axis names, and says what is missing when given nothing."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from runner_core import suggest_parallel_config
-from workbench import perf_charts
-from workbench.charts import PALETTE
+from workbench.views import perf_charts
+from workbench.views.charts import PALETTE
 
 
 def _note(fig) -> str:

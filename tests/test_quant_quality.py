@@ -1,4 +1,4 @@
-"""What int8 and int4 weights cost in quality against float32 (runner_core.quality), and that the loaded
+"""What int8 and int4 weights cost in quality against float32 (runner_tools.quality), and that the loaded
 quantized model computes exactly the model its quantized weights stand for.
 
 Bounds are taken from measurements on this project's presets (2026-12-02, benchmarks/quant.py), each with
@@ -14,9 +14,9 @@ from benchmarks import quant, quant_report
 from runner_core import ModelRunner, SamplingParams
 from runner_core.layers.quantization import QuantFormat, dequantize, quantize
 from runner_core.layers.weight_storage import layer_format
+from runner_core.loader.model_loader import resolve_model_path
 from runner_core.memory.fit import QUALITY_COST, QUALITY_RECORD
-from runner_core.model_loader import resolve_model_path
-from runner_core.quality import greedy_agreement, logit_error
+from runner_tools.quality import greedy_agreement, logit_error
 
 FORMATS = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4", "quantization_group_size": 64}}
 PROMPT_LEN, STEPS = 24, 24

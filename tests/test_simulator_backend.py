@@ -8,12 +8,12 @@ import math
 
 import pytest
 
+from runner_core.loader.model_loader import read_hf_config
 from runner_core.memory.estimate import estimate_memory
 from runner_core.memory.shapes import ModelShape
-from runner_core.model_loader import read_hf_config
 from runner_core.models import MODEL_REGISTRY
+from runner_core.models.config_models import CONFIG_MODELS, config_model_names, resolve_config_model
 from runner_core.simulator.backend import SimulatorBackend, whatif
-from runner_core.simulator.model_configs import CONFIG_MODELS, config_model_names, resolve_config_model
 from runner_core.simulator.published import PUBLISHED, Comparison, compare_published
 from runner_core.simulator.simulation import Simulation
 from runner_core.tuning import Arrivals, Lengths, SweepSpace, Target, TuneBackend, Workload

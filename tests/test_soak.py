@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from runner_core import InvalidRequestError, SamplingParams
-from runner_core.memory import resident_bytes
+from runner_core.process_memory import resident_bytes
 
 REQUESTS = int(os.environ.get("RUNNER_SOAK_REQUESTS", "200"))
 WAVES = 4

@@ -1,12 +1,12 @@
 """The per-step record of admissions and finishes (StepMetrics.num_admitted / num_finished) and the
-timeline chart drawn from those records (workbench/timeline.py)."""
+timeline chart drawn from those records (workbench/views/timeline.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from runner_core import ModelRunner, SamplingParams
-from workbench.timeline import step_timeline, step_waste
+from workbench.views.timeline import step_timeline, step_waste
 
 BYTES_PER_BLOCK = 16 * 4 * 2 * 2 * 32 * 4  # tiny-llama: 16 tokens x 4 layers x K,V x 2 KV heads x 32 dims x fp32
 
@@ -93,7 +93,7 @@ def test_timeline_of_nothing_and_of_wrong_records():
 
 
 def test_steps_without_their_waste_figures_say_how_to_record_them(tiny_llama_path):
-    from workbench.timeline import WASTE_FIELDS, step_rows
+    from workbench.views.timeline import WASTE_FIELDS, step_rows
 
     runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 22}).load_model()
     runner.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))

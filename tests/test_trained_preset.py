@@ -15,8 +15,8 @@ import transformers
 
 from runner_core import ModelRunner, SamplingParams
 from runner_core.models.presets import SHIPPED_DIR, ensure_preset, is_preset, preset_names
-from runner_core.train_preset import main, parse_args, train
-from runner_core.training.corpus import WORDS_FILE, build_corpus, corpus_words, stdlib_dir
+from runner_tools.corpus import WORDS_FILE, build_corpus, corpus_words, stdlib_dir
+from runner_tools.train_preset import main, parse_args, train
 from tests.conftest import REPO
 
 PROMPTS = ("The function returns", "This module provides", "Return the", "If the file")

@@ -1,4 +1,4 @@
-"""workbench.tuning_charts: the Tuning tab's figures from a sweep's points (hand-built here, in the shape
+"""workbench.views.tuning_charts: the Tuning tab's figures from a sweep's points (hand-built here, in the shape
 TuneJob.points and TuneResult.points give): valid and noted when empty, points labelled with the settings
 that differ, the target drawn where it applies, pass and fail told apart, and the progress fraction; then the
 Tuning tab of the ipywidgets view driven with .value and .click() through a tiny sweep on tiny-llama."""
@@ -15,7 +15,7 @@ import pytest
 
 from runner_core.tuning import Target
 from workbench import Session
-from workbench import tuning_charts as tc
+from workbench.views import tuning_charts as tc
 
 TARGET = Target("tpot_p99_ms", 100.0)
 
@@ -110,7 +110,7 @@ def test_progress_fraction_and_the_recommendation_line():
 def test_the_widgets_tuning_tab_proposes_values_runs_a_sweep_and_recommends(tiny_llama_path):
     from runner_core.tuning import Workload, propose_space
     from workbench.tuning import SessionBackend
-    from workbench.widgets import SessionWidgets
+    from workbench.views.widgets import SessionWidgets
 
     s = Session()
     ui = SessionWidgets(s, auto_refresh=False)

@@ -24,7 +24,7 @@ GROWTH_MIB = 8  # what 20 tiny-llama load/unload cycles may grow after the fifth
 PRELUDE = """
 import json
 from runner_core import ModelRunner, SamplingParams
-from runner_core.memory import resident_bytes
+from runner_core.process_memory import resident_bytes
 from runner_core.models.presets import ensure_preset
 from workbench import Session
 

@@ -73,7 +73,7 @@ def test_layers_are_stored_as_the_checkpoint_streams_in(untied, monkeypatch):
     """Each layer is stored as soon as its last shard is in: whenever one is stored, at most one other layer
     holds a loaded row-major weight (a fused qkv whose k and q shards come before and after o_proj in the
     checkpoint's sorted order), so the model is never held twice (nor, quantized, in full precision)."""
-    from runner_core.model_loader import ModelLoader
+    from runner_core.loader.model_loader import ModelLoader
 
     built, others_waiting = [], []
     build, store = ModelLoader._build, LinearBase.store_weight

@@ -1,4 +1,4 @@
-"""workbench.charts: valid plotly figures from empty and from full histories (pure functions);
+"""workbench.views.charts: valid plotly figures from empty and from full histories (pure functions);
 time since the model was loaded, idle gaps as gaps, titles and units, one palette; the rows'
 time origin is the model's load and its history goes with an unload."""
 
@@ -11,8 +11,9 @@ import plotly.graph_objects as go
 import plotly.io as pio
 import pytest
 
-from workbench import Session, charts
-from workbench.metrics import MetricsSeries, StepAccumulator
+from workbench import Session
+from workbench.runtime.metrics import MetricsSeries, StepAccumulator
+from workbench.views import charts
 
 
 def _full_rows(n: int = 3000) -> list[dict]:
@@ -244,7 +245,7 @@ def test_rows_count_from_the_model_load_and_go_with_an_unload(tiny_llama_path):
 
 
 def test_a_live_chart_drops_the_empty_note_once_data_comes():
-    from workbench.widgets import _update_figure
+    from workbench.views.widgets import _update_figure
 
     widget = go.FigureWidget(charts.all_figures([])["memory"])
     assert widget.layout.annotations and widget.layout.xaxis.showticklabels is False
@@ -303,7 +304,7 @@ class _Session:
 
 
 def test_the_views_draw_the_chosen_window_with_events_on_the_rows_clock():
-    from workbench.controller import DEFAULT_WINDOW, ViewController
+    from workbench.views.controller import DEFAULT_WINDOW, ViewController
 
     rows = [*_run(0.0, 3.0), *_run(70.0, 2.0)]
     view = ViewController(_Session(rows, [{"kind": "load", "t": 10.0, "model": "m"},

@@ -10,11 +10,12 @@ import plotly.graph_objects as go
 import plotly.io as pio
 import torch
 
-from workbench import Session, charts
-from workbench.controller import ViewController
-from workbench.metrics import StepAccumulator
-from workbench.panel_app import CHART_NAMES
-from workbench.widgets import FIGURES
+from workbench import Session
+from workbench.runtime.metrics import StepAccumulator
+from workbench.views import charts
+from workbench.views.controller import ViewController
+from workbench.views.panel_app import CHART_NAMES
+from workbench.views.widgets import FIGURES
 
 
 def _valid(fig: go.Figure) -> dict:

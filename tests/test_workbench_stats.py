@@ -1,4 +1,4 @@
-"""workbench.stats: the session's statistics print as a rounded table and render as HTML in a
+"""workbench.runtime.stats: the session's statistics print as a rounded table and render as HTML in a
 notebook, while code still indexes the plain dict runner_core returned."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from workbench import Session
-from workbench.stats import Stats, format_value
+from workbench.runtime.stats import Stats, format_value
 
 MEMORY = {"device": "cpu", "weights_bytes": 3478016, "kv_pool_bytes": 16777216, "kv_bytes_per_token": 2048,
           "kv_utilization": 0.8333333333333334, "internal_fragmentation": 0.041666666666666664,

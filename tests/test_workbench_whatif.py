@@ -14,8 +14,8 @@ import pytest
 from runner_core.simulator.backend import SimulatorBackend
 from runner_core.tuning import Arrivals, Lengths, SweepSpace, Target, Workload
 from workbench import Session, SessionBusyError
-from workbench import whatif_charts as wc
-from workbench.whatif_job import WhatifJob, memory_layouts
+from workbench.views import whatif_charts as wc
+from workbench.whatif.job import WhatifJob, memory_layouts
 
 H100_TP8 = {"hardware": "h100-sxm", "tensor_parallel_size": 8}
 L4 = {"hardware": "l4", "tensor_parallel_size": 1}
@@ -132,7 +132,7 @@ def test_pareto_draws_simulated_points_with_their_band_beside_measured_ones():
 def test_widgets_whatif_tab_runs_a_whatif_and_shows_its_figures(tiny_llama_path):
     """A measured sweep of tiny-llama first: the What-if's Pareto chart draws its points beside the simulated ones."""
     from runner_core.simulator.calibrate import cpu_model_name
-    from workbench.widgets import SessionWidgets
+    from workbench.views.widgets import SessionWidgets
 
     s = Session()
     w = SessionWidgets(s, auto_refresh=False)
@@ -169,14 +169,15 @@ def test_widgets_whatif_tab_runs_a_whatif_and_shows_its_figures(tiny_llama_path)
 
 
 def test_both_views_make_every_form_alike_and_a_served_one_checks_bounds_and_roots(session, tiny_llama_path, tmp_path):
-    """Every form is one definition (workbench.forms): the Panel and ipywidgets views have each of its controls,
+    """Every form is one definition (workbench.views.forms): the Panel and ipywidgets views have each of its controls,
     with the same label, default and bounds; what a browser sends past a bound is refused by name, and a served
     dashboard simulates a model directory only inside its model roots (a notebook's own dashboard, any)."""
     import shutil
 
-    from workbench import SessionDashboard, SessionWidgets, forms
-    from workbench.fields import Field
-    from workbench.model_roots import ModelRoots
+    from workbench import SessionDashboard, SessionWidgets
+    from workbench.runtime.model_roots import ModelRoots
+    from workbench.views import forms
+    from workbench.views.fields import Field
 
     panel_view, widgets_view = SessionDashboard(session), SessionWidgets(session, auto_refresh=False)
     every = [c for form in (forms.LOAD_FORM, forms.COMPILE_FORM, forms.GENERATE_FORM, forms.WORKLOAD_FORM,
@@ -201,7 +202,7 @@ def test_both_views_make_every_form_alike_and_a_served_one_checks_bounds_and_roo
 
 
 def test_a_forms_field_refuses_what_a_view_sends_past_it_naming_the_field_and_its_bounds():
-    from workbench.forms import TUNE_FIELDS, WHATIF_FIELDS
+    from workbench.views.forms import TUNE_FIELDS, WHATIF_FIELDS
 
     requests, limit, metric = TUNE_FIELDS["requests"], TUNE_FIELDS["limit"], TUNE_FIELDS["metric"]
     assert requests.check("12") == 12 and limit.check(2) == 2.0 and metric.check("ttft_p99_ms") == "ttft_p99_ms"

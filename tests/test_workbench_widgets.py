@@ -10,7 +10,7 @@ import pytest
 import workbench
 from runner_core.kernels import kernel_tier, use_kernel_tier
 from workbench import Session
-from workbench.widgets import SessionWidgets
+from workbench.views.widgets import SessionWidgets
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_widgets_drive_the_session(ui):
 
 def test_both_dashboards_show_the_kernel_tier_the_model_runs_on(ui, tiny_llama_path):
     """A model loaded on a lower tier than this CPU's highest: both dashboards name that tier and why."""
-    from workbench.panel_app import SessionDashboard
+    from workbench.views.panel_app import SessionDashboard
 
     with use_kernel_tier("plain"):
         ui.session.load_model(str(tiny_llama_path), name="on-plain", kv_cache_memory=4 << 20)
@@ -115,7 +115,7 @@ def test_an_uploaded_image_goes_with_the_prompt(tmp_path):
         expected = s.generate({"prompt": "<image>\nwhat is this?", "multi_modal_data": {"image": random_image(5)}},
                               max_tokens=8, temperature=0.0, timeout=60)
         assert w.handle.output.token_ids == expected.token_ids and len(expected.token_ids) == 8
-        from workbench.panel_app import SessionDashboard
+        from workbench.views.panel_app import SessionDashboard
 
         dashboard = SessionDashboard(s)  # the Panel view shows the same preview beside its answer
         dashboard.on_image(png.getvalue())
@@ -128,7 +128,7 @@ def test_an_uploaded_image_goes_with_the_prompt(tmp_path):
 def test_both_load_forms_pass_the_storage_format_and_chart_what_it_saved(ui):
     """The storage controls (format, int4 group, LM head) of both views reach the session's load, and the
     weights chart then shows the stored bytes beside the compute dtype's (model_info's "quantization")."""
-    from workbench.panel_app import SessionDashboard
+    from workbench.views.panel_app import SessionDashboard
 
     s = ui.session
     ui.model_select.value, ui.model_path.value = "tiny-llama", ""

@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_dashboard(session, args) -> int:
     from workbench.api import check_exposure, serve_api
-    from workbench.controller import default_device, load_config
-    from workbench.forms import DEFAULT_LOAD
-    from workbench.panel_app import serve
+    from workbench.views.controller import default_device, load_config
+    from workbench.views.forms import DEFAULT_LOAD
+    from workbench.views.panel_app import serve
 
     if args.api_port is not None:
         check_exposure(args.address, args.api_key)  # before a model loads

@@ -22,13 +22,13 @@ import time
 from concurrent.futures import Future
 
 from runner_core import RequestOutput, RunnerConfig, SamplingParams
-from workbench.engine_thread import EngineThread
-from workbench.handles import RequestHandle
-from workbench.loaded_models import LoadedModels, ModelEntry
-from workbench.metrics import MetricsSeries, Telemetry
-from workbench.routing import Router
-from workbench.stats import Stats
-from workbench.workload import random_requests
+from workbench.runtime.engine_thread import EngineThread
+from workbench.runtime.handles import RequestHandle
+from workbench.runtime.loaded_models import LoadedModels, ModelEntry
+from workbench.runtime.metrics import MetricsSeries, Telemetry
+from workbench.runtime.routing import Router
+from workbench.runtime.stats import Stats
+from workbench.runtime.workload import random_requests
 
 logger = logging.getLogger("workbench")
 
@@ -284,13 +284,13 @@ class Session:
         return TuneJob.start(self, space, workload, target=target, model=model, **options)
 
     def whatif(self, model: str, layouts, workload=None, *, target=None, band: bool = True, **options):
-        """Simulate `model` (a runner_core.simulator.model_configs name such as "llama-3-70b", a preset, a
+        """Simulate `model` (a runner_core.models.config_models name such as "llama-3-70b", a preset, a
         directory with config.json, or a loaded model's name) serving `workload` on each of `layouts` (e.g.
         [{"hardware": "h200", "tensor_parallel_size": 8}]): the engine's scheduler on a virtual clock, no
         weights loaded, this session's engine and models untouched. In the background like tune(): returns a
         WhatifJob (progress, rows, points with "band_low"/"band_high", skipped layouts, result(), cancel()).
         `options`: space, repeats, results, and RunnerConfig fields of the simulated runners (dtype, ...)."""
-        from workbench.whatif_job import WhatifJob
+        from workbench.whatif.job import WhatifJob
 
         return WhatifJob.start(self, model, layouts, workload, target=target, band=band, **options)
 

@@ -27,9 +27,9 @@ from runner_core.errors import ConfigError, EngineBusyError, InvalidRequestError
 from runner_core.kernels import kernel_info
 from runner_core.layers.sampler import Sampler, SamplingMetadata, nonfinite_rows
 from runner_core.layers.weight_storage import num_weights
-from runner_core.model_loader import LoadedModel
+from runner_core.loader.model_loader import LoadedModel
+from runner_core.loader.tokenizer import IncrementalDetokenizer
 from runner_core.sampling_params import SamplingParams
-from runner_core.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("runner_core")
 

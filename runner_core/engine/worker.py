@@ -23,11 +23,13 @@ from runner_core.compile import (
 )
 from runner_core.compile.decode_plan import default_sizes
 from runner_core.config import RunnerConfig, resolve_max_model_len
+from runner_core.distributed.parallel_state import min_over_ranks, to_driver
 from runner_core.engine.encoder_cache import EncoderCache
 from runner_core.engine.forward_pass import ForwardPass
 from runner_core.engine.input_batch import StepBatch
 from runner_core.errors import CompileError
 from runner_core.layers.moe_record import recording_routing
+from runner_core.loader.model_loader import LoadedModel
 from runner_core.memory import (
     MemoryManager,
     ModelShape,
@@ -37,8 +39,6 @@ from runner_core.memory import (
     plan_kv_pool,
     profile_activation_peak,
 )
-from runner_core.model_loader import LoadedModel
-from runner_core.parallel.state import min_over_ranks, to_driver
 
 logger = logging.getLogger("runner_core")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runner_core.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from runner_core.layers.linear import default_weight_loader
 from runner_core.layers.weight_storage import WeightLayer
-from runner_core.parallel.state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
 class VocabParallelEmbedding(WeightLayer):

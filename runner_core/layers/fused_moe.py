@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner_core.distributed.parallel_state import divide, get_tp_rank, get_tp_size
 from runner_core.layers.linear import default_weight_loader
 from runner_core.layers.moe_record import current_record
-from runner_core.parallel.state import divide, get_tp_rank, get_tp_size
 
 EXPERTS_IMPLS = ("loop", "grouped_mm")
 # how the experts run: "loop" unless RUNNER_CORE_MOE_IMPL says otherwise (benchmarks/models.py compares them)

@@ -27,8 +27,8 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
+from runner_core.distributed.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from runner_core.layers.weight_storage import RowMajorWeight, WeightLayer
-from runner_core.parallel.state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
 def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from contextvars import ContextVar
 
 import torch
 
-from runner_core.parallel.state import get_pp_stage, get_tp_rank, world_all_reduce
+from runner_core.distributed.parallel_state import get_pp_stage, get_tp_rank, world_all_reduce
 
 
 class RoutingRecord:

@@ -8,7 +8,6 @@
   fit), `sizing` (what a device offers, the pool plan), `profile` (a measured activation peak);
 * diagnostics: `fragmentation` (the paged pool's waste against a static reservation and a
   first-fit contiguous allocator);
-* after a model is dropped: `release` (freed memory back to the OS, the resident figure).
 """
 
 from runner_core.memory.block_pool import BlockPool
@@ -17,11 +16,10 @@ from runner_core.memory.fit import check_config_fits, check_fits
 from runner_core.memory.fragmentation import FragmentationTracker
 from runner_core.memory.manager import MemoryManager
 from runner_core.memory.profile import dummy_batch, profile_activation_peak
-from runner_core.memory.release import release_freed_memory, resident_bytes
 from runner_core.memory.shapes import ModelShape, kv_bytes_per_token, stage_layer_ranges
 from runner_core.memory.sizing import PoolPlan, available_memory_bytes, plan_kv_pool, plan_pool, usable_memory_bytes
 
 __all__ = ["BlockPool", "FragmentationTracker", "MemoryEstimate", "MemoryManager", "ModelShape", "PoolPlan",
            "available_memory_bytes", "check_config_fits", "check_fits", "dummy_batch", "estimate_activation_peak",
            "estimate_memory", "kv_bytes_per_token", "plan_kv_pool", "plan_pool", "profile_activation_peak",
-           "release_freed_memory", "resident_bytes", "stage_layer_ranges", "usable_memory_bytes"]
+           "stage_layer_ranges", "usable_memory_bytes"]

@@ -229,7 +229,7 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
     that layout only, padded to whole panels: `weights_bytes` is then what memory_stats() reports
     after load, and `dense_weights_bytes` what the same weights take in the compute dtype.
     """
-    from runner_core.model_loader import read_hf_config, resolve_model_path
+    from runner_core.loader.model_loader import read_hf_config, resolve_model_path
     from runner_core.models import MODEL_REGISTRY
 
     for name, value, allowed in (("quantization", quantization, QUANTIZATIONS),

@@ -173,7 +173,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 def read_safetensors_shapes(path: Path) -> list[tuple[str, tuple[int, ...]]] | None:
     """(name, shape) of every tensor in the checkpoint at `path`, from the file headers only
     (8-byte little-endian length, then JSON); None when the directory has no safetensors."""
-    from runner_core.weight_utils import safetensors_files
+    from runner_core.loader.weight_utils import safetensors_files
 
     if not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
         return None

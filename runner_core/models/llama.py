@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from runner_core.distributed.parallel_state import get_pp_stage, pp_recv, pp_send
 from runner_core.layers.activation import SiluAndMul
 from runner_core.layers.attention import Attention
 from runner_core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -32,7 +33,6 @@ from runner_core.layers.linear import (
 )
 from runner_core.layers.norm import RMSNorm
 from runner_core.layers.rotary import RotaryEmbedding
-from runner_core.parallel.state import get_pp_stage, pp_recv, pp_send
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 STACKED_PARAMS = (

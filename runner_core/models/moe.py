@@ -20,13 +20,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from runner_core.distributed.parallel_state import tp_all_reduce
 from runner_core.layers.activation import SiluAndMul
 from runner_core.layers.fused_moe import FusedMoE
 from runner_core.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
 from runner_core.layers.moe_record import RoutingRecord, gather_layers
 from runner_core.models.llama import LlamaForCausalLM
 from runner_core.models.moe_spec import MoESpec
-from runner_core.parallel.state import tp_all_reduce
 
 _EXPERT_NAME = re.compile(r"^(?P<block>.+\.mlp)\.experts\.(?:(?P<expert>\d+)\.(?P<part>w1|w2|w3|gate_proj|up_proj|"
                           r"down_proj)\.weight|(?P<fused>gate_up_proj|down_proj))$")

@@ -2,7 +2,7 @@
 families Mixtral and Qwen3-MoE, and LLaVA with its processor), random weights in the exact shapes of
 published checkpoints (`REAL_SIZE_PRESETS`: Qwen2.5-0.5B, Llama-3.2-1B, stored in bfloat16), and
 `tiny-speaker`, a trained model shipped in the package (`SHIPPED_PRESETS`, built by
-`python -m runner_core.train_preset`).
+`python -m runner_tools.train_preset`).
 
 No download: each preset is built with transformers' own classes (the spec names its config and
 model class and any config fields beyond the common ones) and a byte-level

@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runner_core.distributed.parallel_state import get_pp_stage, get_tp_size
 from runner_core.layers.attention import Attention
 from runner_core.layers.embedding import ParallelLMHead
 from runner_core.layers.linear import default_weight_loader
 from runner_core.models.transformers_compat import WHAT_WORKS
-from runner_core.parallel.state import get_pp_stage, get_tp_size
 
 ATTN_NAME = "runner_core_paged"
 # checkpoint tensors that are not model state: rotary tables, legacy GPT-2 causal-mask buffers

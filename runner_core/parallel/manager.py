@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from runner_core.config import RunnerConfig
+from runner_core.distributed.parallel_state import COMM_STATS, PipelineStage, parallel_context
 from runner_core.errors import ConfigError, RunnerError, WorkerError
-from runner_core.parallel.state import COMM_STATS, PipelineStage, parallel_context
 from runner_core.parallel.supervisor import WorkerSupervisor
 
 logger = logging.getLogger("runner_core")

@@ -117,7 +117,7 @@ def _usable_bytes(devices, device_memory: int | None, gpu_memory_utilization: fl
 
 def _runs_on_one_device(model: str, estimate_kwargs: dict) -> bool:
     """Whether `model` loads through the transformers fallback (one device only)."""
-    from runner_core.model_loader import read_hf_config, resolve_model_path
+    from runner_core.loader.model_loader import read_hf_config, resolve_model_path
 
     trust = estimate_kwargs.get("trust_remote_code", False)
     hf_config = read_hf_config(resolve_model_path(str(model)), trust)

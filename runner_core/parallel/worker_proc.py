@@ -19,7 +19,7 @@ import torch.distributed as dist
 from runner_core.config import RunnerConfig
 from runner_core.engine.worker import Worker
 from runner_core.errors import RunnerError, WorkerError
-from runner_core.model_loader import LoadedModel, ModelLoader
+from runner_core.loader.model_loader import LoadedModel, ModelLoader
 from runner_core.parallel.manager import ParallelManager
 
 logger = logging.getLogger("runner_core")

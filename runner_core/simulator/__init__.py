@@ -10,12 +10,12 @@ that is not here.
 * `model_configs`, `published`, `backend`: models by their config alone, published GPU figures, what-if sweeps.
 """
 
+from runner_core.models.config_models import config_model_names, resolve_config_model
 from runner_core.simulator.backend import SimulatorBackend, whatif
 from runner_core.simulator.calibrate import calibrate, measure_cpu
 from runner_core.simulator.calibration import Calibration, load_calibration
 from runner_core.simulator.cost_model import CostModel, fit_coefficients
 from runner_core.simulator.hardware import HARDWARE, Coefficients, HardwareSpec, get_hardware
-from runner_core.simulator.model_configs import config_model_names, resolve_config_model
 from runner_core.simulator.published import PUBLISHED, compare_published
 from runner_core.simulator.run import simulate_workload
 from runner_core.simulator.simulation import Simulation

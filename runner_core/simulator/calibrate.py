@@ -38,8 +38,8 @@ from runner_core.config import TORCH_DTYPES
 from runner_core.engine.threads import usable_cores
 from runner_core.host import cpu_model_name, cpu_tier
 from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear, panels_support
+from runner_core.loader.model_loader import read_hf_config, resolve_model_path
 from runner_core.memory.shapes import ModelShape
-from runner_core.model_loader import read_hf_config, resolve_model_path
 from runner_core.sampling_params import SamplingParams
 from runner_core.simulator.calibration import Calibration, calibration_path, load_calibration  # noqa: F401 (API)
 from runner_core.simulator.cost_model import CostModel

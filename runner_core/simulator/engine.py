@@ -22,15 +22,15 @@ from runner_core.engine.threads import ThreadTuner, usable_cores
 from runner_core.engine.worker import LocalExecutor
 from runner_core.errors import InvalidRequestError
 from runner_core.layers.sampler import SamplerOutput
+from runner_core.loader.model_loader import read_hf_config
+from runner_core.loader.tokenizer import has_tokenizer_files, load_tokenizer
 from runner_core.memory import MemoryManager, ModelShape, PoolPlan
-from runner_core.model_loader import read_hf_config
 from runner_core.models import MODEL_REGISTRY
+from runner_core.models.config_models import resolve_config_model
 from runner_core.parallel.plan import validate_parallel_config
 from runner_core.simulator.cost_model import CostModel
 from runner_core.simulator.hardware import HardwareSpec
-from runner_core.simulator.model_configs import resolve_config_model
 from runner_core.simulator.simulation import Simulation, estimate_on, plan_memory, simulated_config
-from runner_core.tokenizer import has_tokenizer_files, load_tokenizer
 
 NO_LOGITS = ("a simulated runner computes no logits (it predicts step times; no weights are loaded); load the "
              "model without simulate= to run forward passes")

@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from runner_core.loader.model_loader import read_hf_config
 from runner_core.memory.shapes import ModelShape
-from runner_core.model_loader import read_hf_config
+from runner_core.models.config_models import CONFIG_MODELS, hf_config, resolve_config_model
 from runner_core.simulator.hardware import get_hardware
-from runner_core.simulator.model_configs import CONFIG_MODELS, hf_config, resolve_config_model
 
 SOURCE = ("TensorRT-LLM trtllm-bench: tensorrt_llm/bench/build/tuning.py calc_engine_setting / finetune_setting, "
           "tensorrt_llm/bench/benchmark/utils/general.py get_settings (chunked prefill off: max_num_tokens >= "

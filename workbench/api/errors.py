@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from runner_core import InvalidRequestError
 from workbench.api.protocol import error_body
-from workbench.handles import GenerationError, SessionError
+from workbench.runtime.handles import GenerationError, SessionError
 
 
 class ApiError(Exception):

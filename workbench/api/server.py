@@ -15,7 +15,7 @@ import uvicorn
 
 from workbench.api.app import create_app
 from workbench.api.limits import ApiLimits
-from workbench.handles import SessionError
+from workbench.runtime.handles import SessionError
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from runner_core.cache_dir import cache_root
 from runner_core.models import is_preset
 from runner_core.models.presets import SHIPPED_DIR
-from workbench.handles import SessionError
+from workbench.runtime.handles import SessionError
 
 
 class ModelPathRefused(SessionError):

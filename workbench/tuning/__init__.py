@@ -2,7 +2,7 @@
 Workload to a loaded model and summarizes the run, `SessionBackend` is the TuneBackend over a loaded model,
 `TuneJob` runs a sweep in the background."""
 
-from workbench.tune_job import TuneJob
-from workbench.tuning_backend import DEFAULT_WORKLOAD, SessionBackend, run_load
+from workbench.tuning.backend import DEFAULT_WORKLOAD, SessionBackend, run_load
+from workbench.tuning.job import TuneJob
 
 __all__ = ["DEFAULT_WORKLOAD", "SessionBackend", "TuneJob", "run_load"]

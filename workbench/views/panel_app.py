@@ -17,16 +17,16 @@ import panel as pn
 
 from runner_core.models import preset_names
 from runner_core.tuning import Target
-from workbench import charts, tuning_charts, whatif_view
-from workbench.controller import ViewController, default_device
-from workbench.fields import panel_form
-from workbench.forms import COMPILE_FORM, GENERATE_FORM, LOAD_FORM, TUNE_FORM, WINDOW_FIELD, WORKLOAD_FORM
-from workbench.handles import SessionError
-from workbench.loaded_models import ModelEntry
-from workbench.model_roots import ModelRoots
-from workbench.notebook_output import FieldsKeepEnter, load_extension_once_shown
-from workbench.panel_writer import write_queued_patches
+from workbench.runtime.handles import SessionError
+from workbench.runtime.loaded_models import ModelEntry
+from workbench.runtime.model_roots import ModelRoots
 from workbench.session import Session
+from workbench.views import charts, tuning_charts, whatif_view
+from workbench.views.controller import ViewController, default_device
+from workbench.views.fields import panel_form
+from workbench.views.forms import COMPILE_FORM, GENERATE_FORM, LOAD_FORM, TUNE_FORM, WINDOW_FIELD, WORKLOAD_FORM
+from workbench.views.notebook_output import FieldsKeepEnter, load_extension_once_shown
+from workbench.views.panel_writer import write_queued_patches
 
 logger = logging.getLogger("workbench")
 

@@ -1,21 +1,21 @@
 """The What-if tab of both dashboards: `whatif_plan` (the form's layouts and workload, bounded by the fields of
-workbench.forms' WHATIF_FORM), `WhatifControls` (what both views add to their ViewController for it: the Memory
+workbench.views.forms' WHATIF_FORM), `WhatifControls` (what both views add to their ViewController for it: the Memory
 picture and Simulate actions, the job's state and charts) and the tab's layout in Panel (`panel_tab`) and in
 ipywidgets (`widgets_tab`), which create the form's widgets, `whatif_progress` (0 to 100) and the charts, and
-wire the buttons. No engine logic here: the job and the memory figures come from workbench.whatif_job.
+wire the buttons. No engine logic here: the job and the memory figures come from workbench.whatif.job.
 """
 
 from __future__ import annotations
 
+from runner_core.models.config_models import config_model_names
 from runner_core.simulator.calibrate import cpu_model_name
-from runner_core.simulator.model_configs import config_model_names
 from runner_core.tuning import Target, Workload
-from workbench import charts, tuning_charts, whatif_charts
-from workbench.controller import parse_values
-from workbench.fields import panel_form, widgets_form
-from workbench.forms import NONE, WHATIF_DEFAULTS, WHATIF_FIELDS, WHATIF_FORM
-from workbench.tune_job import TuneJob
-from workbench.whatif_job import layout_label, memory_layouts, model_source
+from workbench.tuning.job import TuneJob
+from workbench.views import charts, tuning_charts, whatif_charts
+from workbench.views.controller import parse_values
+from workbench.views.fields import panel_form, widgets_form
+from workbench.views.forms import NONE, WHATIF_DEFAULTS, WHATIF_FIELDS, WHATIF_FORM
+from workbench.whatif.job import layout_label, memory_layouts, model_source
 
 WHATIF_CONFIG = {"dtype": "bfloat16"}  # the simulated runners' compute dtype (a loaded model keeps its own)
 INTRO = ("**What-if**: the engine's real scheduler on a virtual clock, each step's time predicted for the device "
@@ -39,7 +39,7 @@ def whatif_plan(hardware: str, tp: str, pp: str, weight_format: str, requests: i
 class WhatifControls:
     """The What-if tab's state and actions, beside a ViewController (its `session` and `guard`)."""
 
-    whatif_job = None  # the what-if the tab started (a workbench.whatif_job.WhatifJob)
+    whatif_job = None  # the what-if the tab started (a workbench.whatif.job.WhatifJob)
     whatif_memory: list[dict] = []  # the memory picture's layouts (whatif_job.memory_layouts)
     _whatif_drawn = None  # (job version, measured sweep's version, memory picture) the charts show
 

@@ -4,7 +4,7 @@ A point is what `TuneJob.points` and `TuneResult.points` list (runner_core/tunin
 `settings`, `values` (the concurrency among them), `label`, `median` / `min` / `max` over its
 repeats of every summary column (output_throughput, tokens_per_s_per_user, ttft_p99_ms, ...),
 and `met` (its median meets the target). Every function returns a valid figure for no points too,
-with a note saying what will appear; colours come from workbench/charts.py.
+with a note saying what will appear; colours come from workbench/views/charts.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from runner_core.tuning.results import pareto_frontier
-from workbench.charts import COLORS, PALETTE, base_layout, empty_note
+from workbench.views.charts import COLORS, PALETTE, base_layout, empty_note
 
 Point = Mapping[str, Any]
 THROUGHPUT, PER_USER = "output_throughput", "tokens_per_s_per_user"

@@ -1,11 +1,11 @@
 """Pure functions from a what-if's data to plotly figures (no session, no job, no UI state).
 
 Points are what `WhatifJob.points` and a what-if's TuneResult list (the tuning sweep's points, see
-workbench/tuning_charts.py), a simulated one with "band_low" / "band_high": its output tokens/s at the
+workbench/views/tuning_charts.py), a simulated one with "band_low" / "band_high": its output tokens/s at the
 pessimistic and optimistic ends of the device's efficiency band. A layout's memory is a dict with the keys of
 a runner's memory_stats(): weights_bytes, kv_pool_bytes, activation_peak_bytes, plus reserved_bytes (held
 outside the model), device_memory_bytes (per device), usable_bytes (what the model may use: device memory x
-gpu_memory_utilization), label, fits and why (workbench.whatif_job.memory_layouts builds them). Every
+gpu_memory_utilization), label, fits and why (workbench.whatif.job.memory_layouts builds them). Every
 function returns a valid figure for no data too, with a note saying what will appear.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from workbench.charts import COLORS, PALETTE, base_layout, empty_note
-from workbench.tuning_charts import PER_USER, THROUGHPUT, hover_text, latency_vs_concurrency, short_labels, stat
+from workbench.views.charts import COLORS, PALETTE, base_layout, empty_note
+from workbench.views.tuning_charts import PER_USER, THROUGHPUT, hover_text, latency_vs_concurrency, short_labels, stat
 
 Point = Mapping[str, Any]
 GIB = 2**30

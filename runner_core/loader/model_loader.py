@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from runner_core.checkpoint_writer import checkpoint_quantization, quantized_checkpoint_tensors
 from runner_core.config import RunnerConfig, resolve_max_model_len
 from runner_core.errors import ModelLoadError
 from runner_core.layers.quantization import QuantFormat
@@ -36,11 +35,12 @@ from runner_core.layers.weight_storage import (
     stored_bytes,
     stored_storages,
 )
-from runner_core.memory.release import trim_heap
+from runner_core.loader.checkpoint_writer import checkpoint_quantization, quantized_checkpoint_tensors
+from runner_core.loader.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
+from runner_core.loader.weight_utils import WINDOW_BYTES, SafetensorsWeights
 from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
 from runner_core.models.registry import MODEL_ATTRIBUTES, ModelAdapter
-from runner_core.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
-from runner_core.weight_utils import WINDOW_BYTES, SafetensorsWeights
+from runner_core.process_memory import trim_heap
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -1,7 +1,7 @@
 """`TuneJob`: a sweep (runner_core.tuning.tune) over a session's model, run in a background thread (not the
 engine thread: the sweep submits requests and waits, the engine thread runs them), with thread-safe progress
 for notebooks and dashboards, and cancel. One job per session at a time. `SweepJob` is what it shares with
-workbench.whatif_job.WhatifJob (a simulated sweep: the same thread, progress, rows, points and cancel).
+workbench.whatif.job.WhatifJob (a simulated sweep: the same thread, progress, rows, points and cancel).
 
 While a job runs its model is marked `sweeping`: the compile switch (session.set_compile_mode, the
 dashboards' compile buttons) and session.reconfigure are refused with SessionBusyError. Other requests sent
@@ -20,14 +20,14 @@ import weakref
 
 from runner_core.tuning import Target, tune
 from runner_core.tuning.results import judge, point_summary
-from workbench.handles import SessionBusyError
-from workbench.tuning_backend import DEFAULT_WORKLOAD, SessionBackend
+from workbench.runtime.handles import SessionBusyError
+from workbench.tuning.backend import DEFAULT_WORKLOAD, SessionBackend
 
 _JOBS_LOCK = threading.Lock()
 
 
 class SweepJob:
-    """A sweep running in the background (the base of TuneJob and workbench.whatif_job.WhatifJob; a subclass
+    """A sweep running in the background (the base of TuneJob and workbench.whatif.job.WhatifJob; a subclass
     says what it runs: `_sweep()` on the job's thread, returning the TuneResult, and `_finish()` after it).
     Read from any thread: `progress`, `rows`, `points`, `status`, `version` (bumped on every change, so a view
     redraws only when it moved), `done`, `cancelled`, `error`; `result(timeout)` waits for the TuneResult;

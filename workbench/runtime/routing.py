@@ -11,10 +11,10 @@ import logging
 import threading
 
 from runner_core import RequestOutput, SamplingParams
-from workbench.engine_thread import EngineThread
-from workbench.handles import GenerationError, RequestHandle, SessionError
-from workbench.loaded_models import LoadedModels, ModelEntry
-from workbench.metrics import Telemetry
+from workbench.runtime.engine_thread import EngineThread
+from workbench.runtime.handles import GenerationError, RequestHandle, SessionError
+from workbench.runtime.loaded_models import LoadedModels, ModelEntry
+from workbench.runtime.metrics import Telemetry
 
 logger = logging.getLogger("workbench")
 

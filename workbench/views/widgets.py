@@ -20,11 +20,11 @@ import plotly.graph_objects as go
 
 from runner_core.models import preset_names
 from runner_core.tuning import Target
-from workbench import charts, tuning_charts, whatif_view
-from workbench.controller import ViewController, default_device
-from workbench.fields import widgets_form
-from workbench.forms import COMPILE_FORM, GENERATE_FORM, LOAD_FORM, TUNE_FORM, WINDOW_FIELD, WORKLOAD_FORM
 from workbench.session import Session
+from workbench.views import charts, tuning_charts, whatif_view
+from workbench.views.controller import ViewController, default_device
+from workbench.views.fields import widgets_form
+from workbench.views.forms import COMPILE_FORM, GENERATE_FORM, LOAD_FORM, TUNE_FORM, WINDOW_FIELD, WORKLOAD_FORM
 
 FIGURES = ("throughput", "memory", "weights", "blocks", "block_map", "expert_load")
 # the charts two by two, each column half of the cell's width (plotly autosizes into it)

@@ -12,7 +12,7 @@ import time
 from runner_core import ConfigError, RunnerConfig, SamplingParams
 from runner_core.config import RECONFIGURABLE
 from runner_core.tuning import RunResult, Target, Workload, summarize, vocab_and_tokenizer
-from workbench.handles import RequestHandle
+from workbench.runtime.handles import RequestHandle
 
 __all__ = ["DEFAULT_WORKLOAD", "SessionBackend", "run_load"]
 

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from runner_core.errors import ModelLoadError
-from runner_core.memory.release import trim_heap
+from runner_core.process_memory import trim_heap
 from runner_core.progress import progress
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

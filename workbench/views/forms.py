@@ -1,4 +1,4 @@
-"""Every form of the dashboards, defined once for both views (workbench.fields): the Live tab's model,
+"""Every form of the dashboards, defined once for both views (workbench.views.fields): the Live tab's model,
 compile, generation and workload forms and its chart window, the Tuning tab's sweep and the What-if tab's
 layouts. A control is added here, in one place; the views lay the rows out and `fields.Field.check` bounds
 what they send."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, COMPILE_SCOPES, QUANT_GROUP_SIZES, QUANTIZATIONS
 from runner_core.simulator.hardware import HARDWARE
 from runner_core.simulator.simulation import WEIGHT_FORMATS
-from workbench.charts import WINDOW_MINUTES
-from workbench.fields import WIDTH, Action, Field
+from workbench.views.charts import WINDOW_MINUTES
+from workbench.views.fields import WIDTH, Action, Field
 
 SIDE = 130  # px: two fields side by side in the Panel sidebar, their labels in full
 NONE = "none"  # a storage format choice: the weights kept in the compute dtype

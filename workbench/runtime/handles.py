@@ -53,7 +53,7 @@ class RequestHandle:
         self._done_callbacks: list[Callable[[RequestHandle], None]] = []
         self._update_callbacks: list[Callable[[RequestHandle], None]] = []
 
-    # ---- written by the engine thread (workbench.routing) -----------------------------------
+    # ---- written by the engine thread (workbench.runtime.routing) -----------------------------------
     def deliver(self, out) -> None:
         """Take the engine's next RequestOutput of this request."""
         with self._cond:

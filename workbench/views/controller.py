@@ -1,5 +1,5 @@
 """What the two views (the Panel dashboard and the ipywidgets panel) share: the forms' widgets (made from
-workbench.forms), each user action one Session call whose error becomes the view's message, background jobs
+workbench.views.forms), each user action one Session call whose error becomes the view's message, background jobs
 (load, unload, compile switch) tracked until they finish, the buttons wired to the actions, and the streamed
 answer, the workload and the charts prepared for display. A view supplies `show_error`, `show_info`,
 `clear_messages`, `show_generating` and the outputs' widgets; no engine logic here.
@@ -11,11 +11,11 @@ import io
 from concurrent.futures import Future
 from pathlib import Path
 
-from workbench import charts, tuning_charts
-from workbench.forms import NONE, TUNE_DEFAULTS, TUNE_FIELDS, WINDOW_CHOICES, WINDOW_FIELD
-from workbench.handles import RequestHandle
-from workbench.model_roots import ModelRoots
+from workbench.runtime.handles import RequestHandle
+from workbench.runtime.model_roots import ModelRoots
 from workbench.session import Session
+from workbench.views import charts, tuning_charts
+from workbench.views.forms import NONE, TUNE_DEFAULTS, TUNE_FIELDS, WINDOW_CHOICES, WINDOW_FIELD
 
 CHART_HISTORY = 1200  # rows drawn at most, the latest of the window (0.1 s each while work runs: 2 busy minutes)
 DEFAULT_WINDOW = WINDOW_FIELD.default
@@ -116,7 +116,7 @@ class ViewController:
         self.image = None  # the uploaded image (PIL) the next generation sends, if any
         self._syncing = False  # set while the view copies the session's active model into its picker
         self.chart_window = DEFAULT_WINDOW  # a WINDOW_CHOICES label
-        self.tune_job = None  # the sweep the Tuning tab started (a workbench.tune_job.TuneJob)
+        self.tune_job = None  # the sweep the Tuning tab started (a workbench.tuning.job.TuneJob)
         self._tune_version = -1  # the job's version the tuning charts show
         self._tune_model = None  # the model whose KV capacity proposed the Tuning form's values
 

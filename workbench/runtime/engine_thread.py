@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from workbench.handles import SessionError
+from workbench.runtime.handles import SessionError
 
 logger = logging.getLogger("workbench")
 

@@ -7,7 +7,7 @@
                                     reference's greedy token, each position fed the reference's own tokens
                                     before it (teacher forcing: one early difference does not decide the rest)
   held_out_paragraphs()             prose the trained `tiny-speaker` never saw: the same prose filter as its
-                                    corpus (runner_core.training.corpus), over the standard library's test
+                                    corpus (runner_tools.corpus), over the standard library's test
                                     folders that the corpus leaves out, minus any paragraph it kept
   token_windows(tokenizer, texts)   those paragraphs as `<s> text </s>` in one stream, cut in windows of the
                                     training length (64 tokens), as the model was trained on them
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from runner_core.training.corpus import build_corpus, docstrings, prose_paragraphs, stdlib_dir
+from runner_tools.corpus import build_corpus, docstrings, prose_paragraphs, stdlib_dir
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
-TRAIN_WINDOW = 64  # tiny-speaker's training sequence length (runner_core/train_preset.py --seq-len)
+TRAIN_WINDOW = 64  # tiny-speaker's training sequence length (runner_tools/train_preset.py --seq-len)
 _HELD_OUT_DIRS = {"test", "tests", "idle_test", "lib2to3"}  # left out of the corpus, same prose style
 
 

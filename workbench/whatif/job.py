@@ -1,6 +1,6 @@
 """What-if from the session: `WhatifJob` runs runner_core.simulator's `whatif` sweep (the engine's real
 scheduler on a virtual clock, on named hardware and layouts) in a background thread, with the progress, rows,
-points and cancel of a TuneJob (workbench/tune_job.py's SweepJob). It never touches the session's engine
+points and cancel of a TuneJob (workbench/tuning/job.py's SweepJob). It never touches the session's engine
 thread or its loaded models: a simulation loads no weights. The session keeps its latest one
 (`WhatifJob.latest(session)`), so views can show it next to the latest measured sweep (`TuneJob.latest`).
 
@@ -15,18 +15,18 @@ from pathlib import Path
 
 from runner_core import ConfigError, RunnerConfig
 from runner_core.memory.fit import required_bytes
+from runner_core.models.config_models import resolve_config_model
 from runner_core.simulator.backend import SIMULATION_SETTINGS, whatif
 from runner_core.simulator.hardware import get_hardware
-from runner_core.simulator.model_configs import resolve_config_model
 from runner_core.simulator.simulation import Simulation, estimate_on, plan_memory, simulated_config, usable_bytes
 from runner_core.tuning import SweepSpace, Target
-from workbench.tune_job import SweepJob
-from workbench.tuning_backend import DEFAULT_WORKLOAD
+from workbench.tuning.backend import DEFAULT_WORKLOAD
+from workbench.tuning.job import SweepJob
 
 
 class WhatifJob(SweepJob):
     """A what-if sweep over `layouts` (dicts such as {"hardware": "h100-sxm", "tensor_parallel_size": 8}) of
-    `model` (a runner_core.simulator.model_configs name, a preset, a model directory, or the name of a model
+    `model` (a runner_core.models.config_models name, a preset, a model directory, or the name of a model
     loaded in the session: its model and dtype); see Session.whatif."""
 
     noun = "what-if"

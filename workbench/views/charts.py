@@ -1,6 +1,6 @@
 """Pure functions from session metrics to plotly figures (no session, no engine, no UI state).
 
-Inputs are plain data: `rows` (dicts from `MetricsSeries`, see workbench/metrics.py; `t` is
+Inputs are plain data: `rows` (dicts from `MetricsSeries`, see workbench/runtime/metrics.py; `t` is
 seconds since the model was loaded, `dt` the busy seconds a row covers), `events` (dicts with
 `kind`, `t`, ...) and a KV block-map snapshot ({"num_blocks", "owners": {request_id: [block
 ids]}, ...}). Every function returns a valid `go.Figure` for empty input too, with a note
@@ -8,7 +8,7 @@ saying what will appear. Idle time (no row for more than `GAP_S` seconds) is dra
 never as a line across it; `window` picks the rows of recent activity the live charts show (the
 last minutes or the last run), and a time axis spans at least `MIN_SPAN_S` seconds. Every chart
 takes its colours from `PALETTE` (and `COLORS`, the colour of each quantity, the same in every
-chart); other views (workbench/timeline.py) do too.
+chart); other views (workbench/views/timeline.py) do too.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from workbench.handles import SessionError
+from workbench.runtime.handles import SessionError
 
 WORDS = ("the model reads a token and writes the next one while the scheduler packs many requests into "
          "one batch so that blocks of the cache fill and free as prompts of every length arrive and leave "

@@ -1,6 +1,6 @@
-"""`python -m runner_core.train_preset`: trains the shipped `tiny-speaker` preset on the CPU.
+"""`python -m runner_tools.train_preset`: trains the shipped `tiny-speaker` preset on the CPU.
 
-Builds the corpus (`runner_core.training.corpus`), trains a byte-level BPE tokenizer on it with
+Builds the corpus (`runner_tools.corpus`), trains a byte-level BPE tokenizer on it with
 `tokenizers`, trains a small transformers `LlamaForCausalLM` with torch (AdamW, warm-up then cosine
 decay, loss shown by tqdm) and saves the model in safetensors (bfloat16), its
 `PreTrainedTokenizerFast`, a greedy generation config, `training_summary.json` and the corpus's word
@@ -21,9 +21,9 @@ import torch
 from tqdm import tqdm
 
 from runner_core.models.presets import SPECIAL_TOKENS
-from runner_core.training.corpus import LICENCE, WORDS_FILE, build_corpus, corpus_words, stdlib_dir
+from runner_tools.corpus import LICENCE, WORDS_FILE, build_corpus, corpus_words, stdlib_dir
 
-DEFAULT_OUT = Path(__file__).parent / "models" / "preset_data" / "tiny-speaker"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "runner_core" / "models" / "preset_data" / "tiny-speaker"
 SAMPLE_PROMPTS = ("The function returns", "This module provides", "If the file")
 _TIMING_STEPS = 5  # steps timed to turn --minutes into a step count
 
@@ -41,7 +41,7 @@ def _positive(kind):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m runner_core.train_preset", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m runner_tools.train_preset", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default: the package's)")
     p.add_argument("--minutes", type=_positive(float), default=10.0, help="training time budget (default 10)")
     p.add_argument("--steps", type=_positive(int), help="exact optimizer steps (overrides --minutes)")

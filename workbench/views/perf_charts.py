@@ -1,6 +1,6 @@
 """Pure functions from measured figures to plotly figures, for the parallelism and performance lessons.
 
-`workbench.charts` draws a live session's time series; these draw one-off measurements: tokens/s
+`workbench.views.charts` draws a live session's time series; these draw one-off measurements: tokens/s
 by engine (with MFU), the share of a step's time by kind of op, the communication of a parallel
 step by collective, and the per-device memory of each parallel layout against a device's budget.
 Inputs are plain data (lists and dicts, as the benchmarks and `runner_core` return them); every
@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from workbench.charts import PALETTE, empty_note
+from workbench.views.charts import PALETTE, empty_note
 
 GIB = 2**30
 HEIGHT = 380

@@ -14,10 +14,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from runner_core import ModelRunner, RunnerConfig
-from runner_core.memory import release_freed_memory
-from workbench.engine_thread import EngineThread, run_into
-from workbench.handles import NoModelError, SessionBusyError, SessionError
-from workbench.metrics import StepAccumulator, Telemetry
+from runner_core.process_memory import release_freed_memory
+from workbench.runtime.engine_thread import EngineThread, run_into
+from workbench.runtime.handles import NoModelError, SessionBusyError, SessionError
+from workbench.runtime.metrics import StepAccumulator, Telemetry
 
 logger = logging.getLogger("workbench")
 

@@ -6,7 +6,7 @@ tokens stacked against the step's token budget (a long prompt cut into chunks sh
 prefill bars at the budget: chunked prefill) and, below, the running requests with the step's
 admissions, finishes and preemptions as markers. `step_waste(steps)` draws, for the same live
 requests at each step, the KV slots the paged pool wastes against a static max_model_len reservation
-and a first-fit contiguous allocator. Pure functions, like workbench/charts.py, whose palette they use.
+and a first-fit contiguous allocator. Pure functions, like workbench/views/charts.py, whose palette they use.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.charts import PALETTE
+from workbench.views.charts import PALETTE
 
 FIELDS = ("step", "num_prefill_tokens", "num_decode_tokens", "num_running", "num_waiting",
           "num_admitted", "num_finished", "num_preempted")

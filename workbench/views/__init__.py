@@ -1,0 +1,5 @@
+"""The dashboards: every control and form defined once (`fields`, `forms`), the actions on them
+(`controller`), shown in the browser by Panel (`panel_app`) and in the notebook by ipywidgets
+(`widgets`); the charts they and the lessons draw (`charts`, `timeline`, `perf_charts`,
+`tuning_charts`, `whatif_charts`), the What-if tab (`whatif_view`); `notebook_output` and
+`panel_writer` keep Panel usable in JupyterLab and over its websocket."""
