@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from runner_core.errors import ConfigError
+from runner_core.layers.attention import ATTENTION_BACKENDS
 
 logger = logging.getLogger("runner_core")
 
@@ -37,7 +38,6 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 QUANTIZATIONS = (None, "int8", "int4")  # weight storage formats (layers/quantization.py); None: the compute dtype
 QUANT_GROUP_SIZES = (32, 64, 128)  # int4: weights along k sharing one scale and minimum
 # how attention reads the KV pool; auto: flex on CUDA, the native kernel on the CPU when built, else gather
-ATTENTION_BACKENDS = ("auto", "flex", "native", "gather")
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # what a loaded runner changes without reloading a weight (ModelRunner.reconfigure), by what the change rebuilds
 RECONFIGURABLE = {"scheduler": ("max_num_seqs", "max_num_batched_tokens"),

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runner_core.config import ATTENTION_BACKENDS
 from runner_core.errors import ConfigError
 from runner_core.kernels import cpu_kernels_available
+
+ATTENTION_BACKENDS = ("auto", "flex", "native", "gather")  # RunnerConfig.attention_backend's choices
 
 
 @dataclass

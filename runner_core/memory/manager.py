@@ -14,7 +14,7 @@ import math
 import mmap
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -22,10 +22,21 @@ from torch import nn
 from runner_core.layers.attention import bind_kv_cache
 from runner_core.memory.block_pool import BlockPool, hash_block
 
-if TYPE_CHECKING:
-    from runner_core.engine.sequence import Sequence
-
 logger = logging.getLogger("runner_core")
+
+
+class Sequence(Protocol):
+    """What the manager reads and writes of a sequence (the engine's `Sequence` is one): its block table and
+    the hashes of its full blocks, which it owns the writing of, and the token counts it allocates for."""
+
+    block_table: list[int]
+    block_hashes: list
+    num_sent_blocks: int
+    num_tokens: int
+    num_computed_tokens: int
+    num_cached_tokens: int
+
+    def block_key(self, index: int, block_size: int) -> tuple: ...
 
 
 class MemoryManager:
