@@ -172,3 +172,102 @@ def test_the_private_check_sees_a_read_and_an_import(tmp_path):
     (tmp_path / "b.py").write_text("from runner_core.x import _helper\n\ndef f(a):\n    return a._hidden(), a._state\n")
     found = _private_reads({"a": tmp_path / "a.py", "b": tmp_path / "b.py"})
     assert found == ["b:1 imports _helper", "b:4 reads a._hidden", "b:4 reads a._state"]
+
+
+def _levels() -> dict[str, list[set[str]]]:
+    """ARCHITECTURE.md's level lines (```levels block): `package: a b < c < d`, lowest first; names on one level
+    are separated by spaces, levels by `<`; `base` stands for the package's top-level modules not named."""
+    text = (REPO / "ARCHITECTURE.md").read_text()
+    block = text.split("```levels\n", 1)[1].split("```", 1)[0]
+    out = {}
+    for line in block.strip().splitlines():
+        package, _, order = line.partition(":")
+        out[package.strip()] = [set(level.split()) for level in order.split("<")]
+    return out
+
+
+def _unit(package: str, target: str, levels: list[set[str]]) -> str:
+    """The folder, or top-level module, of `package` that the dotted `target` lies in (`base` for the
+    top-level modules the level lines do not name; `__init__` for the package's own namespace)."""
+    parts = target.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    head = parts[1]
+    named = set().union(*levels)
+    if head in named:
+        return head
+    if (REPO / package / head).is_dir() or (REPO / package / f"{head}.py").is_file():
+        return "base"
+    return "__init__"  # a name defined or re-exported by the package's __init__
+
+
+def _module_imports(name: str, path: Path) -> set[str]:
+    """The modules (or package namespaces) `name` imports anywhere in its file, lazy and TYPE_CHECKING
+    imports included: `from p import x` is p.x where p.x is a module or folder, else p."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                as_path = REPO / Path(*full.split("."))
+                found.add(full if as_path.is_dir() or as_path.with_suffix(".py").is_file() else base)
+    return found
+
+
+def _upward_imports(modules: dict[str, Path], levels: dict[str, list[set[str]]]) -> list[str]:
+    """Every import that runs from a level to a higher one, within a package or between packages."""
+    packages = levels["packages"]
+    rank = {p: i for i, level in enumerate(packages) for p in level}
+    found = []
+    for name, path in modules.items():
+        here = name.split(".")[0]
+        own = levels[here]
+        level_of = {u: i for i, level in enumerate(own) for u in level}
+        unit = _unit(here, name, own) if name != here else "__init__"
+        for target in sorted(_module_imports(name, path)):
+            there = target.split(".")[0]
+            if there not in rank:
+                continue
+            if there != here:
+                if rank[there] >= rank[here]:
+                    found.append(f"{name} imports {target} ({there} is not below {here})")
+                continue
+            to = _unit(there, target, own)
+            if to != unit and level_of[to] > level_of[unit]:
+                found.append(f"{name} ({unit}) imports {target} ({to}, a higher level)")
+    return found
+
+
+def test_every_import_runs_down_the_levels_architecture_md_draws():
+    levels = _levels()
+    modules = {n: p for n, p in MODULES.items()}
+    modules.update({".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+                    for p in sorted((REPO / "runner_tools").rglob("*.py"))})
+    listed = {pkg: set().union(*lv) - {"base"} for pkg, lv in levels.items() if pkg != "packages"}
+    for pkg, units in listed.items():  # every folder and named module is on the map, and nothing else
+        present = {p.name for p in (REPO / pkg).iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+        assert present <= units, f"{pkg}: folders missing from ARCHITECTURE.md's levels: {present - units}"
+        missing = {u for u in units if not ((REPO / pkg / u).is_dir() or (REPO / pkg / f"{u}.py").is_file())}
+        assert not missing, f"{pkg}: ARCHITECTURE.md's levels name what is not there: {missing}"
+    assert _upward_imports(modules, levels) == []
+
+
+def test_the_level_check_sees_an_import_up_a_level(tmp_path):
+    levels = {"packages": [{"runner_core"}, {"workbench"}],
+              "runner_core": [{"base"}, {"layers"}, {"engine"}, {"__main__", "__init__"}],
+              "workbench": [{"runtime"}, {"views"}, {"__main__", "__init__"}]}
+    (tmp_path / "m.py").write_text("def f():\n    from runner_core.engine.scheduler import Scheduler\n")
+    (tmp_path / "w.py").write_text("from workbench.views.charts import x\nfrom runner_core import ModelRunner\n")
+    (tmp_path / "c.py").write_text("import workbench.runtime\n")
+    found = _upward_imports({"runner_core.layers.linear": tmp_path / "m.py", "workbench.runtime.handles":
+                             tmp_path / "w.py", "runner_core.config": tmp_path / "c.py"}, levels)
+    assert found == ["runner_core.layers.linear (layers) imports runner_core.engine.scheduler (engine, a higher level)",
+                     "workbench.runtime.handles (runtime) imports workbench.views.charts (views, a higher level)",
+                     "runner_core.config imports workbench.runtime (workbench is not below runner_core)"]
