@@ -120,8 +120,10 @@ class LinearBase(WeightLayer):
 
     multiplies = True
 
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool, keep_dtype: str | None = None):
+        """`keep_dtype`: why this weight stays in the compute dtype when the model is quantized (a router's)."""
         super().__init__()
+        self.keep_dtype = keep_dtype
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.load_shard
         if bias:

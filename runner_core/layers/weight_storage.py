@@ -217,6 +217,8 @@ class WeightLayer(nn.Module):
 
     multiplies = False  # True: the loader plans its storage (linear layers, the LM head; an embedding only reads)
     num_shards = 1  # checkpoint tensors that make up the weight
+    is_lm_head = False  # stored in the compute dtype unless quantize_lm_head (the head sets it)
+    keep_dtype: str | None = None  # why the weight stays in the compute dtype under int8/int4, if it must
 
     def __init__(self):
         super().__init__()
@@ -312,9 +314,9 @@ def plan_storage(model: nn.Module, dtype: torch.dtype, panels: bool, fmt: QuantF
         n, k = module.weight.shape
         layer_fmt, why = fmt, None
         if fmt is not None:
-            if getattr(module, "is_lm_head", False) and not quantize_lm_head:
+            if module.is_lm_head and not quantize_lm_head:
                 layer_fmt, why = None, "the LM head (quantize_lm_head=False)"
-            elif getattr(module, "keep_dtype", None):
+            elif module.keep_dtype:
                 layer_fmt, why = None, module.keep_dtype
             else:
                 layer_fmt = layer_format(fmt, k)

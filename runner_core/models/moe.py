@@ -58,13 +58,12 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config, spec: MoESpec):
         super().__init__()
         h = config.hidden_size
-        self.gate = LinearBase(h, spec.num_experts, bias=False)  # the router, replicated on every rank
-        self.gate.keep_dtype = ROUTER_KEEPS_DTYPE
+        # the router, replicated on every rank
+        self.gate = LinearBase(h, spec.num_experts, bias=False, keep_dtype=ROUTER_KEEPS_DTYPE)
         self.experts = FusedMoE(spec.num_experts, spec.top_k, h, spec.intermediate_size, spec.renormalize)
         if spec.shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(h, spec.shared_expert_intermediate_size)
-            self.shared_expert_gate = LinearBase(h, 1, bias=False)
-            self.shared_expert_gate.keep_dtype = ROUTER_KEEPS_DTYPE
+            self.shared_expert_gate = LinearBase(h, 1, bias=False, keep_dtype=ROUTER_KEEPS_DTYPE)
         else:
             self.shared_expert = self.shared_expert_gate = None
 
