@@ -20,6 +20,7 @@ from runner_core.engine.multimodal import MultiModalItem, MultiModalProcessor
 from runner_core.engine.output_processor import OutputProcessor
 from runner_core.engine.scheduler import Scheduler
 from runner_core.engine.sequence import RequestMetrics, RequestOutput, Sequence
+from runner_core.engine.step_detail import block_map, block_owners
 from runner_core.engine.step_metrics import StepObserver, StepTimes
 from runner_core.engine.threads import ThreadTuner
 from runner_core.engine.worker import Executor, LocalExecutor, Worker
@@ -189,7 +190,7 @@ class LLMEngine:
             self.model_info["threads"] = self.threads.info()
         self.observer.on_step(sched, batch, len(seqs), num_finished,
                               StepTimes(start=start, scheduled=scheduled, executed=executed, end=end,
-                                        prepare_s=prepare_s), expert_counts)
+                                        prepare_s=prepare_s), expert_counts, self.requests)
         return outputs
 
     def _run_model(self, batch: StepBatch, seqs: list[Sequence]):
@@ -320,19 +321,22 @@ class LLMEngine:
         """Put the KV waste figures in every step's record from the next step on (StepObserver.waste_per_step)."""
         self.observer.waste_per_step = enabled
 
+    def record_step_detail(self, enabled: bool = True) -> None:
+        """Keep what each step did, request by request and block by block (engine/step_detail.py)."""
+        self.observer.record_step_detail(enabled)
+
+    @property
+    def step_details(self):
+        """The recorded steps' details, oldest first (empty unless `record_step_detail()` is on)."""
+        return self.observer.detail.records if self.observer.detail is not None else ()
+
     def moe_stats(self, recent_steps: int = 64) -> dict:
         """Tokens routed to each expert of each MoE layer (StepObserver.moe_stats)."""
         return self.observer.moe_stats(recent_steps)
 
     def kv_block_map(self) -> dict:
         """Which request owns which KV block, and which free blocks still hold a cached prefix."""
-        pool = self.memory.pool
-        return {
-            "num_blocks": pool.num_blocks,
-            "block_size": self.memory.block_size,
-            "owners": {rid: list(seq.block_table) for rid, seq in self.requests.items() if seq.block_table},
-            "cached_block_ids": [i for i in pool.free_queue if pool.blocks[i].block_hash is not None],
-        }
+        return {**block_map(*block_owners(self.requests, self.memory.pool)), "block_size": self.memory.block_size}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

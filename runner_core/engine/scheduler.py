@@ -23,6 +23,7 @@ from runner_core.memory import MemoryManager
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
+    preempted_for: list[str] = field(default_factory=list)  # per preemption: the request whose tokens needed blocks
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue this step
     rejected: list[Sequence] = field(default_factory=list)  # can never fit in the pool
 
@@ -54,13 +55,14 @@ class Scheduler:
             self.waiting.remove(seq)
         self.memory.free(seq)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, needed_by: Sequence) -> None:
         self.memory.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+        out.preempted_for.append(needed_by.request_id)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` to run within `budget`; a chunk that would end inside an uncached image's
@@ -85,7 +87,7 @@ class Scheduler:
             target = seq.num_computed_tokens + n
             while not self.memory.can_allocate(seq, target):
                 victim = self.running.pop()
-                self._preempt(victim, out)
+                self._preempt(victim, out, seq)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.WAITING:

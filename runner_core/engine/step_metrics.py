@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from runner_core.engine.clock import WallClock
+from runner_core.engine.step_detail import StepDetailRecorder
 from runner_core.errors import InvalidRequestError
 from runner_core.memory import FragmentationTracker, MemoryManager
 from runner_core.memory.fragmentation import static_reservation_waste
@@ -103,11 +104,13 @@ class StepObserver:
         # released
         self._pending: list[tuple[str, int | None]] = []
         self.waste_per_step = False  # the waste figures in every record (record_waste_per_step)
+        self.detail: StepDetailRecorder | None = None  # each step's requests and block map (record_step_detail)
         self.num_steps = 0
         self.seconds = 0.0  # spent in on_step, in all
 
     def on_step(self, sched: SchedulerOutput, batch: StepBatch, num_sampled: int, num_finished: int,
-                times: StepTimes, expert_counts: torch.Tensor | None = None) -> None:
+                times: StepTimes, expert_counts: torch.Tensor | None = None, requests: dict | None = None) -> None:
+        """Record the step just run; `requests` (the engine's live ones) feed the step detail, when it is on."""
         t = self.clock.now()
         if expert_counts is not None:
             expert_counts = expert_counts.cpu()
@@ -129,6 +132,8 @@ class StepObserver:
             observe_s=0.0, total_s=0.0, blocks_used=blocks["blocks_used"], blocks_free=blocks["blocks_free"],
             blocks_cached=blocks["blocks_cached"], prefix_cache_hit_rate=blocks["prefix_cache_hit_rate"],
             expert_counts=expert_counts, batch_shape=(batch.starts, batch.num_new_tokens))
+        if self.detail is not None:
+            self.detail.record(self.num_steps, sched, self.scheduler.waiting, requests or {}, self.memory.pool)
         if self.waste_per_step:
             self._record_waste(record, running)
         elif len(self._pending) > PENDING_LIMIT:
@@ -160,12 +165,20 @@ class StepObserver:
     def on_release(self, request_id: str) -> None:
         """A request finished, failed or was aborted: the contiguous allocators free its reservation."""
         self._pending.append((request_id, None))
+        if self.detail is not None:
+            self.detail.finished.append(request_id)
+
+    def record_step_detail(self, enabled: bool = True) -> None:
+        """Keep each step's detail from the next step on (a fresh, bounded record), or stop and drop it."""
+        self.detail = StepDetailRecorder(self.memory.num_blocks) if enabled else None
 
     def on_pool_resized(self) -> None:
         """The pool shrank: the comparison allocators model the new capacity (live requests re-reserve
         at their next step)."""
         self.contiguous = FragmentationTracker(self.memory.num_blocks * self.memory.block_size)
         self._pending.clear()
+        if self.detail is not None:  # block ids before and after the move name other blocks
+            self.record_step_detail()
 
     def memory_figures(self) -> dict:
         """The pool's block counts and utilization with, for the same live requests, what a static
