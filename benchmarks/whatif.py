@@ -117,15 +117,14 @@ def workloads_table(w: dict) -> None:
 def simulate_70b() -> dict:
     """llama-3-70b on 8 x H200, TP=8: 1,000 Poisson requests simulated; the load (config read, pool planned) and
     the run (requests drawn, every step scheduled and timed, outputs streamed) timed apart."""
-    from runner_core.model_runner import ModelRunner
-    from runner_core.simulator.simulation import Simulation
+    from runner_core.simulator import SimulatedRunner, Simulation
     from runner_core.tuning import Arrivals, Lengths, Workload, run_workload
 
     workload = Workload(num_requests=1000, arrivals=Arrivals.poisson(20.0), prompt_len=Lengths.uniform(128, 2048),
                         output_len=Lengths.uniform(64, 512), seed=0)
     t = time.perf_counter()
-    runner = ModelRunner({"model": "llama-3-70b", "tensor_parallel_size": 8, "max_model_len": 4096},
-                         simulate=Simulation(hardware="h200")).load_model()
+    runner = SimulatedRunner({"model": "llama-3-70b", "tensor_parallel_size": 8, "max_model_len": 4096},
+                             Simulation(hardware="h200")).load_model()
     load_s = time.perf_counter() - t
     try:
         t = time.perf_counter()

@@ -41,11 +41,12 @@ class StreamDelta:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig | dict | None = None, *, simulate=None, **overrides):
-        """`simulate` (a runner_core.simulator Simulation, a HardwareSpec or a device name such as "h200"):
-        load_model() builds a simulated engine instead, the real scheduler on a virtual clock, no weights."""
+    def __init__(self, config: RunnerConfig | dict | None = None, **overrides):
+        """`config` (a RunnerConfig or its fields) with `overrides` (RunnerConfig fields) on top."""
+        if "simulate" in overrides:
+            raise ConfigError("ModelRunner takes no simulate=: a simulated runner is "
+                              "runner_core.simulator.SimulatedRunner(config, simulate)")
         self.config = RunnerConfig.coerce(config, **overrides)
-        self.simulate = simulate
         self.engine: LLMEngine | None = None
         self.memory_estimate: MemoryEstimate | None = None
 
@@ -56,12 +57,6 @@ class ModelRunner:
         With tensor_parallel_size x pipeline_parallel_size > 1 the ranks are spawned here (or joined
         under torchrun, where ranks > 0 serve rank 0 inside this call and exit with it)."""
         self.shutdown()
-        if self.simulate is not None:
-            from runner_core.simulator.engine import build_simulated_engine
-
-            self.engine = build_simulated_engine(self.config, self.simulate)
-            self.config, self.memory_estimate = self.engine.config, self.engine.worker.estimate
-            return self
         config = self.config
         stages = None
         if config.world_size > 1:
@@ -92,8 +87,7 @@ class ModelRunner:
         if self.engine is not None:
             self.engine.shutdown()
         self.engine = None
-        if self.simulate is None:  # a simulated runner held no weights or KV tensor: nothing to hand back
-            release_freed_memory()
+        release_freed_memory()
 
     def __enter__(self):
         return self
@@ -253,7 +247,7 @@ class ModelRunner:
 
     def _pad_sequences(self, rows: list[list[int]], outs: list[RequestOutput]) -> torch.Tensor:
         full = [row + o.token_ids for row, o in zip(rows, outs)]
-        tokenizer = self.tokenizer  # None: a simulated model without one
+        tokenizer = self.tokenizer  # None: a model loaded without one
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         pad = 0 if pad is None else pad
         width = max(map(len, full))
@@ -281,8 +275,6 @@ class ModelRunner:
         """Write the loaded model as it is stored (quantized or not) to `directory` as a checkpoint this
         project loads again: safetensors, config.json naming the format, the tokenizer's files."""
         engine = self._engine()
-        if self.simulate is not None:
-            raise ConfigError("a simulated runner has no weights to save; load the model without simulate=")
         if self.config.world_size > 1:
             raise ConfigError("save_pretrained saves a model loaded in one process; load it without tensor or "
                               "pipeline parallelism to save it")

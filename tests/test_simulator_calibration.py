@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from runner_core.model_runner import ModelRunner
 from runner_core.simulator.calibrate import Calibration, ShapeSweep, calibrate, cpu_tier, load_calibration
+from runner_core.simulator.runner import SimulatedRunner
 from runner_core.simulator.simulation import Simulation
 from runner_core.simulator.validate import step_kind, validate_steps
 from runner_core.tuning import Lengths, Workload, run_workload
@@ -79,8 +79,8 @@ def test_load_calibration_is_none_without_a_file_and_names_a_broken_one(tmp_path
 
 def test_a_simulation_on_the_calibrated_spec_runs_a_workload(calibrated):
     cal, _ = calibrated
-    runner = ModelRunner({"model": "tiny-llama", "dtype": cal.dtype, **cal.settings},
-                         simulate=Simulation(hardware=cal.hardware)).load_model()
+    runner = SimulatedRunner({"model": "tiny-llama", "dtype": cal.dtype, **cal.settings},
+                             Simulation(hardware=cal.hardware)).load_model()
     try:
         result = run_workload(runner, Workload(num_requests=6, prompt_len=Lengths.uniform(8, 40),
                                                output_len=Lengths.uniform(4, 12)))

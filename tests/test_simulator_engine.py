@@ -1,4 +1,4 @@
-"""The simulated runner (runner_core/simulator/engine.py): the real scheduler and KV pool on a virtual clock.
+"""The simulated runner (runner_core/simulator/runner.py, engine.py): the real scheduler and KV pool on a virtual clock.
 A simulated runner schedules exactly as a real one does on the same requests (admissions, chunks, preemptions,
 prefix hits, step by step); its clock is the sum of the cost model's step times; load runs take their times
 from it; named GPUs plan their pool from their memory and refuse a model that does not fit."""
@@ -18,6 +18,7 @@ from runner_core.sampling_params import SamplingParams
 from runner_core.simulator.engine import SimulatedEngine
 from runner_core.simulator.hardware import HARDWARE, Coefficients, HardwareSpec
 from runner_core.simulator.run import simulate_workload
+from runner_core.simulator.runner import SimulatedRunner
 from runner_core.simulator.simulation import Simulation
 from runner_core.tuning.driver import run_workload
 from runner_core.tuning.workload import Arrivals, Lengths, Workload
@@ -70,7 +71,7 @@ def _drive(runner) -> list:
 
 
 def test_scheduling_is_identical_to_a_real_run_step_by_step():
-    with ModelRunner(IDENTITY).load_model() as real, ModelRunner(IDENTITY, simulate=TEST_CPU).load_model() as sim:
+    with ModelRunner(IDENTITY).load_model() as real, SimulatedRunner(IDENTITY, TEST_CPU).load_model() as sim:
         assert isinstance(sim.engine, SimulatedEngine)
         assert sim.memory_stats()["blocks_total"] == real.memory_stats()["blocks_total"] == BLOCKS
         real_steps, sim_steps = _drive(real), _drive(sim)
@@ -81,8 +82,8 @@ def test_scheduling_is_identical_to_a_real_run_step_by_step():
 
 
 def _tiny(**fields):
-    return ModelRunner({"model": "tiny-llama", "dtype": "float32", "kv_cache_memory": 1 << 21, "max_model_len": 256,
-                        **fields}, simulate=TEST_CPU).load_model()
+    return SimulatedRunner({"model": "tiny-llama", "dtype": "float32", "kv_cache_memory": 1 << 21, "max_model_len": 256,
+                            **fields}, TEST_CPU).load_model()
 
 
 def test_the_virtual_clock_is_the_sum_of_the_predicted_step_times():
@@ -130,7 +131,7 @@ def test_idle_gaps_of_a_poisson_workload_jump_the_clock(monkeypatch):
 
 
 def test_a_70b_model_on_eight_h200_plans_its_pool_from_their_memory_and_generates():
-    runner = ModelRunner({"model": "llama-3-70b", "tensor_parallel_size": 8}, simulate="h200").load_model()
+    runner = SimulatedRunner({"model": "llama-3-70b", "tensor_parallel_size": 8}, "h200").load_model()
     with runner:
         info, mem = runner.model_info(), runner.memory_stats()
         outs = runner.generate([[100 + i] * 300 for i in range(3)], max_new_tokens=8)
@@ -149,14 +150,14 @@ def test_a_70b_model_on_eight_h200_plans_its_pool_from_their_memory_and_generate
 
 def test_a_70b_model_on_one_l4_is_refused_naming_memory_and_a_layout_that_fits():
     with pytest.raises(ConfigError, match=r"llama-3-70b does not fit.*GiB.*tensor_parallel_size=\d+"):
-        ModelRunner({"model": "llama-3-70b"}, simulate="l4").load_model()
+        SimulatedRunner({"model": "llama-3-70b"}, "l4").load_model()
     with pytest.raises(ConfigError, match="tensor_parallel_size"):  # a split the heads do not allow
-        ModelRunner({"model": "llama-3-70b", "tensor_parallel_size": 3}, simulate="h200").load_model()
+        SimulatedRunner({"model": "llama-3-70b", "tensor_parallel_size": 3}, "h200").load_model()
 
 
 def test_a_mixture_of_experts_config_runs():
-    with ModelRunner({"model": "mixtral-8x7b", "tensor_parallel_size": 2},
-                     simulate=Simulation("h100-sxm", band="low")).load_model() as runner:
+    with SimulatedRunner({"model": "mixtral-8x7b", "tensor_parallel_size": 2},
+                         Simulation("h100-sxm", band="low")).load_model() as runner:
         outs = runner.generate([[9] * 200, [8] * 50], max_new_tokens=6)
         assert runner.model_info()["architecture"] == "MixtralForCausalLM"
         assert runner.engine.cost_model.step_time([0], [200], 1) > runner.engine.cost_model.step_time([200], [1], 1)
@@ -164,7 +165,7 @@ def test_a_mixture_of_experts_config_runs():
 
 
 def test_what_a_simulation_cannot_honour_is_refused():
-    with ModelRunner({"model": "llama-3.1-8b", "max_model_len": 4096}, simulate="h100-sxm").load_model() as runner:
+    with SimulatedRunner({"model": "llama-3.1-8b", "max_model_len": 4096}, "h100-sxm").load_model() as runner:
         with pytest.raises(InvalidRequestError, match="stop strings"):
             runner.add_request([5, 6], SamplingParams(stop=["."]))
         with pytest.raises(InvalidRequestError, match="no tokenizer"):
@@ -182,8 +183,8 @@ def test_what_a_simulation_cannot_honour_is_refused():
 def test_a_weight_format_changes_what_fits_and_what_the_cost_model_reads():
     config = {"model": "llama-3-70b", "tensor_parallel_size": 4, "max_model_len": 4096, "max_num_batched_tokens": 512}
     with pytest.raises(ConfigError, match="does not fit"):
-        ModelRunner(config, simulate="l4").load_model()
-    with ModelRunner(config, simulate=Simulation("l4", weight_format="fp8")).load_model() as runner:
+        SimulatedRunner(config, "l4").load_model()
+    with SimulatedRunner(config, Simulation("l4", weight_format="fp8")).load_model() as runner:
         assert runner.model_info()["simulation"]["weight_format"] == "fp8"
         assert runner.engine.cost_model.weight_format == "fp8"
         assert runner.memory_stats()["weights_bytes"] < 18 << 30  # about one byte a weight, over four devices
@@ -211,9 +212,9 @@ def test_this_cpu_is_simulated_from_its_saved_calibration(monkeypatch):
 
     monkeypatch.setattr(calibration, "load_calibration", lambda: None)
     with pytest.raises(ValueError, match=r"make bench-whatif.*calibrate\(\)"):
-        ModelRunner({"model": "tiny-llama"}, simulate="cpu").load_model()
+        SimulatedRunner({"model": "tiny-llama"}, "cpu").load_model()
     monkeypatch.setattr(calibration, "load_calibration", lambda: SimpleNamespace(hardware=TEST_CPU))
-    with ModelRunner({"model": "tiny-llama", "max_model_len": 256}, simulate="cpu").load_model() as runner:
+    with SimulatedRunner({"model": "tiny-llama", "max_model_len": 256}, "cpu").load_model() as runner:
         assert runner.model_info()["simulation"]["hardware"] == TEST_CPU.name
         assert runner.engine.cost_model.coefficients == TEST_CPU.efficiency
         assert runner.generate("a prompt", max_new_tokens=2)[0].finish_reason == "length"  # the preset's tokenizer
@@ -221,8 +222,8 @@ def test_this_cpu_is_simulated_from_its_saved_calibration(monkeypatch):
 
 def test_an_fp8_kv_cache_doubles_the_pools_tokens_and_shows_in_model_info():
     config = {"model": "llama-3.1-8b", "max_model_len": 4096, "max_num_seqs": 64}
-    with ModelRunner(config, simulate="h100-sxm").load_model() as bf16, \
-            ModelRunner(config, simulate=Simulation("h100-sxm", kv_cache_dtype="fp8")).load_model() as fp8:
+    with SimulatedRunner(config, "h100-sxm").load_model() as bf16, \
+            SimulatedRunner(config, Simulation("h100-sxm", kv_cache_dtype="fp8")).load_model() as fp8:
         half, full = fp8.memory_stats(), bf16.memory_stats()
         assert fp8.model_info()["simulation"]["kv_cache_dtype"] == "fp8"
         assert bf16.model_info()["simulation"]["kv_cache_dtype"] == "bfloat16"
@@ -236,7 +237,7 @@ def test_an_fp8_kv_cache_doubles_the_pools_tokens_and_shows_in_model_info():
 
 def test_the_pool_of_a_tiny_model_on_a_big_gpu_is_capped_at_what_the_scheduler_can_hold():
     config = {"model": "tiny-llama", "max_model_len": 256, "max_num_seqs": 8, "block_size": 16}
-    with ModelRunner(config, simulate="h200").load_model() as runner:
+    with SimulatedRunner(config, "h200").load_model() as runner:
         stats = runner.memory_stats()
         cap = 2 * 8 * 256 // 16
         assert runner.engine.memory.num_blocks == stats["kv_pool_blocks_simulated"] == cap
@@ -260,3 +261,12 @@ def test_shutting_down_a_simulated_runner_does_not_release_freed_memory(monkeypa
     assert calls == []
     ModelRunner({"model": "tiny-llama"}).shutdown()  # a real runner's does
     assert calls == [1]
+
+
+def test_a_model_runner_given_simulate_names_the_simulated_runner():
+    import runner_core.simulator
+
+    with pytest.raises(ConfigError, match=r"runner_core\.simulator\.SimulatedRunner\(config, simulate\)"):
+        ModelRunner({"model": "tiny-llama"}, simulate="h200")
+    assert runner_core.simulator.SimulatedRunner is SimulatedRunner
+    assert isinstance(SimulatedRunner({"model": "tiny-llama"}, "h200"), ModelRunner)

@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 from transformers import LlamaConfig
 
-from runner_core import ModelRunner
 from runner_core.memory.shapes import ModelShape
 from runner_core.simulator import calibration
 from runner_core.simulator.cost_model import CostModel
 from runner_core.simulator.hardware import Coefficients, get_hardware
 from runner_core.simulator.held_out import HELD_OUT, held_out_error
 from runner_core.simulator.published import PUBLISHED, SimulatorBackend, compare_published, no_evict_batch
+from runner_core.simulator.runner import SimulatedRunner
 from runner_core.simulator.simulation import Simulation
 from runner_core.simulator.trtllm_limits import _round_batch, _round_tokens, trtllm_bench_limits
 
@@ -98,7 +98,7 @@ def test_async_scheduling_is_a_simulation_setting_the_cost_model_follows():
     with pytest.raises(ValueError, match="async_scheduling must be True or False"):
         Simulation(hardware="h100-sxm", async_scheduling="yes")
     config = {"model": "llama-3.1-8b", "max_model_len": 2048, "max_num_seqs": 16}
-    runner = ModelRunner(config, simulate=Simulation(hardware="h100-sxm", async_scheduling=True)).load_model()
+    runner = SimulatedRunner(config, Simulation(hardware="h100-sxm", async_scheduling=True)).load_model()
     try:
         assert runner.engine.cost_model.host_overlap is True
     finally:
@@ -127,8 +127,8 @@ def test_a_gpu_prediction_never_reads_this_cpus_calibration(monkeypatch):
                                                             efficiency=absurd))
 
     monkeypatch.setattr(calibration, "load_calibration", load)
-    runner = ModelRunner({"model": "llama-3.1-8b", "max_model_len": 2048, "max_num_seqs": 16},
-                         simulate="h100-sxm").load_model()
+    runner = SimulatedRunner({"model": "llama-3.1-8b", "max_model_len": 2048, "max_num_seqs": 16},
+                             "h100-sxm").load_model()
     try:
         assert runner.engine.cost_model.coefficients == H100.coefficients("typical")
     finally:

@@ -5,7 +5,7 @@ that is not here.
 * `hardware`: the named devices (datasheet peaks, memory, links, efficiency bands) and this CPU's spec;
 * `cost_model`: one step's predicted time from its shape (linear layers as a roofline, attention, TP/PP
   communication, the pipeline bubble, fixed costs per step, layer and sequence) and the least-squares fit;
-* `engine`, `simulation`: the simulated runner (`ModelRunner(config, simulate=...)`);
+* `runner`, `engine`, `simulation`: the simulated runner (`SimulatedRunner(config, simulate)`, a ModelRunner);
 * `calibrate`, `validate`: fitting this CPU's coefficients on measured steps, and the errors against real runs;
 * `model_configs`, `published`, `backend`: models by their config alone, published GPU figures, what-if sweeps.
 """
@@ -18,10 +18,12 @@ from runner_core.simulator.cost_model import CostModel, fit_coefficients
 from runner_core.simulator.hardware import HARDWARE, Coefficients, HardwareSpec, get_hardware
 from runner_core.simulator.published import PUBLISHED, compare_published
 from runner_core.simulator.run import simulate_workload
+from runner_core.simulator.runner import SimulatedRunner
 from runner_core.simulator.simulation import Simulation
 from runner_core.simulator.validate import validate_steps, validate_workloads
 
-__all__ = ["HARDWARE", "PUBLISHED", "Calibration", "Coefficients", "CostModel", "HardwareSpec", "Simulation",
+__all__ = ["HARDWARE", "PUBLISHED", "Calibration", "Coefficients", "CostModel", "HardwareSpec",
+           "SimulatedRunner", "Simulation",
            "SimulatorBackend", "calibrate", "compare_published", "config_model_names", "fit_coefficients",
            "get_hardware", "load_calibration", "measure_cpu", "resolve_config_model", "simulate_workload",
            "validate_steps", "validate_workloads", "whatif"]

@@ -1,4 +1,4 @@
-"""What-if sweeps: `SimulatorBackend`, the tuning sweep's TuneBackend over a simulated ModelRunner (devices,
+"""What-if sweeps: `SimulatorBackend`, the tuning sweep's TuneBackend over a SimulatedRunner (devices,
 layouts and weight formats are settings like any RunnerConfig field), and `whatif`, the tuning sweep over
 layouts such as {"hardware": "h100-sxm", "tensor_parallel_size": 8} with each point's throughput also run at
 the ends of the hardware's efficiency band, so a chart can draw the prediction as an error bar."""
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from runner_core.config import RECONFIGURABLE, RunnerConfig
-from runner_core.model_runner import ModelRunner
+from runner_core.simulator.runner import SimulatedRunner
 from runner_core.simulator.simulation import Simulation
 from runner_core.tuning.request_metrics import RunResult, Target
 from runner_core.tuning.results import THROUGHPUT
@@ -44,7 +44,7 @@ def collector_paused() -> Iterator[None]:
 
 
 class SimulatorBackend(RunnerBackend):
-    """A TuneBackend over a simulated ModelRunner (`ModelRunner(config, simulate=...)`): no weights, a
+    """A TuneBackend over a simulated runner (`SimulatedRunner(config, simulate)`): no weights, a
     virtual clock. `apply` takes RunnerConfig fields and the simulation's "hardware" (a HARDWARE name),
     "band", "weight_format" and "kv_cache_dtype": the fields of RECONFIGURABLE change live through
     `reconfigure`, anything else builds a new simulated runner (cheap: it reads config.json only). A layout
@@ -52,8 +52,8 @@ class SimulatorBackend(RunnerBackend):
     the sweep records as a skipped point; the backend then keeps its previous runner and settings."""
 
     def __init__(self, config, simulate="cpu") -> None:
-        self.simulation = Simulation.coerce(simulate)
-        self.runner = ModelRunner(RunnerConfig(config), simulate=self.simulation).load_model()
+        self.runner = SimulatedRunner(RunnerConfig(config), simulate).load_model()
+        self.simulation = self.runner.simulation
 
     def apply(self, settings: dict) -> dict:
         current = self.settings()
@@ -72,7 +72,7 @@ class SimulatorBackend(RunnerBackend):
         t0 = time.perf_counter()
         config = self.runner.config.replace(**changes)
         simulation = dataclasses.replace(self.simulation, **simulated)
-        runner = ModelRunner(config, simulate=simulation).load_model()  # raises before the old runner goes
+        runner = SimulatedRunner(config, simulation).load_model()  # raises before the old runner goes
         self.runner.shutdown()
         self.runner, self.simulation = runner, simulation
         return {"seconds": time.perf_counter() - t0, "rebuilt": "reload"}

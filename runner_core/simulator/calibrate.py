@@ -40,6 +40,7 @@ from runner_core.host import cpu_model_name, cpu_tier
 from runner_core.kernels import cpu_kernels_available, pack_panels, panel_linear, panels_support
 from runner_core.loader.model_loader import read_hf_config, resolve_model_path
 from runner_core.memory.shapes import ModelShape
+from runner_core.model_runner import ModelRunner
 from runner_core.sampling_params import SamplingParams
 from runner_core.simulator.calibration import Calibration, calibration_path, load_calibration  # noqa: F401 (API)
 from runner_core.simulator.cost_model import CostModel
@@ -283,8 +284,6 @@ def calibrate(model: str = "small-llama", *, dtype: str | None = None, shapes: S
     and on each of `models` (default: `model` and tiny-llama, two depths), fit the cost model's coefficients and
     return (and with `save`, write to `path`, default calibration_path()) the Calibration. `dtype` None: the
     dtype the engine picks for `model` ("auto"). `progress(message)` hears of each stage."""
-    from runner_core.model_runner import ModelRunner
-
     say = progress or (lambda message: None)
     start = time.perf_counter()
     models = list(dict.fromkeys([model, *(models if models is not None else ["tiny-llama"])]))

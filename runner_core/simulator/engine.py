@@ -3,7 +3,7 @@ processor and step observer on a virtual clock, the forward pass replaced by the
 step time and sampling by seeded draws that are never an EOS id. No weights are read and no ranks are
 spawned: the model is its config.json, tensor and pipeline parallelism are simulated in this process.
 
-`build_simulated_engine(config, simulate)` is what `ModelRunner(config, simulate=...).load_model()` calls
+`build_simulated_engine(config, simulation)` is what `SimulatedRunner(config, simulate).load_model()` calls
 (`simulator.run.simulate_workload` is the one-call load run).
 """
 
@@ -33,7 +33,7 @@ from runner_core.simulator.hardware import HardwareSpec
 from runner_core.simulator.simulation import Simulation, estimate_on, plan_memory, simulated_config
 
 NO_LOGITS = ("a simulated runner computes no logits (it predicts step times; no weights are loaded); load the "
-             "model without simulate= to run forward passes")
+             "model with ModelRunner to run forward passes")
 
 
 def simulated_blocks(plan: PoolPlan, config: RunnerConfig) -> int:
@@ -188,7 +188,7 @@ class SimulatedEngine(LLMEngine):
 
     def moe_stats(self, recent_steps: int = 64) -> dict:
         raise InvalidRequestError("a simulated runner routes no tokens (the cost model counts the experts a step "
-                                  "reads from the batch's shape); load the model without simulate= for moe_stats")
+                                  "reads from the batch's shape); load the model with ModelRunner for moe_stats")
 
     def memory_stats(self) -> dict:
         """The real runner's keys, the pool's blocks as planned (the cap's left-out blocks count as free) and,
@@ -201,11 +201,10 @@ class SimulatedEngine(LLMEngine):
         return stats
 
 
-def build_simulated_engine(config: RunnerConfig, simulate) -> SimulatedEngine:
-    """The engine of `ModelRunner(config, simulate=...)`: config.model resolved by model_configs (a name of
+def build_simulated_engine(config: RunnerConfig, simulation: Simulation) -> SimulatedEngine:
+    """The engine of `SimulatedRunner(config, simulate)`: config.model resolved by model_configs (a name of
     theirs, a preset or a directory with config.json), its config read, the layout validated (a split the
     model cannot take is refused), the pool planned on the hardware (ConfigError when it cannot fit)."""
-    simulation = Simulation.coerce(simulate)
     hardware, coefficients = simulation.resolve()
     path = resolve_config_model(config.model)
     auto = config.dtype == "auto"

@@ -1,11 +1,10 @@
 """A simulated load run in one call: `simulate_workload(model, workload, simulate=...)` loads a simulated
-runner (`ModelRunner(config, simulate=...)`), runs a tuning Workload on its virtual clock and shuts it down.
-Apart from `engine`, which ModelRunner imports."""
+runner (`SimulatedRunner(config, simulate)`), runs a tuning Workload on its virtual clock and shuts it down."""
 
 from __future__ import annotations
 
 from runner_core.config import RunnerConfig
-from runner_core.model_runner import ModelRunner
+from runner_core.simulator.runner import SimulatedRunner
 from runner_core.tuning.driver import run_workload
 from runner_core.tuning.request_metrics import RunResult
 
@@ -14,7 +13,7 @@ def simulate_workload(model, workload, *, simulate, target=None, **config_fields
     """Run `workload` (a tuning Workload) on a simulated runner of `model` with `config_fields`
     (RunnerConfig fields): loads, runs run_workload on the virtual clock, shuts down; a RunResult
     whose `settings` are the config's fields."""
-    runner = ModelRunner(RunnerConfig(model=model, **config_fields), simulate=simulate).load_model()
+    runner = SimulatedRunner(RunnerConfig(model=model, **config_fields), simulate).load_model()
     try:
         result = run_workload(runner, workload, target=target)
     finally:

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import statistics
 
+from runner_core.model_runner import ModelRunner
 from runner_core.simulator.calibrate import Calibration, cost_models, relative_errors
+from runner_core.simulator.runner import SimulatedRunner
+from runner_core.simulator.simulation import Simulation
 from runner_core.tuning.driver import run_workload
 from runner_core.tuning.workload import Arrivals, Lengths, Workload
 
@@ -63,9 +66,6 @@ def validate_workloads(calibration: Calibration, model: str | None = None, *, lo
     the real engine's measured capacity); see the module docstring. Returns {"capacity_rps": {"measured",
     "simulated", "error"}, "loads": {load: {figure: {"measured", "simulated", "error"}}}, "below_saturation",
     "near_saturation": the largest error of each figure there, "workload": its label, "settings"}."""
-    from runner_core.model_runner import ModelRunner
-    from runner_core.simulator.simulation import Simulation
-
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     if not loads or any(not 0 < x < 1.5 for x in loads):
@@ -74,7 +74,7 @@ def validate_workloads(calibration: Calibration, model: str | None = None, *, lo
     base = (workload or default_workload(num_requests)).replace(arrivals=Arrivals.burst())
     settings = {"model": model or calibration.model, "dtype": calibration.dtype, **calibration.settings}
     real = ModelRunner(settings).load_model()
-    sim = ModelRunner(settings, simulate=Simulation(hardware=calibration.hardware)).load_model()
+    sim = SimulatedRunner(settings, Simulation(hardware=calibration.hardware)).load_model()
     try:
         run_workload(real, base.replace(num_requests=min(8, base.num_requests), seed=base.seed + 1000))  # warm-up
         bursts = {"measured": [], "simulated": []}
