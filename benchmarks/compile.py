@@ -160,10 +160,10 @@ def main() -> None:
         print("CHILD " + json.dumps(result), flush=True)
         return
 
-    from runner_core.models.presets import ensure_preset, is_preset
+    from runner_core.loader.model_loader import resolve_model_path
 
     model = args.model or ("tiny-llama" if args.quick else "small-llama")
-    model_path = str(ensure_preset(model)) if is_preset(model) else model
+    model_path = str(resolve_model_path(model))
     scopes = [s for s in args.scopes.split(",") if s]
     routes = [r for r in (args.routes or ("aoti" if args.quick else "aoti,jit")).split(",") if r]
     base = {"model": model_path, "quick": args.quick, "rounds": args.rounds,

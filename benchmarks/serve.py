@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.client:
         run_client(args.client)
         return 0
-    from runner_core.models.presets import ensure_preset, is_preset
+    from runner_core.loader.model_loader import resolve_model_path
     from workbench import Session
 
     info = machine.machine_info("cpu")
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         entry = session.load_model(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_mib << 20,
                                    max_model_len=args.max_model_len, max_num_seqs=max(16, args.concurrency))
-        tokenizer = ensure_preset(args.model) if is_preset(args.model) else Path(args.model)
+        tokenizer = resolve_model_path(args.model)
         server = session.serve_api(port=0)
         print(f"# {entry.name} ({args.dtype}) served at {server.url}; {args.num_prompts} requests, "
               f"{args.input_len} -> {args.output_len} tokens, concurrency {args.concurrency}", flush=True)

@@ -13,6 +13,10 @@ class ModelLoadError(RunnerError):
     """A model directory, checkpoint, preset or tokenizer could not be loaded."""
 
 
+class UnknownModelError(ModelLoadError, ValueError):
+    """A model given by name or path is none of the catalogue's kinds (runner_core.models.catalogue)."""
+
+
 class InvalidRequestError(RunnerError, ValueError):
     """One request (prompt or sampling parameters) is malformed; the engine is unaffected."""
 

@@ -102,7 +102,8 @@ def test_sharded_with_index(tmp_path, stand_in):
 
 
 def test_missing_directory():
-    with pytest.raises(ModelLoadError, match="model directory not found: .*no/such/model"):
+    with pytest.raises(ModelLoadError, match=r"unknown model './no/such/model' \(no such directory\): pass a "
+                                             "directory holding config.json, a preset .*tiny-llama"):
         resolve_model_path("./no/such/model")
 
 
@@ -202,8 +203,8 @@ def test_hub_id_offline_is_refused_with_advice(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(ModelLoadError, match="not a local directory, a preset or in the Hugging Face cache, and "
-                                             "HF_HUB_OFFLINE is set.*tiny-llama, small-llama"):
+    with pytest.raises(ModelLoadError, match="unknown model 'some-org/some-model' .*tiny-llama, small-llama.*nor a "
+                                             "hub id in the Hugging Face cache, and HF_HUB_OFFLINE is set"):
         resolve_model_path("some-org/some-model")
     # A snapshot already in the HF cache is used as is.
     snapshot = tmp_path / "models--some-org--some-model" / "snapshots" / ("a" * 40)

@@ -12,7 +12,7 @@ from runner_core.loader.model_loader import read_hf_config
 from runner_core.memory.estimate import estimate_memory
 from runner_core.memory.shapes import ModelShape
 from runner_core.models import MODEL_REGISTRY
-from runner_core.models.config_models import CONFIG_MODELS, config_model_names, resolve_config_model
+from runner_core.models.catalogue import CONFIG_ONLY, catalogue_names, resolve_model
 from runner_core.simulator.backend import SimulatorBackend, whatif
 from runner_core.simulator.published import PUBLISHED, Comparison, compare_published
 from runner_core.simulator.simulation import Simulation
@@ -24,9 +24,9 @@ SMALL = Workload(num_requests=12, arrivals=Arrivals.burst(), prompt_len=Lengths.
                  output_len=Lengths.fixed(16))
 
 
-@pytest.mark.parametrize("name", config_model_names())
+@pytest.mark.parametrize("name", catalogue_names(CONFIG_ONLY))
 def test_config_model_matches_its_published_shape(name):
-    path = resolve_config_model(name)
+    path = resolve_model(name)
     hf_config = read_hf_config(path)
     assert MODEL_REGISTRY.get_adapter(hf_config).impl == "native"
     shape = ModelShape.from_hf_config(hf_config)
@@ -36,14 +36,8 @@ def test_config_model_matches_its_published_shape(name):
     assert estimate.weights_bytes == pytest.approx(2 * count / 8, rel=0.05)  # bf16, split 8 ways
 
 
-def test_resolve_config_model_takes_presets_and_directories_and_names_the_choices(tmp_path):
-    assert resolve_config_model("llama-3-70b") == resolve_config_model("llama-3-70b")  # written once, reused
-    assert (resolve_config_model("tiny-llama") / "config.json").is_file()
-    model_dir = resolve_config_model("llama-3.1-8b")
-    assert resolve_config_model(str(model_dir)) == model_dir
-    with pytest.raises(ValueError, match="llama-3-70b.*tiny-llama.*config.json"):
-        resolve_config_model(str(tmp_path))
-    assert set(CONFIG_MODELS) == set(PUBLISHED_PARAMETERS)
+def test_the_config_only_models_are_the_published_ones():
+    assert set(catalogue_names(CONFIG_ONLY)) == set(PUBLISHED_PARAMETERS)
 
 
 def test_simulator_backend_is_a_tune_backend_with_simulation_settings():

@@ -1,5 +1,5 @@
-"""ModelLoader: resolves `model`, reads config.json, builds the runner's model and
-streams safetensors weights into it (never pickle), then loads the tokenizer.
+"""ModelLoader: resolves `model` (the catalogue's kinds, then a hub id), reads config.json, builds the
+runner's model and streams safetensors weights into it (never pickle), then loads the tokenizer.
 
 Mapping HF names onto fused parameters (qkv, gate_up) and tensor-parallel slicing
 are done by the model's `load_weights` and its parameters' weight loaders. With tensor or
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from runner_core.config import RunnerConfig, resolve_max_model_len
-from runner_core.errors import ModelLoadError
+from runner_core.errors import ModelLoadError, UnknownModelError
 from runner_core.layers.quantization import QuantFormat
 from runner_core.layers.rotary import rotary_positions
 from runner_core.layers.weight_storage import (
@@ -38,7 +38,7 @@ from runner_core.layers.weight_storage import (
 from runner_core.loader.checkpoint_writer import checkpoint_quantization, quantized_checkpoint_tensors
 from runner_core.loader.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
 from runner_core.loader.weight_utils import WINDOW_BYTES, SafetensorsWeights
-from runner_core.models import MODEL_REGISTRY, ensure_preset, is_preset, preset_names
+from runner_core.models import MODEL_REGISTRY, resolve_model
 from runner_core.models.registry import MODEL_ATTRIBUTES, ModelAdapter
 from runner_core.process_memory import trim_heap
 
@@ -83,7 +83,7 @@ class ModelLoader:
         if cfg.dtype == "auto":
             logger.info("dtype auto -> %s: %s", *cfg.auto_dtype())
         # the tokenizer and processor first: they fail fast, before any weight is read
-        tokenizer_path = resolve_model_path(cfg.tokenizer) if cfg.tokenizer else path
+        tokenizer_path = _tokenizer_path(cfg.tokenizer) if cfg.tokenizer else path
         if cfg.tokenizer and not has_tokenizer_files(tokenizer_path):
             raise ModelLoadError(
                 f"tokenizer {cfg.tokenizer!r} ({tokenizer_path}) holds no tokenizer files: pass a directory "
@@ -200,26 +200,24 @@ def _nbytes(tensors: Iterator[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)  # parameters()/buffers() yield shared ones once
 
 
-def resolve_model_path(model: str) -> Path:
-    """A local directory for `model`: an existing directory, a preset, or a hub id in the HF cache."""
-    local = Path(model).expanduser()
-    if local.is_dir():
-        return local
-    if is_preset(model):
-        return ensure_preset(model)
-    if local.exists():
-        raise ModelLoadError(f"model path {local} is a file; pass the directory holding config.json")
-    if _HUB_ID.match(model) and not model.startswith("."):
-        return _from_hf_cache(model)
-    raise ModelLoadError(f"model directory not found: {local}")
+def resolve_model_path(model: str, *, weights: bool = True) -> Path:
+    """A local directory for `model`: what the catalogue resolves (a directory holding config.json, a preset,
+    and a config-only model unless `weights` are needed: runner_core.models.catalogue), else a hub id from the
+    Hugging Face cache (or downloaded)."""
+    try:
+        return resolve_model(model, weights=weights)
+    except UnknownModelError as unknown:
+        if not (_HUB_ID.match(model) and not model.startswith(".") and not Path(model).expanduser().exists()):
+            raise
+        return _from_hf_cache(model, str(unknown))
 
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt"]  # never pickles
 
 
-def _from_hf_cache(repo_id: str) -> Path:
+def _from_hf_cache(repo_id: str, unknown: str) -> Path:
     """The snapshot of `repo_id`: from the local Hugging Face cache, else downloaded (safetensors only)
-    unless HF_HUB_OFFLINE is set."""
+    unless HF_HUB_OFFLINE is set; else UnknownModelError: `unknown` (the catalogue's kinds) and why not."""
     from huggingface_hub import constants, snapshot_download
 
     try:
@@ -232,10 +230,14 @@ def _from_hf_cache(repo_id: str) -> Path:
             return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, etag_timeout=10))
         except Exception as exc:  # connection, authorisation or missing-repo errors
             reason = f"the hub could not be reached or refused it ({type(exc).__name__})"
-    raise ModelLoadError(
-        f"{repo_id!r} is not a local directory, a preset or in the Hugging Face cache, and {reason}. Pass a "
-        f"local model directory, one of the presets ({', '.join(preset_names())}), or fetch it first where "
-        f"the hub is reachable: `hf download {repo_id}`")
+    raise UnknownModelError(f"{unknown}; nor a hub id in the Hugging Face cache, and {reason}: fetch it first where "
+                            f"the hub is reachable (`hf download {repo_id}`)")
+
+
+def _tokenizer_path(tokenizer: str) -> Path:
+    """The directory of `tokenizer`: a directory as it is (a tokenizer needs no config.json), else a model's."""
+    local = Path(tokenizer).expanduser()
+    return local if local.is_dir() else resolve_model_path(tokenizer)
 
 
 def load_processor(path: Path, trust_remote_code: bool = False):

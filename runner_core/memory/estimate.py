@@ -211,8 +211,9 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
     """Predict the memory a configuration needs per device, before loading anything.
 
     `model` is resolved like the loader does (a directory, a preset built on first use, a hub id
-    in the local cache). Weights come from the safetensors headers, cast to the target dtype,
-    or from config.json alone (Llama-family layout) when there are no safetensors files.
+    in the local cache), config-only models included: a config suffices (runner_core.models.catalogue).
+    Weights come from the safetensors headers, cast to the target dtype, or from config.json alone
+    (Llama-family layout) when there are no safetensors files.
     The KV pool is `kv_cache_memory` (bytes per device) if given, else room for `max_num_seqs`
     sequences of `max_model_len` tokens (default: max_position_embeddings). Pipeline stages hold
     `pipeline_stage_layers` decoder layers each (default: an even split). With
@@ -237,7 +238,7 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
         if value not in allowed:
             raise ConfigError(f"{name}={value!r} is not a storage format setting; use one of "
                               f"{', '.join(map(repr, allowed))}")
-    path = resolve_model_path(str(model))
+    path = resolve_model_path(str(model), weights=False)
     hf_config = read_hf_config(path, trust_remote_code)
     adapter = MODEL_REGISTRY.get_adapter(hf_config, model_impl, trust_remote_code=trust_remote_code)
     shape = ModelShape.from_hf_config(hf_config)

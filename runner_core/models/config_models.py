@@ -1,8 +1,8 @@
 """Published models by their config alone, for the what-if simulator: no weights, just the config.json
 that transformers' own config class writes for the published shape, cached under
-`$RUNNER_WORKBENCH_CACHE/whatif-configs/<name>-<hash of the spec>/` (built into a temporary sibling and
-renamed into place, as presets are). `resolve_config_model` turns a name here, a preset or a model
-directory into the directory the simulated runner and `estimate_memory` read.
+`$RUNNER_WORKBENCH_CACHE/whatif-configs/<name>-<hash of the spec>/` (by `cache_dir.build_cached`, as presets
+are). `runner_core.models.catalogue` resolves their names, beside the presets', into the directory the
+simulated runner and `estimate_memory` read, and refuses them where weights are needed.
 
 Every field below is the published config.json's (the Hugging Face model repositories named in each
 entry's `source`); fields left out take the config class's default, which equals the published value.
@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from runner_core.cache_dir import cache_root
-from runner_core.models.presets import ensure_preset, is_preset, preset_names
+from runner_core.cache_dir import build_cached, cache_root
 
 _RECIPE_VERSION = 1
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -37,6 +33,11 @@ class ConfigModel:
     source: str
     parameters: float  # the published parameter count (the tests check the shape against it)
     rope: dict = field(default_factory=dict)  # beyond {"rope_type": "default", "rope_theta": ...}
+
+    @property
+    def hub_id(self) -> str:
+        """The Hugging Face repository of the published checkpoint (from `source`), e.g. "meta-llama/Llama-3.1-8B"."""
+        return self.source.removeprefix("https://huggingface.co/").split("/blob/")[0]
 
 
 _LLAMA_COMMON = {"rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
@@ -90,10 +91,6 @@ CONFIG_MODELS: dict[str, ConfigModel] = {
 }
 
 
-def config_model_names() -> list[str]:
-    return list(CONFIG_MODELS)
-
-
 def config_model_dir(name: str) -> Path:
     """Where the config of `name` lives once written (the directory name carries a hash of its spec)."""
     spec = _spec(name)
@@ -113,37 +110,7 @@ def hf_config(name: str):
 
 def ensure_config_model(name: str) -> Path:
     """The directory holding config.json of model `name`, written on first use."""
-    final = config_model_dir(name)
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    try:
-        hf_config(name).save_pretrained(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():  # not a lost race with another writer: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
-    return final
-
-
-def resolve_config_model(name_or_path) -> Path:
-    """The model directory for `name_or_path`: a model named here (its config written to the cache), a
-    preset (built on first use), or a directory holding config.json. ValueError naming all three otherwise."""
-    text = str(name_or_path)
-    if text in CONFIG_MODELS:
-        return ensure_config_model(text)
-    if is_preset(text):
-        return ensure_preset(text)
-    path = Path(text).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    why = f"{path} has no config.json" if path.is_dir() else "it is not a directory"
-    raise ValueError(f"unknown model {text!r} ({why}): use a config model ({', '.join(CONFIG_MODELS)}), a preset "
-                     f"({', '.join(preset_names())}) or a directory holding config.json")
+    return build_cached(config_model_dir(name), lambda out: hf_config(name).save_pretrained(out))
 
 
 def _spec(name: str) -> ConfigModel:

@@ -7,9 +7,9 @@ published checkpoints (`REAL_SIZE_PRESETS`: Qwen2.5-0.5B, Llama-3.2-1B, stored i
 No download: each preset is built with transformers' own classes (the spec names its config and
 model class and any config fields beyond the common ones) and a byte-level
 BPE tokenizer whose merges are generated, not trained, then cached under
-`$RUNNER_WORKBENCH_CACHE/presets/<name>-<hash of the spec>`. The build goes to a
-temporary sibling directory renamed into place, so concurrent builders never
-leave a half-written preset behind.
+`$RUNNER_WORKBENCH_CACHE/presets/<name>-<hash of the spec>` by `cache_dir.build_cached` (a temporary
+sibling renamed into place: concurrent builders never leave a half-written preset behind).
+`runner_core.models.catalogue` resolves a preset's name, beside the config-only models'.
 """
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from runner_core.cache_dir import cache_root
+from runner_core.cache_dir import build_cached, cache_root
 from runner_core.errors import ModelLoadError
 
 # Bump when the build recipe changes, so cached presets are rebuilt.
@@ -176,21 +173,7 @@ def ensure_preset(name: str) -> Path:
             raise ModelLoadError(f"the shipped preset {name!r} is missing from {shipped}: reinstall the package "
                                  "or rebuild it with `make preset`")
         return shipped
-    final = preset_dir(name)
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    try:
-        build_preset(_spec(name), tmp, name)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
-    return final
+    return build_cached(preset_dir(name), lambda out: build_preset(_spec(name), out, name))
 
 
 def _spec(name: str) -> PresetSpec:

@@ -120,7 +120,7 @@ def _runs_on_one_device(model: str, estimate_kwargs: dict) -> bool:
     from runner_core.loader.model_loader import read_hf_config, resolve_model_path
 
     trust = estimate_kwargs.get("trust_remote_code", False)
-    hf_config = read_hf_config(resolve_model_path(str(model)), trust)
+    hf_config = read_hf_config(resolve_model_path(str(model), weights=False), trust)
     adapter = MODEL_REGISTRY.get_adapter(hf_config, estimate_kwargs.get("model_impl", "auto"), trust_remote_code=trust)
     return adapter.impl == "transformers"
 
@@ -134,6 +134,7 @@ def suggest_parallel_config(model: str, devices: int | Sequence, *, device_memor
     with `storage_formats`, also the weights' storage format (bfloat16, int8, int4) that lets it
     take fewer devices (`as_config()` then carries the format's settings too).
 
+    `model` is what estimate_memory takes, a config-only model included (planned on paper: no weights);
     `device_memory` (bytes per device) plans on paper instead of asking the devices;
     `estimate_kwargs` go to `estimate_memory` (dtype, max_model_len, max_num_seqs, quantization, ...).
     Raises ConfigError when no layout fits, saying the least memory per device it would take."""

@@ -7,10 +7,11 @@ that is not here.
   communication, the pipeline bubble, fixed costs per step, layer and sequence) and the least-squares fit;
 * `runner`, `engine`, `simulation`: the simulated runner (`SimulatedRunner(config, simulate)`, a ModelRunner);
 * `calibrate`, `validate`: fitting this CPU's coefficients on measured steps, and the errors against real runs;
-* `model_configs`, `published`, `backend`: models by their config alone, published GPU figures, what-if sweeps.
+* `published`, `backend`: published GPU figures, what-if sweeps; the models they plan are the catalogue's
+  (runner_core.models.catalogue: `catalogue_names`, `resolve_model`, config-only models included).
 """
 
-from runner_core.models.config_models import config_model_names, resolve_config_model
+from runner_core.models.catalogue import catalogue_names, resolve_model
 from runner_core.simulator.backend import SimulatorBackend, whatif
 from runner_core.simulator.calibrate import calibrate, measure_cpu
 from runner_core.simulator.calibration import Calibration, load_calibration
@@ -24,6 +25,6 @@ from runner_core.simulator.validate import validate_steps, validate_workloads
 
 __all__ = ["HARDWARE", "PUBLISHED", "Calibration", "Coefficients", "CostModel", "HardwareSpec",
            "SimulatedRunner", "Simulation",
-           "SimulatorBackend", "calibrate", "compare_published", "config_model_names", "fit_coefficients",
-           "get_hardware", "load_calibration", "measure_cpu", "resolve_config_model", "simulate_workload",
+           "SimulatorBackend", "calibrate", "catalogue_names", "compare_published", "fit_coefficients",
+           "get_hardware", "load_calibration", "measure_cpu", "resolve_model", "simulate_workload",
            "validate_steps", "validate_workloads", "whatif"]

@@ -123,8 +123,8 @@ def whatif(model: str, workload: Workload | None = None, target: Target | None =
            space: SweepSpace | None = None, repeats: int = 1, results=None,
            on_progress: Callable[[TuneProgress], None] | None = None,
            stop: threading.Event | None = None) -> TuneResult:
-    """The tuning sweep (`tune`) on simulated runners of `model` (a name of model_configs, a preset or a
-    directory with config.json): `layouts` (e.g. [{"hardware": "h100-sxm", "tensor_parallel_size": 8},
+    """The tuning sweep (`tune`) on simulated runners of `model` (the models' catalogue: a config-only model, a
+    preset or a directory with config.json): `layouts` (e.g. [{"hardware": "h100-sxm", "tensor_parallel_size": 8},
     {"hardware": "l4", "tensor_parallel_size": 1}]; default: this CPU as configured) are the layout stage,
     then the concurrency and any knobs of `space`, at the band's typical efficiency. A layout that does not
     fit its hardware is in `result.skipped` with the reason. With `band`, each measured point also gets

@@ -218,8 +218,8 @@ def measure_steps(runner, sweep: ShapeSweep, *, repeats: int = 3, seed: int = 0,
 def cost_models(rows: list[dict], hardware: HardwareSpec, coefficients: Coefficients, dtype: str) -> dict:
     """{model: CostModel} for the models of `rows`."""
     shapes = {r["model"] for r in rows}
-    return {m: CostModel(ModelShape.from_hf_config(read_hf_config(resolve_model_path(m))), hardware, coefficients,
-                         dtype=dtype) for m in sorted(shapes)}
+    return {m: CostModel(ModelShape.from_hf_config(read_hf_config(resolve_model_path(m, weights=False))), hardware,
+                         coefficients, dtype=dtype) for m in sorted(shapes)}
 
 
 def predict(models: dict, row: dict) -> float:

@@ -26,7 +26,7 @@ from runner_core.loader.model_loader import read_hf_config
 from runner_core.loader.tokenizer import has_tokenizer_files, load_tokenizer
 from runner_core.memory import MemoryManager, ModelShape, PoolPlan
 from runner_core.models import MODEL_REGISTRY
-from runner_core.models.config_models import resolve_config_model
+from runner_core.models.catalogue import resolve_model
 from runner_core.parallel.plan import validate_parallel_config
 from runner_core.simulator.cost_model import CostModel
 from runner_core.simulator.hardware import HardwareSpec
@@ -202,11 +202,11 @@ class SimulatedEngine(LLMEngine):
 
 
 def build_simulated_engine(config: RunnerConfig, simulation: Simulation) -> SimulatedEngine:
-    """The engine of `SimulatedRunner(config, simulate)`: config.model resolved by model_configs (a name of
-    theirs, a preset or a directory with config.json), its config read, the layout validated (a split the
+    """The engine of `SimulatedRunner(config, simulate)`: config.model resolved by the models' catalogue (a
+    config-only model, a preset or a directory with config.json), its config read, the layout validated (a split the
     model cannot take is refused), the pool planned on the hardware (ConfigError when it cannot fit)."""
     hardware, coefficients = simulation.resolve()
-    path = resolve_config_model(config.model)
+    path = resolve_model(config.model)
     auto = config.dtype == "auto"
     config = simulated_config(config, hardware)  # on a GPU, dtype "auto" is bfloat16 from here on
     dtype_reason = "set in the config" if not auto else (

@@ -66,7 +66,7 @@ def _fixed(num_requests: int, prompt: int, output: int) -> Workload:
 
 @dataclass(frozen=True)
 class PublishedFigure:
-    """One published measurement and the settings it was taken with. `model` is a name of model_configs,
+    """One published measurement and the settings it was taken with. `model` is a config-only model's name,
     `hardware` a HARDWARE name, `weight_format` the simulation's (None: the config's dtype),
     `kv_cache_dtype` the simulation's KV cache format (None: the compute dtype), `workload` the requests
     as published (fixed lengths, all due at once for an offline run), `max_num_seqs` and

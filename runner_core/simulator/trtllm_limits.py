@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from runner_core.loader.model_loader import read_hf_config
 from runner_core.memory.shapes import ModelShape
-from runner_core.models.config_models import CONFIG_MODELS, hf_config, resolve_config_model
+from runner_core.models.catalogue import resolve_model
 from runner_core.simulator.hardware import get_hardware
 
 SOURCE = ("TensorRT-LLM trtllm-bench: tensorrt_llm/bench/build/tuning.py calc_engine_setting / finetune_setting, "
@@ -69,7 +69,7 @@ def _round_tokens(raw: float) -> int:
 def trtllm_bench_limits(model: str, hardware: str, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                         input_len: int, output_len: int, weight_bytes: float = 1.0, kv_bytes: float = 1.0,
                         kv_cache_free_gpu_mem_fraction: float = 0.90, chunked_prefill: bool = False) -> BenchLimits:
-    """trtllm-bench's max_batch_size and max_num_tokens for `model` (a config model name or directory) on
+    """trtllm-bench's max_batch_size and max_num_tokens for `model` (a config-only model, a preset or a directory) on
     `hardware` x tp x pp at a dataset of ISL `input_len` / OSL `output_len` (the module docstring has the rule);
     `weight_bytes` and `kv_bytes` are bytes per weight and per KV element (FP8: 1, 16-bit: 2)."""
     for name, value in (("input_len", input_len), ("output_len", output_len),
@@ -79,8 +79,7 @@ def trtllm_bench_limits(model: str, hardware: str, *, tensor_parallel_size: int 
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not 0 < kv_cache_free_gpu_mem_fraction <= 1:
         raise ValueError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {kv_cache_free_gpu_mem_fraction!r}")
-    config = hf_config(model) if model in CONFIG_MODELS else read_hf_config(resolve_config_model(model))
-    shape = ModelShape.from_hf_config(config)  # a config model's shape from its fields: nothing written
+    shape = ModelShape.from_hf_config(read_hf_config(resolve_model(model)))
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     params = sum(math.prod(s) for _, s in shape.checkpoint_tensors())
     engine = params * weight_bytes / _GiB

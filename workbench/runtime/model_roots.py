@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from runner_core.cache_dir import cache_root
-from runner_core.models import is_preset
+from runner_core.models.catalogue import catalogue_entry
 from runner_core.models.presets import SHIPPED_DIR
 from workbench.runtime.handles import SessionError
 
@@ -32,8 +32,9 @@ class ModelRoots:
         self.roots = [Path(r).expanduser().resolve() for r in [*default_roots(), *extra]]
 
     def check(self, model: str) -> str:
-        """`model` when it is a preset name or a path inside a root; else ModelPathRefused."""
-        if is_preset(model) and "/" not in model:
+        """`model` when it is a catalogue name (a preset, or a config-only model: no path, and the loader refuses
+        it with its reason) or a path inside a root; else ModelPathRefused."""
+        if catalogue_entry(model) is not None and "/" not in model:
             return model
         path = Path(model).expanduser().resolve()
         if any(path.is_relative_to(root) for root in self.roots):

@@ -7,7 +7,7 @@ wire the buttons. No engine logic here: the job and the memory figures come from
 
 from __future__ import annotations
 
-from runner_core.models.config_models import config_model_names
+from runner_core.models.catalogue import CONFIG_ONLY, PRESET, catalogue_names
 from runner_core.simulator.calibrate import cpu_model_name
 from runner_core.tuning import Target, Workload
 from workbench.tuning.job import TuneJob
@@ -49,13 +49,14 @@ class WhatifControls:
             button.on_click(lambda _event, action=action: action())
 
     def whatif_models(self) -> list[str]:
-        """The model picker's choices: the models loaded in the session, then the published configs."""
-        return [*self.session.models, *config_model_names()]
+        """The model picker's choices: the models loaded in the session, the config-only models (published
+        configs), then the presets (the catalogue's names)."""
+        return list(dict.fromkeys([*self.session.models, *catalogue_names(CONFIG_ONLY), *catalogue_names(PRESET)]))
 
     def whatif_source(self, model: str) -> str:
-        """`model` if the tab may simulate it: a model loaded in the session, a published config or a preset by
-        name, or (a served dashboard) a directory inside its model roots; else ModelPathRefused."""
-        if self.model_roots is None or model in self.session.models or model in config_model_names():
+        """`model` if the tab may simulate it: a model loaded in the session, a catalogue name (a config-only model
+        or a preset), or (a served dashboard) a directory inside its model roots; else ModelPathRefused."""
+        if self.model_roots is None or model in self.session.models:
             return model
         return self.model_roots.check(model)
 

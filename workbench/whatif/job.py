@@ -15,7 +15,7 @@ from pathlib import Path
 
 from runner_core import ConfigError, RunnerConfig
 from runner_core.memory.fit import required_bytes
-from runner_core.models.config_models import resolve_config_model
+from runner_core.models.catalogue import resolve_model
 from runner_core.simulator.backend import SIMULATION_SETTINGS, whatif
 from runner_core.simulator.hardware import get_hardware
 from runner_core.simulator.simulation import Simulation, estimate_on, plan_memory, simulated_config, usable_bytes
@@ -26,7 +26,7 @@ from workbench.tuning.job import SweepJob
 
 class WhatifJob(SweepJob):
     """A what-if sweep over `layouts` (dicts such as {"hardware": "h100-sxm", "tensor_parallel_size": 8}) of
-    `model` (a runner_core.models.config_models name, a preset, a model directory, or the name of a model
+    `model` (a catalogue name: a config-only model or a preset; a model directory; or the name of a model
     loaded in the session: its model and dtype); see Session.whatif."""
 
     noun = "what-if"
@@ -70,12 +70,12 @@ class WhatifJob(SweepJob):
 
 def model_source(session, model: str, config: dict) -> tuple[str, dict]:
     """(what the simulated runner reads, its base config) for `model`: a model loaded in the session gives
-    its own model and dtype; anything else is resolved by model_configs (a name there, a preset, a directory)
+    its own model and dtype; anything else is resolved by the catalogue (a config-only model, a preset, a directory)
     and keeps `config`."""
     entry = session.models.get(model)
     if entry is not None:
         return entry.config.model, {**config, "dtype": entry.config.dtype}
-    return str(resolve_config_model(model)), dict(config)
+    return str(resolve_model(model)), dict(config)
 
 
 def _check_layouts(layouts) -> list[dict]:
@@ -100,7 +100,7 @@ def memory_layouts(model: str, layouts, **config) -> list[dict]:
     fields `config`: on a GPU the KV pool gets what device memory x gpu_memory_utilization leaves after the
     reserved bytes, weights, rotary tables and activation peak (drawn with the activations). A layout that
     does not fit shows its least KV pool (one max_model_len sequence) and `why` says what would fit."""
-    path = str(resolve_config_model(model))
+    path = str(resolve_model(model))
     out = []
     for layout in _check_layouts(layouts):
         hardware = get_hardware(layout.get("hardware", "cpu"))
