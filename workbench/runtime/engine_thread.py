@@ -2,6 +2,11 @@
 thread-safe). Other threads post commands with `call(fn) -> Future`; the loop runs them in
 order and, between commands, advances the models. An exception in the loop is logged, never
 fatal to the thread.
+
+Its pace is a teaching mode: a wait between steps (`pace`), or no step at all until asked
+(`pause`, then `step` one at a time, `resume`). Commands still run while it waits, and the
+steps compute what they would unpaced; every request through the session, the API's too, is
+paced alike.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ class EngineThread:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.interval = 0.0  # seconds between two steps (0: as fast as they run)
+        self.paused = False
+        self._next_step = 0.0  # perf_counter time before which no step starts
+        self._step_waiters: list[Future] = []  # step() calls, one step each, while paused
 
     def start(self) -> None:
         self._thread.start()
@@ -48,18 +57,57 @@ class EngineThread:
             self._commands.put((fn, fut))
         return fut
 
+    def set_pace(self, interval: float) -> None:
+        """Wait `interval` seconds between steps from now on (0: none)."""
+        self.interval = float(interval)
+        self._next_step = min(self._next_step, time.perf_counter() + self.interval)
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def step(self) -> Future:
+        """While paused: let one step run; the Future completes once it has (with True), or with False if
+        there was nothing to run. Unpaused, the engine steps on its own: a Future already done (True)."""
+        fut: Future = Future()
+        if not self.paused:
+            fut.set_result(True)
+        else:
+            self.call(lambda: self._step_waiters.append(fut))
+        return fut
+
+    def _wait(self) -> float | None:
+        """Seconds the loop may wait for a command before it advances again (None: advance now)."""
+        if self.paused and not self._step_waiters:
+            return 0.25
+        if not self._has_work():
+            for fut in self._step_waiters:
+                fut.set_result(False)
+            self._step_waiters.clear()
+            return 0.25
+        ahead = self._next_step - time.perf_counter()
+        return ahead if ahead > 0 else None
+
     def _loop(self) -> None:
         while not self.closed:
             try:
-                self._drain(block=not self._has_work())
-                self._advance()
+                wait = self._wait()
+                self._drain(wait)
+                if wait is None:
+                    self._advance()
+                    self._next_step = time.perf_counter() + self.interval
+                    if self.paused and self._step_waiters:
+                        self._step_waiters.pop(0).set_result(True)
             except Exception:  # never let the engine thread die
                 logger.exception("workbench engine loop error")
                 time.sleep(0.05)
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, wait: float | None) -> None:
+        """Run the queued commands; with none queued, wait up to `wait` seconds for one (None: do not wait)."""
         try:
-            item = self._commands.get(timeout=0.25) if block else self._commands.get_nowait()
+            item = self._commands.get(timeout=wait) if wait else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

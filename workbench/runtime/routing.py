@@ -1,7 +1,8 @@
 """Request routing: the in-flight `RequestHandle`s, submitting them to a model's runner (or to a
-backlog while a compile switch is pending), one engine step of a model with its
-`RequestOutput`s dispatched to their handles, cancelling, and failing a model's requests.
-Everything but `submit`, `inflight` and `cancel` runs on the engine thread.
+backlog while a compile switch is pending), at once or each at its arrival time (`submit_many`),
+one engine step of a model with its `RequestOutput`s dispatched to their handles, cancelling, and
+failing a model's requests. Everything but `submit`, `submit_many`, `inflight` and `cancel` runs on
+the engine thread.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 
 from runner_core import RequestOutput, SamplingParams
 from workbench.runtime.engine_thread import EngineThread
@@ -37,11 +39,35 @@ class Router:
             return [h for (m, _), h in self._inflight.items() if model is None or m == model]
 
     def submit(self, entry: ModelEntry, prompt, params: SamplingParams) -> RequestHandle:
+        handle = self._register(entry, prompt, params)
+        self._thread.call(lambda: self._add(entry, handle))
+        return handle
+
+    def submit_many(self, entry: ModelEntry, requests: list[tuple]) -> list[RequestHandle]:
+        """`requests` as (prompt, SamplingParams, arrival: seconds from now), each handed to the runner at
+        its arrival by a feeder thread of their own; the handles, registered now, come back at once (a
+        request cancelled before it arrives never reaches the runner)."""
+        handles = [self._register(entry, prompt, params) for prompt, params, _ in requests]
+        start = time.perf_counter()
+        due = sorted(zip([arrival for _, _, arrival in requests], range(len(handles)), strict=True))
+
+        def feed() -> None:
+            for arrival, i in due:
+                time.sleep(max(0.0, start + arrival - time.perf_counter()))
+                handle = handles[i]
+                handle.metrics.arrival_time = time.perf_counter()
+                try:
+                    self._thread.call(lambda h=handle: self._add(entry, h))
+                except SessionError:  # the session closed: the rest fail with it
+                    return
+        threading.Thread(target=feed, name="workbench-arrivals", daemon=True).start()
+        return handles
+
+    def _register(self, entry: ModelEntry, prompt, params: SamplingParams) -> RequestHandle:
         with self._lock:
             handle = RequestHandle(request_id=f"wb-{next(self._ids)}", model=entry.name, prompt=prompt, params=params,
                                    canceller=self.cancel)
             self._inflight[(entry.name, handle.request_id)] = handle
-        self._thread.call(lambda: self._add(entry, handle))
         return handle
 
     def cancel(self, handle: RequestHandle) -> None:
@@ -91,6 +117,8 @@ class Router:
                 self._fail(handle, SessionError(f"model {entry.name!r} was unloaded"))
 
     def _add(self, entry: ModelEntry, handle: RequestHandle) -> None:
+        if handle.done:  # cancelled before it arrived
+            return
         if entry.runner is None:
             return self._fail(handle, SessionError(f"model {entry.name!r} was unloaded"))
         if entry.pending_compile or entry.status != "ready":
