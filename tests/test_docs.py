@@ -109,7 +109,7 @@ def test_readme_is_short_and_keeps_the_two_commands():
 
 # Files that live beside the repository on the machines it was written on, never in a clone.
 OUTSIDE = re.compile(r"\.\./shared|\bshared/(?:NOTES|DESIGN)\.md|\bDESIGN\.md|\bNOTES\.md|\bseed/\d|/work/main")
-SOURCES = ("runner_core", "workbench", "tests", "benchmarks", "notebooks", "docs", "binder", ".ci")
+SOURCES = ("runner_core", "runner_tools", "workbench", "tests", "benchmarks", "notebooks", "docs", "binder", ".ci")
 
 
 def test_nothing_points_outside_the_repository():
