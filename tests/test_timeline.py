@@ -100,3 +100,24 @@ def test_steps_without_their_waste_figures_say_how_to_record_them(tiny_llama_pat
     with pytest.raises(ValueError, match=r"only after runner\.record_waste_per_step\(\)"):
         step_rows(runner.step_metrics, WASTE_FIELDS)
     runner.shutdown()
+
+
+def test_the_step_view_draws_one_point_per_step_and_a_steps_batch(tiny_llama_path):
+    """Blocks and phase times per recorded step; a step's batch names its requests, preemptions and blocks."""
+    from workbench.views.timeline import step_batch, step_blocks, step_times
+
+    runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 6 * 16 * 4 * 2 * 2
+                          * 32 * 4, "max_model_len": 96}).load_model()
+    runner.engine.record_step_detail()
+    runner.generate([[5 + i] * (20 + 9 * i) for i in range(4)],
+                    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    steps, details = list(runner.step_metrics), list(runner.engine.step_details)
+    blocks = {t.name: list(t.y) for t in step_blocks(steps).data}
+    assert blocks["used"] == [s.blocks_used for s in steps] and len(blocks["free"]) == len(steps)
+    times = {t.name: list(t.x) for t in step_times(steps).data}
+    assert times["model"] == [s.step for s in steps]
+    k = next(i for i, d in enumerate(details) if d.preempted)
+    fig = step_batch(details[k], details[k - 1])
+    assert f"Step {details[k].step}:" in fig.layout.title.text and "no block for" in fig.layout.title.text
+    assert sorted(y for t in fig.data for y in t.y) == sorted(rid for rid, _, _ in details[k].scheduled)
+    assert "no step recorded yet" in step_batch(None).layout.annotations[0].text

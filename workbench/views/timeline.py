@@ -6,7 +6,11 @@ tokens stacked against the step's token budget (a long prompt cut into chunks sh
 prefill bars at the budget: chunked prefill) and, below, the running requests with the step's
 admissions, finishes and preemptions as markers. `step_waste(steps)` draws, for the same live
 requests at each step, the KV slots the paged pool wastes against a static max_model_len reservation
-and a first-fit contiguous allocator. Pure functions, like workbench/views/charts.py, whose palette they use.
+and a first-fit contiguous allocator. `step_blocks(steps)` draws the pool's blocks used, cached and free
+after each step, `step_times(steps)` each step's time by phase, and `step_batch(detail, before)` one
+step's batch from its StepDetail (`runner.step_details`): the tokens each request ran, who was admitted,
+preempted (and for whom) or finished, and the blocks allocated and freed. Pure functions, like
+workbench/views/charts.py, whose palette and colours they use.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.views.charts import PALETTE
+from workbench.views.charts import COLORS, PALETTE
 
 FIELDS = ("step", "num_prefill_tokens", "num_decode_tokens", "num_running", "num_waiting",
           "num_admitted", "num_finished", "num_preempted")
+BLOCK_FIELDS = ("step", "blocks_used", "blocks_cached", "blocks_free")
+TIME_FIELDS = ("step", "schedule_s", "prepare_s", "forward_s", "sample_s", "observe_s")
 WASTE_FIELDS = ("step", "num_running", "kv_utilization", "static_reservation_waste", "firstfit_reserved_waste",
                 "firstfit_external_fragmentation")
 
@@ -122,3 +128,74 @@ def step_waste(steps: Iterable[Any], title: str = "KV slots wasted, step by step
         fig.add_trace(go.Scatter(x=x, y=y, name=label, mode="lines", line=dict(color=color, dash=dash, width=2),
                                  hovertemplate=f"step %{{x}}: %{{y:.1f}}% {label}<extra></extra>"))
     return fig
+
+
+def step_blocks(steps: Iterable[Any], title: str = "KV blocks after each step") -> go.Figure:
+    """The pool's blocks after each step, stacked: held by requests, free with a cached prefix, free."""
+    rows = step_rows(steps, BLOCK_FIELDS)
+    fig = _figure(title, 300)
+    fig.update_yaxes(title_text="blocks", rangemode="tozero")
+    fig.update_xaxes(title_text="engine step")
+    if not rows:
+        return _no_steps(fig)
+    x = [r["step"] for r in rows]
+    for label, key, color in (("used", "blocks_used", COLORS["kv_used"]), ("cached", "blocks_cached",
+                                                                            COLORS["kv_cached"]),
+                              ("free", "blocks_free", COLORS["kv_free"])):
+        fig.add_trace(go.Scatter(x=x, y=[r[key] for r in rows], name=label, stackgroup="blocks", mode="lines",
+                                 line=dict(width=0.5, color=color, shape="hv"), fillcolor=color,
+                                 hovertemplate=f"step %{{x}}: %{{y}} blocks {label}<extra></extra>"))
+    return fig
+
+
+def step_times(steps: Iterable[Any], title: str = "Each step's time by phase") -> go.Figure:
+    """Milliseconds per step, stacked by phase: scheduling, building inputs, the model, sampling and
+    outputs, the record itself."""
+    rows = step_rows(steps, TIME_FIELDS)
+    fig = _figure(title, 300)
+    fig.update_layout(barmode="stack", bargap=0.1)
+    fig.update_yaxes(title_text="ms", rangemode="tozero")
+    fig.update_xaxes(title_text="engine step")
+    if not rows:
+        return _no_steps(fig)
+    x = [r["step"] for r in rows]
+    for k, (label, key) in enumerate((("schedule", "schedule_s"), ("inputs", "prepare_s"), ("model", "forward_s"),
+                                      ("sample and outputs", "sample_s"), ("record", "observe_s"))):
+        fig.add_trace(go.Bar(x=x, y=[1e3 * r[key] for r in rows], name=label, marker_color=PALETTE[k],
+                             hovertemplate=f"step %{{x}}: %{{y:.2f}} ms {label}<extra></extra>"))
+    return fig
+
+
+def step_batch(detail: Any | None, before: Any | None = None) -> go.Figure:
+    """One step's batch from its StepDetail: a bar per request it ran (its tokens; prompt chunks and decodes
+    in their colours), and in the title what else the step did: admissions, preemptions (who, for whom),
+    finishes, and the blocks allocated and freed against the step `before` it."""
+    fig = _figure("The batch of a step", 300)
+    fig.update_xaxes(title_text="tokens run in the step", rangemode="tozero")
+    fig.update_yaxes(title_text="request", autorange="reversed", type="category")
+    if detail is None:
+        fig.add_annotation(text="no step recorded yet: run the workload, then pick a step", showarrow=False,
+                           xref="paper", yref="paper", x=0.5, y=0.5, font=dict(color="#888"))
+        return fig
+    for label, prompt, color in (("prompt chunk", True, COLORS["prefill"]), ("decode", False, COLORS["decode"])):
+        runs = [(rid, n) for rid, n, is_prompt in detail.scheduled if is_prompt is prompt]
+        fig.add_trace(go.Bar(x=[n for _, n in runs], y=[rid for rid, _ in runs], orientation="h", name=label,
+                             marker_color=color, hovertemplate=f"%{{y}}: %{{x}} tokens ({label})<extra></extra>"))
+    allocated, freed = detail.blocks_changed(before)
+    parts = [f"{len(detail.scheduled)} requests ran"]
+    if detail.admitted:
+        parts.append(f"admitted {_some(detail.admitted)}")
+    if detail.preempted:
+        parts.append("preempted " + _some([f"{v} (no block for {w})" for v, w in detail.preempted]))
+    if detail.finished:
+        parts.append(f"finished {_some(detail.finished)}")
+    parts.append(f"{len(allocated)} blocks allocated, {len(freed)} freed; {len(detail.waiting)} waiting")
+    fig.update_layout(title=dict(text=f"Step {detail.step}: " + "; ".join(parts)), barmode="stack",
+                      height=max(300, 60 + 18 * len(detail.scheduled)))
+    return fig
+
+
+def _some(items: list[str], shown: int = 4) -> str:
+    """The first `shown` items, and how many more."""
+    more = len(items) - shown
+    return ", ".join(items[:shown]) + (f" and {more} more" if more > 0 else "")
