@@ -335,6 +335,18 @@ class ModelRunner:
     def step_metrics(self):
         return self._engine().step_metrics
 
+    def record_step_detail(self, enabled: bool = True) -> None:
+        """From the next step on, keep what each step did request by request and block by block in
+        `step_details` (engine/step_detail.py: the requests run, admitted, preempted and for whom,
+        finished; every KV block's holder after the step), bounded to the last steps whose block maps fit
+        64 MiB. Off by default: a record costs a pass over the pool's blocks."""
+        self._engine().record_step_detail(enabled)
+
+    @property
+    def step_details(self):
+        """The recorded steps' StepDetail, oldest first; each has the `step` of its `step_metrics` record."""
+        return self._engine().step_details
+
     def record_waste_per_step(self, enabled: bool = True) -> None:
         """From the next step on, every record in `step_metrics` also carries the KV waste figures of the
         requests running then (kv_utilization, internal_fragmentation, static_reservation_waste,

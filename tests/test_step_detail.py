@@ -25,9 +25,9 @@ def _prompts(n=6, seed=5):
 def run(tiny_llama_path):
     runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "max_model_len": 128,
                           "kv_cache_memory": 10 * BYTES_PER_BLOCK, "enable_prefix_caching": True}).load_model()
-    runner.engine.record_step_detail()
+    runner.record_step_detail()
     outs = runner.generate(_prompts(), GREEDY)
-    return runner, outs, list(runner.step_metrics), list(runner.engine.step_details)
+    return runner, outs, list(runner.step_metrics), list(runner.step_details)
 
 
 def test_each_step_has_one_detail_that_agrees_with_its_record(run):
@@ -83,6 +83,6 @@ def test_the_block_maps_replay_the_pool_step_by_step(run):
 def test_it_is_off_until_asked_and_its_bound_follows_the_pool(tiny_llama_path):
     runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 22}).load_model()
     runner.generate([[5, 6, 7]], GREEDY)
-    assert list(runner.engine.step_details) == []
+    assert list(runner.step_details) == []
     assert StepDetailRecorder(num_blocks=1000, budget_bytes=2_000_000).max_steps == 1000
     assert StepDetailRecorder(num_blocks=10, budget_bytes=1 << 30).max_steps == 2048

@@ -108,10 +108,10 @@ def test_the_step_view_draws_one_point_per_step_and_a_steps_batch(tiny_llama_pat
 
     runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 6 * 16 * 4 * 2 * 2
                           * 32 * 4, "max_model_len": 96}).load_model()
-    runner.engine.record_step_detail()
+    runner.record_step_detail()
     runner.generate([[5 + i] * (20 + 9 * i) for i in range(4)],
                     SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    steps, details = list(runner.step_metrics), list(runner.engine.step_details)
+    steps, details = list(runner.step_metrics), list(runner.step_details)
     blocks = {t.name: list(t.y) for t in step_blocks(steps).data}
     assert blocks["used"] == [s.blocks_used for s in steps] and len(blocks["free"]) == len(steps)
     times = {t.name: list(t.x) for t in step_times(steps).data}
