@@ -45,6 +45,14 @@ class ModelEntry:
     pending_compile: PendingCompile | None = None
     acc: StepAccumulator | None = None
     sweeping: bool = False  # a sweep (session.tune) drives its settings: compile switch and reconfigure refused
+    watching: bool = False  # each step's detail and KV waste recorded, for the step view (watch_steps)
+
+    def watch_steps(self, enabled: bool) -> None:
+        """Record (or stop recording) each step's detail and KV waste figures: the step view's data, at a
+        cost to each step (a pass over the pool's blocks and the running requests). Engine thread only."""
+        self.runner.record_step_detail(enabled)
+        self.runner.record_waste_per_step(enabled)
+        self.watching = enabled
 
     @property
     def weights_bytes(self) -> int:
@@ -190,6 +198,7 @@ class LoadedModels:
         entry.compile = {"enabled": cfg.compile, "backend": cfg.compile_backend, "mode": cfg.compile_mode,
                          "scope": cfg.compile_scope}
         entry.acc = self._telemetry.accumulator(entry.name)
+        entry.watch_steps(True)
         entry.status = "ready"
         with self._lock:
             self._loading = None

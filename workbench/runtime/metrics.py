@@ -163,6 +163,7 @@ class Telemetry:
         self.sample_interval = sample_interval
         self.last_error: str | None = None
         self._block_maps: dict[str, dict] = {}
+        self._steps: dict[str, tuple[list, list]] = {}  # model -> (its step records, their details), as last copied
 
     def accumulator(self, model: str) -> StepAccumulator:
         """A fresh accumulator for a model loaded just now: its rows' time starts at 0."""
@@ -177,9 +178,15 @@ class Telemetry:
     def block_map(self, model: str) -> dict | None:
         return self._block_maps.get(model)
 
+    def steps(self, model: str) -> tuple[list, list]:
+        """`model`'s step records (StepMetrics) and step details (StepDetail) as the engine thread last copied
+        them, each run's last step included (a copy at every row and when the model goes idle)."""
+        return self._steps.get(model, ([], []))
+
     def forget(self, model: str) -> None:
-        """`model` was unloaded: its block map and its rows go."""
+        """`model` was unloaded: its block map, steps and rows go."""
         self._block_maps.pop(model, None)
+        self._steps.pop(model, None)
         self.series.drop(model)
 
     def begin_step(self, entry: Any) -> None:
@@ -205,6 +212,7 @@ class Telemetry:
         if "expert_counts" in row:  # an MoE model: which layers the rows are
             row["moe_layers"] = entry.runner.moe_stats(recent_steps=1)["layers"]
         self.series.append(row)
+        self._steps[entry.name] = (list(entry.runner.step_metrics), list(entry.runner.step_details))
         snap = entry.runner.kv_block_map()
         snap["blocks_cached"] = memory.get("blocks_cached", 0)
         snap["t"] = time.time() - entry.acc.t0

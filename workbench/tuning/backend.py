@@ -25,7 +25,8 @@ OTHERS_WAIT_S = 60.0  # how long a sweep's change waits for requests others sent
 def run_load(session, workload: Workload | None = None, *, target: Target | None = None, model: str | None = None,
              stop: threading.Event | None = None) -> RunResult:
     """Send `workload`'s requests to a loaded model at their arrival times (a fixed concurrency keeps that many
-    in flight), wait for them, and summarize the run. Blocks the calling thread, never the engine thread.
+    in flight), wait for them, and summarize the run, with the step view's recording off while it runs (as
+    the engine runs unwatched). Blocks the calling thread, never the engine thread.
     `stop` (set from another thread) cancels the requests in flight and returns the records so far; an
     interrupt (Jupyter's stop button) cancels them and re-raises."""
     workload = DEFAULT_WORKLOAD if workload is None else workload
@@ -39,8 +40,14 @@ def run_load(session, workload: Workload | None = None, *, target: Target | None
     params = [SamplingParams(**r.sampling) for r in requests]  # a bad value raises here, before any request goes
     settings = {**entry.config.to_dict(), "name": entry.name}
     session.record_event("load_start", model=entry.name, workload=workload.label, num_requests=len(requests))
-    sent, t0 = _send(session, entry.name, requests, params, workload.arrivals.concurrency, stop)
-    duration = time.perf_counter() - t0
+    watching = entry.watching  # a measured run records no step detail (it costs each step)
+    session.on_engine_thread(lambda: entry.watch_steps(False)).result()
+    try:
+        sent, t0 = _send(session, entry.name, requests, params, workload.arrivals.concurrency, stop)
+        duration = time.perf_counter() - t0
+    finally:
+        if entry.runner is not None:
+            session.on_engine_thread(lambda: entry.watch_steps(watching)).result()
     records = [h.metrics for h in sent]
     summary = summarize(records, duration, target)
     session.record_event("load_end", model=entry.name, workload=workload.label,
