@@ -227,10 +227,11 @@ def test_both_dashboards_show_the_thread_choice(tiny_llama_path):
         line = "CPU threads: 1 of "
         widgets = SessionWidgets(session, auto_refresh=False)
         widgets.refresh()
-        assert line in widgets.status.value and "fixed (set by cpu_threads in the config)" in widgets.status.value
+        shown = widgets.models_text.value
+        assert line in shown and "fixed (set by cpu_threads in the config)" in shown
         dashboard = SessionDashboard(session)
         dashboard.refresh()
-        assert line in dashboard.models_md.object
+        assert line in dashboard.models_text.object
         widgets.close()
     finally:
         session.close()

@@ -132,24 +132,24 @@ def test_the_leafspec_future_warning_of_a_cold_aoti_compile_is_not_shown(tmp_pat
 
 def test_dashboard_says_its_charts_are_coming_and_how_long_the_session_is_busy(monkeypatch):
     from workbench import Session
-    from workbench.views import panel_app
+    from workbench.views import dashboard, panel_app
 
     class Busy(Session):  # a session loading a model (as the status line reads it)
         status = "loading tiny-llama…"
         busy = True
 
     clock = [100.0]
-    monkeypatch.setattr(panel_app, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(dashboard, "monotonic", lambda: clock[0])
     session = Busy()
     try:
         dash = panel_app.SessionDashboard(session)
         assert all(pane.loading for pane in dash.charts.values()), "until the first live refresh"
         dash.refresh()
         assert not any(pane.loading for pane in dash.charts.values())
-        assert dash.status.object == "**loading tiny-llama…**"
+        assert dash.status.object == "<b>loading tiny-llama…</b>"
         clock[0] += 12.4
         dash.refresh()
-        assert dash.status.object == "**loading tiny-llama… (12 s)**"
+        assert dash.status.object == "<b>loading tiny-llama… (12 s)</b>"
     finally:
         session.close()
 

@@ -138,7 +138,7 @@ def test_the_widgets_tuning_tab_proposes_values_runs_a_sweep_and_recommends(tiny
         assert len(met.x) == 2, "both points on the Pareto chart"
         assert len(shown) == len(result.frontier) >= 1 and set(shown) <= {"c=1", "c=2"}, "the frontier's labelled"
         assert result.recommendation["label"] in ui.tune_recommendation.value
-        assert ui.tune_recommendation.value.startswith("Recommended: ")
+        assert ui.tune_recommendation.value.startswith("<b>Recommended: ")
     finally:
         ui.close()
         s.close()

@@ -14,7 +14,7 @@ from workbench import Session
 from workbench.runtime.metrics import StepAccumulator
 from workbench.views import charts
 from workbench.views.controller import ViewController
-from workbench.views.panel_app import CHART_NAMES
+from workbench.views.layout import CHART_NAMES
 from workbench.views.widgets import FIGURES
 
 

@@ -38,7 +38,7 @@ def test_widgets_drive_the_session(ui):
     assert list(s.models) == ["tiny-llama"] and s.active == "tiny-llama"
     assert ui.active_select.options == ("tiny-llama",) and ui.active_select.value == "tiny-llama"
     assert "idle" in ui.status.value
-    assert f"CPU kernels: {kernel_tier()} (" in ui.status.value
+    assert f"CPU kernels: {kernel_tier()} (" in ui.models_text.value
 
     ui.max_tokens.value = 0
     ui.generate_button.click()
@@ -66,7 +66,7 @@ def test_widgets_drive_the_session(ui):
     ui.model_path.value = "/nonexistent/model/dir"
     ui.load_button.click()
     ui.wait(30)
-    assert "model directory not found" in ui.error.value and list(s.models) == ["tiny-llama"]
+    assert "(no such directory)" in ui.error.value and list(s.models) == ["tiny-llama"]
     ui.model_path.value = ""
 
     ui.unload_button.click()
@@ -85,7 +85,7 @@ def test_both_dashboards_show_the_kernel_tier_the_model_runs_on(ui, tiny_llama_p
         panel = SessionDashboard(ui.session)
         panel.refresh()
         line = html.escape("CPU kernels: plain (set_kernel_tier('plain'))")
-        assert line in ui.status.value and line in panel.models_md.object
+        assert line in ui.models_text.value and line in panel.models_text.object
     finally:
         ui.session.unload("on-plain")
 
@@ -119,7 +119,7 @@ def test_an_uploaded_image_goes_with_the_prompt(tmp_path):
 
         dashboard = SessionDashboard(s)  # the Panel view shows the same preview beside its answer
         dashboard.on_image(png.getvalue())
-        assert dashboard.image_pane.object.startswith('<img alt="the uploaded image" src="data:image/png;base64,')
+        assert dashboard.image_view.object.startswith('<img alt="the uploaded image" src="data:image/png;base64,')
     finally:
         w.close()
         s.close()
@@ -154,6 +154,6 @@ def test_both_load_forms_pass_the_storage_format_and_chart_what_it_saved(ui):
         assert (config.quantization, config.quantize_lm_head) == ("int8", False)
         panel.refresh()
         assert list(panel.charts["weights"].object.data[0].y) == ["stored (int8)", "in float32"]
-        assert "int8" in panel.models_md.object
+        assert "int8" in panel.models_text.object
     finally:
         s.unload("tiny-llama")

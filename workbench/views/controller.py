@@ -1,8 +1,8 @@
-"""What the two views (the Panel dashboard and the ipywidgets panel) share: the forms' widgets (made from
-workbench.views.forms), each user action one Session call whose error becomes the view's message, background jobs
-(load, unload, compile switch) tracked until they finish, the buttons wired to the actions, and the streamed
-answer, the workload and the charts prepared for display. A view supplies `show_error`, `show_info`,
-`clear_messages`, `show_generating` and the outputs' widgets; no engine logic here.
+"""The actions of both views (the Panel dashboard and the ipywidgets panel) on the forms' widgets
+(workbench.views.forms, placed by workbench.views.layout): each user action one Session call whose error becomes the
+view's message, background jobs (load, unload, compile switch) tracked until they finish, the buttons wired to the
+actions, and the streamed answer, the workload and the charts prepared for display (workbench.views.dashboard shows
+them). A view supplies `show_error`, `show_info`, `clear_messages` and `show_generating`; no engine logic here.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import io
 from concurrent.futures import Future
 from pathlib import Path
 
+from runner_core.tuning import SweepSpace, Target, Workload, propose_space
 from workbench.runtime.handles import RequestHandle
 from workbench.runtime.model_roots import ModelRoots
 from workbench.session import Session
@@ -35,8 +36,6 @@ def parse_values(text: str, field: str) -> list[int]:
 def tune_plan(concurrency: str, max_num_seqs: str, metric: str, limit: float, repeats: int, requests: int):
     """(SweepSpace, Workload, Target, repeats) from the Tuning form's fields (lists as text: "1, 2, 4"; an
     empty max_num_seqs list leaves it as loaded); ValueError naming the field at fault."""
-    from runner_core.tuning import SweepSpace, Target, Workload
-
     levels = parse_values(concurrency, "concurrency values")
     if not levels:
         raise ValueError("concurrency values: give at least one, such as 1, 2, 4, 8")
@@ -117,7 +116,7 @@ class ViewController:
         self._syncing = False  # set while the view copies the session's active model into its picker
         self.chart_window = DEFAULT_WINDOW  # a WINDOW_CHOICES label
         self.tune_job = None  # the sweep the Tuning tab started (a workbench.tuning.job.TuneJob)
-        self._tune_version = -1  # the job's version the tuning charts show
+        self._tune_version = -1  # the job's version the tuning charts show (None: the empty charts)
         self._tune_model = None  # the model whose KV capacity proposed the Tuning form's values
 
     # ---- supplied by the view ---------------------------------------------------------------
@@ -272,7 +271,6 @@ class ViewController:
         (runner_core.tuning's propose_space); TUNE_DEFAULTS' when no model is loaded."""
         if self.session.active_model is None:
             return dict(TUNE_DEFAULTS)
-        from runner_core.tuning import Workload, propose_space
         from workbench.tuning import SessionBackend
 
         space = propose_space(SessionBackend(self.session).capacity(), Workload(num_requests=int(requests)))
@@ -313,17 +311,18 @@ class ViewController:
 
     def tune_state(self) -> tuple[str, float, dict | None, str]:
         """(the sweep's status line, the fraction done, its charts when the job moved since the last call
-        else None, the recommendation once it finished)."""
+        (the empty ones at first) else None, the recommendation once it finished)."""
         job = self.tune_job
-        if job is None:
-            return "no sweep yet: set the values and press Start sweep", 0.0, None, ""
-        version = job.version
-        done = job.done and job.error is None
+        version = None if job is None else job.version
+        done = job is not None and job.done and job.error is None
         result = job.result(0) if done else None
         figures = None
-        if version != self._tune_version:
+        if version != self._tune_version:  # the empty charts before the first sweep
             self._tune_version = version
-            figures = tuning_charts.all_figures(job.points, job.target, result)
+            figures = (tuning_charts.all_figures([], Target()) if job is None
+                       else tuning_charts.all_figures(job.points, job.target, result))
+        if job is None:
+            return "no sweep yet: set the values and press Start sweep", 0.0, figures, ""
         fraction = 1.0 if done and not job.cancelled else tuning_charts.progress_fraction(job.progress, job.repeats)
         recommendation = tuning_charts.recommendation_text(result, job.target) if done else ""
         return job.status, fraction, figures, recommendation

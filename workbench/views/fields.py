@@ -1,7 +1,7 @@
 """A form's controls defined once for both views: each `Field` (a value the user sets) and `Action` (a button)
 names its attribute on the view, its label, default and bounds; `Field.check` applies the bounds to a value
-the view sends (a browser can send any), and `panel_form` / `widgets_form` create the form's widgets on a
-view, in the form's rows, with Panel or ipywidgets. The css class of a control is its attribute's name
+the view sends (a browser can send any), and `panel_control` / `widgets_control` make a control's widget with Panel
+or ipywidgets (workbench.views.layout places them). The css class of a control is its attribute's name
 ("tune_requests" -> "wb-tune-requests")."""
 
 from __future__ import annotations
@@ -78,10 +78,7 @@ class Action:
         return self.css_name or "wb-" + self.attr.replace("_", "-")
 
 
-Row = Sequence[Field | Action]
-
-
-def _panel_control(control: Field | Action, options: Sequence | None):
+def panel_control(control: Field | Action, options: Sequence | None):
     import panel as pn
 
     w = pn.widgets
@@ -103,7 +100,7 @@ def _panel_control(control: Field | Action, options: Sequence | None):
     return number(start=control.low, end=control.high, **({"step": control.step} if control.step else {}), **common)
 
 
-def _widgets_control(control: Field | Action, options: Sequence | None):
+def widgets_control(control: Field | Action, options: Sequence | None):
     import ipywidgets as W
 
     if isinstance(control, Action):
@@ -124,24 +121,3 @@ def _widgets_control(control: Field | Action, options: Sequence | None):
     big = 2**31 - 1  # ipywidgets needs both bounds
     return bounded(min=-big if control.low is None else control.low, max=big if control.high is None else control.high,
                    **step, **common)
-
-
-def panel_form(view, rows: Sequence[Row], options: dict | None = None) -> list:
-    """Create each control of `rows` on `view` as a Panel widget; a pn.Row per row, in order."""
-    import panel as pn
-
-    return [pn.Row(*(_make(view, c, _panel_control, options) for c in row), sizing_mode="stretch_width")
-            for row in rows]
-
-
-def widgets_form(view, rows: Sequence[Row], options: dict | None = None) -> list:
-    """Create each control of `rows` on `view` as an ipywidget; an HBox per row, in order."""
-    import ipywidgets as W
-
-    return [W.HBox([_make(view, c, _widgets_control, options) for c in row]) for row in rows]
-
-
-def _make(view, control, build, options: dict | None):
-    widget = build(control, (options or {}).get(control.attr))
-    setattr(view, control.attr, widget)
-    return widget

@@ -1,7 +1,6 @@
-"""The Panel dashboard: a thin view over a `Session` (load/unload, compile mode, generation,
-a workload button, live charts). `python -m workbench serve` serves it;
-`SessionDashboard(session).inline()` shows it in JupyterLab. Every action calls a Session
-method; nothing here touches a runner.
+"""The Panel dashboard: workbench.views.layout's tabs made with Panel (`PanelToolkit`) over a `Session`, refreshed
+by workbench.views.dashboard. `python -m workbench serve` serves it; `SessionDashboard(session).inline()` shows it in
+JupyterLab. Every action calls a Session method; nothing here touches a runner.
 """
 
 from __future__ import annotations
@@ -11,20 +10,15 @@ import html
 import logging
 import secrets
 import socket
-from time import monotonic
 
 import panel as pn
 
-from runner_core.models import preset_names
-from runner_core.tuning import Target
 from workbench.runtime.handles import SessionError
-from workbench.runtime.loaded_models import ModelEntry
 from workbench.runtime.model_roots import ModelRoots
 from workbench.session import Session
-from workbench.views import charts, tuning_charts, whatif_view
-from workbench.views.controller import ViewController, default_device
-from workbench.views.fields import panel_form
-from workbench.views.forms import COMPILE_FORM, GENERATE_FORM, LOAD_FORM, TUNE_FORM, WINDOW_FIELD, WORKLOAD_FORM
+from workbench.views import charts
+from workbench.views.dashboard import Dashboard
+from workbench.views.fields import panel_control
 from workbench.views.notebook_output import FieldsKeepEnter, load_extension_once_shown
 from workbench.views.panel_writer import write_queued_patches
 
@@ -32,96 +26,88 @@ logger = logging.getLogger("workbench")
 
 REFRESH_MS = 500
 SIDEBAR_WIDTH = 300
-CHART_NAMES = ("throughput", "memory", "weights", "blocks", "waste", "block_map", "compile", "expert_load")
+WIDE = {"sizing_mode": "stretch_width"}
 
 
-class SessionDashboard(ViewController, whatif_view.WhatifControls):
+class PanelToolkit:
+    """workbench.views.layout's slots in Panel: make a control, text, chart, note, element or box; set a text, a
+    chart's figure, the spinner; watch a widget's value; hold a refresh's changes into one update."""
+
+    control = staticmethod(panel_control)
+
+    def text(self, slot):
+        if slot.pre:
+            return pn.pane.HTML(_pre(""), css_classes=[slot.css], styles={"min-height": "4em"}, **WIDE)
+        return pn.pane.HTML("", css_classes=[slot.css], margin=(0, 10))
+
+    def set_text(self, pane, slot, value: str) -> None:
+        value = _pre(value) if slot.pre else value
+        if pane.object != value:
+            pane.object = value
+
+    def chart(self, slot):
+        return pn.pane.Plotly(None, height=charts.HEIGHT + 10, css_classes=[slot.css],
+                              config={"displaylogo": False, "responsive": True}, **WIDE)
+
+    def set_figure(self, pane, fig) -> None:
+        pane.object = fig
+
+    def note(self, text: str):
+        return pn.pane.HTML(text)
+
+    def element(self, element):
+        css = [element.css] if element.css else []
+        kind = element.kind
+        if kind == "progress":
+            return pn.indicators.Progress(value=0, max=100, width=300, css_classes=css)
+        if kind == "spinner":
+            return pn.indicators.LoadingSpinner(value=False, size=22, name="")
+        if kind in ("error", "info"):
+            return pn.pane.Alert("", alert_type="danger" if kind == "error" else "info", visible=False,
+                                 css_classes=css, **WIDE)
+        if kind == "image_input":
+            return pn.widgets.FileInput(accept="image/*", css_classes=css)
+        if kind == "image_view":
+            return pn.pane.HTML("", css_classes=css, width=170)
+        return pn.layout.Divider()
+
+    def box(self, box, children: list):
+        css = {"css_classes": [box.css]} if box.css else {}
+        if box.kind == "tabs":
+            return pn.Tabs(*zip(box.titles, children), **css, **WIDE)
+        if box.kind == "side":
+            return pn.Column(*children, width=SIDEBAR_WIDTH, styles={"background": "#f6f8fa", "border-radius": "6px"},
+                             margin=(0, 10, 0, 0))
+        if box.kind == "grid":
+            return pn.GridBox(*children, ncols=2, **WIDE)
+        return (pn.Column if box.kind == "column" else pn.Row)(*children, **css, **WIDE)
+
+    def set_busy(self, spinner, busy: bool) -> None:
+        spinner.value = busy
+
+    def on_change(self, widget, callback) -> None:
+        widget.param.watch(lambda event: callback(event.new), "value")
+
+    def hold(self):
+        return pn.io.hold()
+
+
+class SessionDashboard(Dashboard):
     """One dashboard per browser session (or notebook cell) over a shared Session."""
 
     def __init__(self, session: Session | None = None, refresh_ms: int = REFRESH_MS,
                  model_roots: ModelRoots | None = None):
-        super().__init__(session, model_roots)
+        super().__init__(session, model_roots, PanelToolkit())
         self.refresh_ms = refresh_ms
-        self._chart_version = -1
-        self._chart_model = None
-        self._status = ("", monotonic())  # the session's status line and since when it reads so
-        self._build()
+        self.ignore_eos.margin = (28, 10)  # level with the number fields' boxes, under their labels
         self.refresh()
         # until the browser runs the first periodic refresh, the charts say they are still coming
         for pane in self.charts.values():
             pane.loading = True
 
-    # ---- layout ------------------------------------------------------------------------------
-    def _build(self) -> None:
-        w = pn.widgets
-        device_options = ["cpu"] + (["cuda"] if default_device() == "cuda" else [])
-        load_rows = panel_form(self, LOAD_FORM, {"model_select": preset_names(), "device": device_options,
-                                                 "active_select": []})
-        self.device.value = default_device()
-        compile_rows = panel_form(self, COMPILE_FORM)
-        self.spinner = pn.indicators.LoadingSpinner(value=False, size=22, name="")
-        self.status = pn.pane.Markdown("", css_classes=["wb-status"], margin=(0, 10))
-        self.models_md = pn.pane.Markdown("", css_classes=["wb-models"])
-
-        prompt, sampling, buttons = panel_form(self, GENERATE_FORM)
-        self.ignore_eos.margin = (28, 10)  # level with the number fields' boxes, under their labels
-        self.answer = pn.pane.HTML(_pre(""), css_classes=["wb-answer"], sizing_mode="stretch_width",
-                                   styles={"min-height": "4em"})
-        self.image_input = w.FileInput(accept="image/*", css_classes=["wb-image"])
-        self.image_pane = pn.pane.HTML("", css_classes=["wb-image-preview"], width=170)
-        self.answer_stats = pn.pane.Markdown("", css_classes=["wb-answer-stats"])
-        [workload] = panel_form(self, WORKLOAD_FORM)
-        self.workload_md = pn.pane.Markdown("", css_classes=["wb-workload-status"])
-        self.error = pn.pane.Alert("", alert_type="danger", visible=False, css_classes=["wb-error"],
-                                   sizing_mode="stretch_width")
-        self.info = pn.pane.Alert("", alert_type="info", visible=False, css_classes=["wb-info"],
-                                  sizing_mode="stretch_width")
-        [window] = panel_form(self, [[WINDOW_FIELD]])
-        self.charts = {name: pn.pane.Plotly(fig, height=charts.HEIGHT + 10, sizing_mode="stretch_width",
-                                            css_classes=[f"wb-chart-{name.replace('_', '-')}"],
-                                            config={"displaylogo": False, "responsive": True})
-                       for name, fig in charts.all_figures([]).items()}
-
-        self._build_tuning()
-        whatif = whatif_view.panel_tab(self)
-        self.wire_buttons()
-        self.active_select.param.watch(lambda event: self.on_active(event.new), "value")
-        self.image_input.param.watch(lambda event: self.on_image(event.new), "value")
-        self.window_select.param.watch(lambda event: self.on_chart_window(event.new), "value")
-
-        sidebar = pn.Column(
-            "### Model", *load_rows, self.models_md, pn.layout.Divider(), "### Compile", *compile_rows,
-            width=SIDEBAR_WIDTH, styles={"background": "#f6f8fa", "border-radius": "6px"}, margin=(0, 10, 0, 0))
-        buttons.extend([pn.pane.Markdown("image (multimodal models):", margin=(12, 5)), self.image_input])
-        workload.insert(0, pn.pane.Markdown("**Workload** — fire N random requests to watch continuous batching:"))
-        generation = pn.Column(
-            prompt, sampling, buttons, pn.Row(self.answer, self.image_pane, sizing_mode="stretch_width"),
-            self.answer_stats, workload, self.workload_md, sizing_mode="stretch_width")
-        grid = pn.GridBox(*(self.charts[n] for n in CHART_NAMES), ncols=2, sizing_mode="stretch_width")
-        header = pn.Row(pn.pane.Markdown("## runner-workbench", margin=(0, 10)), self.spinner, self.status,
-                        sizing_mode="stretch_width")
-        main = pn.Column(self.error, self.info, generation, window, grid, sizing_mode="stretch_width")
-        tabs = pn.Tabs(("Live", pn.Row(sidebar, main, sizing_mode="stretch_width")), ("Tuning", self.tuning),
-                       ("What-if", whatif), sizing_mode="stretch_width", css_classes=["wb-tabs"])
-        self.layout = pn.Column(header, tabs, sizing_mode="stretch_width", css_classes=["wb-dashboard"])
-
-    def _build_tuning(self) -> None:
-        """The Tuning tab: the sweep's form, Start / Cancel, its progress and the three charts."""
-        self.tune_progress = pn.indicators.Progress(value=0, max=100, width=300, css_classes=["wb-tune-progress"])
-        self.tune_status = pn.pane.Markdown("", css_classes=["wb-tune-status"])
-        self.tune_recommendation = pn.pane.Markdown("", css_classes=["wb-tune-recommendation"])
-        self.tune_charts = {name: pn.pane.Plotly(fig, height=charts.HEIGHT + 10, sizing_mode="stretch_width",
-                                                 css_classes=[f"wb-tune-{name.replace('_', '-')}"],
-                                                 config={"displaylogo": False, "responsive": True})
-                            for name, fig in tuning_charts.all_figures([], Target()).items()}
-        *form, buttons = panel_form(self, TUNE_FORM)
-        buttons.append(self.tune_progress)
-        self.tuning = pn.Column(
-            pn.pane.Markdown("**Sweep** the loaded model's scheduler live (no reload): the most output tokens/s "
-                             "whose target metric stays under the limit. The values come from its KV capacity."),
-            *form, buttons, self.tune_status,
-            self.tune_recommendation, pn.GridBox(*self.tune_charts.values(), ncols=2, sizing_mode="stretch_width"),
-            sizing_mode="stretch_width")
+    def refreshed(self) -> None:
+        for pane in self.charts.values():
+            pane.loading = False
 
     # ---- messages -------------------------------------------------------------------------------
     def show_error(self, message: str) -> None:
@@ -138,81 +124,12 @@ class SessionDashboard(ViewController, whatif_view.WhatifControls):
         self.error.visible = False
         self.info.visible = False
 
-    # ---- actions -----------------------------------------------------------------------------------
-    def show_generating(self) -> None:
-        self.answer.object = _pre("")
-        self.answer_stats.object = "_generating…_"
-
     def on_image(self, data: bytes | None) -> None:
+        """FileInput's value: the file's bytes."""
         self.set_image(data)
         preview = self.image_preview()
-        self.image_pane.object = "" if preview is None else (
+        self.image_view.object = "" if preview is None else (
             f'<img alt="the uploaded image" src="data:image/png;base64,{base64.b64encode(preview).decode()}">')
-
-    # ---- the periodic refresh ---------------------------------------------------------------------
-    def refresh(self) -> None:
-        """Copy session state into the widgets; redraw charts when the metrics changed."""
-        try:
-            with pn.io.hold():  # one batched update per refresh
-                self._refresh()
-        except Exception as exc:  # a view bug must not kill the periodic callback
-            logger.exception("dashboard refresh failed")
-            self.show_error(f"dashboard refresh failed: {exc}")
-
-    def _refresh(self) -> None:
-        s = self.session
-        self.status.object = f"**{html.escape(self._status_line(s))}**"
-        self.spinner.value = s.busy
-        for pane in self.charts.values():
-            pane.loading = False
-        for label, exc, result in self.finished_jobs():
-            if exc is None:
-                self.show_info(f"{label}: done" + _describe(result))
-        self.sync_active(self.active_select)
-        self._show_models(s.models)
-        if self.handle is not None:
-            text, self.answer_stats.object = self.answer_view()
-            self.answer.object = _pre(text)
-        if self.workload:
-            self.workload_md.object = self.workload_summary()
-        self._refresh_tuning()
-        self._refresh_whatif()
-        version = s.metrics.version
-        if version != self._chart_version or s.active != self._chart_model:
-            self._chart_version, self._chart_model = version, s.active
-            for name, fig in self.chart_figures().items():
-                self.charts[name].object = fig
-
-    def _refresh_tuning(self) -> None:
-        status, figures, self.tune_recommendation.object = self.refresh_tuning()
-        self.tune_status.object = html.escape(status)
-        for name, fig in (figures or {}).items():
-            self.tune_charts[name].object = fig
-
-    def _refresh_whatif(self) -> None:
-        status, figures = self.refresh_whatif()
-        self.whatif_status.object = html.escape(status)
-        for name, fig in (figures or {}).items():
-            self.whatif_charts[name].object = fig
-
-    def _status_line(self, s: Session) -> str:
-        """The session's status; while it is busy on one thing (loading, compiling), for how long."""
-        status, since = self._status
-        if s.status != status:
-            status, since = self._status = (s.status, monotonic())
-        elapsed = monotonic() - since
-        return f"{status} ({elapsed:.0f} s)" if s.busy and elapsed >= 1 else status
-
-    def _show_models(self, models: dict) -> None:
-        lines = [f"- **{html.escape(e.name)}** ({e.status}): weights {e.weights_bytes / 2**20:.1f} MiB"
-                 f"{' ' + e.config.quantization if e.config.quantization else ''}, "
-                 f"KV {e.kv_pool_bytes / 2**20:.1f} MiB, "
-                 f"{'compiled ' + str(e.compile.get('backend')) if e.compile.get('enabled') else 'eager'}"
-                 + "".join(f"<br>{html.escape(line)}" for line in e.engine_lines())
-                 for e in models.values()]
-        text = "\n".join(lines) or "_no model loaded_"
-        if self.models_md.object != text:
-            self.models_md.object = text
 
     # ---- display -----------------------------------------------------------------------------------
     def start(self) -> SessionDashboard:
@@ -226,29 +143,16 @@ class SessionDashboard(ViewController, whatif_view.WhatifControls):
         inline_resources=False it is loaded from a CDN instead."""
         load_extension_once_shown(inline_resources)
         self.start()
-        return pn.Column(self.layout, FieldsKeepEnter(width=0, height=0, margin=0), sizing_mode="stretch_width")
+        return pn.Column(self.root, FieldsKeepEnter(width=0, height=0, margin=0), **WIDE)
 
     def servable(self):
-        return self.start().layout
+        return self.start().root
 
 
 def _pre(text: str) -> str:
     return (f'<pre style="white-space: pre-wrap; word-break: break-word; margin: 0; padding: 8px; '
             f'background: #fbfbfd; border: 1px solid #e3e6ea; border-radius: 4px; min-height: 2.5em">'
             f"{html.escape(text)}</pre>")
-
-
-def _describe(result) -> str:
-    if isinstance(result, dict) and "freed_bytes" in result:
-        return f" ({result['name']} unloaded, {result['freed_bytes'] / 2**20:.1f} MiB freed)"
-    if isinstance(result, dict) and "enabled" in result:
-        if not result["enabled"]:
-            return f" (eager{': ' + str(result['reason']) if result.get('reason') else ''})"
-        return (f" ({result.get('backend')}/{result.get('mode')}, scope {result.get('scope')}, "
-                f"cache {result.get('cache')})")
-    if isinstance(result, ModelEntry) and result.load_seconds is not None:
-        return f" ({result.name} in {result.load_seconds:.1f} s)"
-    return ""
 
 
 write_queued_patches()

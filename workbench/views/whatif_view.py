@@ -1,8 +1,7 @@
-"""The What-if tab of both dashboards: `whatif_plan` (the form's layouts and workload, bounded by the fields of
-workbench.views.forms' WHATIF_FORM), `WhatifControls` (what both views add to their ViewController for it: the Memory
-picture and Simulate actions, the job's state and charts) and the tab's layout in Panel (`panel_tab`) and in
-ipywidgets (`widgets_tab`), which create the form's widgets, `whatif_progress` (0 to 100) and the charts, and
-wire the buttons. No engine logic here: the job and the memory figures come from workbench.whatif.job.
+"""The What-if tab's actions: `whatif_plan` (the form's layouts and workload, bounded by the fields of
+workbench.views.forms' WHATIF_FORM) and `WhatifControls` (what both views add to their ViewController for it: the
+Memory picture and Simulate actions, the job's state and charts; the tab's layout is workbench.views.layout's). No
+engine logic here: the job and the memory figures come from workbench.whatif.job.
 """
 
 from __future__ import annotations
@@ -11,17 +10,12 @@ from runner_core.models.catalogue import CONFIG_ONLY, PRESET, catalogue_names
 from runner_core.simulator.calibrate import cpu_model_name
 from runner_core.tuning import Target, Workload
 from workbench.tuning.job import TuneJob
-from workbench.views import charts, tuning_charts, whatif_charts
+from workbench.views import tuning_charts, whatif_charts
 from workbench.views.controller import parse_values
-from workbench.views.fields import panel_form, widgets_form
-from workbench.views.forms import NONE, WHATIF_DEFAULTS, WHATIF_FIELDS, WHATIF_FORM
+from workbench.views.forms import NONE, WHATIF_DEFAULTS, WHATIF_FIELDS
 from workbench.whatif.job import layout_label, memory_layouts, model_source
 
 WHATIF_CONFIG = {"dtype": "bfloat16"}  # the simulated runners' compute dtype (a loaded model keeps its own)
-INTRO = ("**What-if**: the engine's real scheduler on a virtual clock, each step's time predicted for the device "
-         "(no weights loaded). *Memory picture* shows at once what one device of each layout holds; *Simulate* "
-         "sweeps the layouts and concurrency, with the device's efficiency band as error bars, next to the "
-         "latest measured sweep of the Tuning tab.")
 
 
 def whatif_plan(hardware: str, tp: str, pp: str, weight_format: str, requests: int) -> tuple[list[dict], Workload]:
@@ -123,39 +117,3 @@ class WhatifControls:
         self.whatif_progress.value = round(100 * fraction)
         skipped = "".join(f"; skipped {layout_label(s['settings'])}: {s['why'].split(' (')[0]}" for s in job.skipped)
         return job.status + skipped, figures
-
-
-CHART_NAMES = ("pareto", "memory", "latency")
-
-
-def panel_tab(view):
-    """The tab in Panel: the form, the buttons, progress, status and the three charts (`view.whatif_charts`)."""
-    import panel as pn
-
-    view.whatif_progress = pn.indicators.Progress(value=0, max=100, width=300, css_classes=["wb-whatif-progress"])
-    view.whatif_status = pn.pane.Markdown("", css_classes=["wb-whatif-status"])
-    view.whatif_charts = {name: pn.pane.Plotly(None, height=charts.HEIGHT + 10, sizing_mode="stretch_width",
-                                               css_classes=[f"wb-whatif-{name}"],
-                                               config={"displaylogo": False, "responsive": True})
-                          for name in CHART_NAMES}
-    *form, buttons = panel_form(view, WHATIF_FORM, {"whatif_model": view.whatif_models()})
-    buttons.append(view.whatif_progress)
-    view.wire_whatif()
-    return pn.Column(pn.pane.Markdown(INTRO), *form, buttons, view.whatif_status,
-                     pn.GridBox(*view.whatif_charts.values(), ncols=2, sizing_mode="stretch_width"),
-                     sizing_mode="stretch_width")
-
-
-def widgets_tab(view, grid: dict):
-    """The tab in ipywidgets (FigureWidgets in `view.whatif_figures`), laid out as the Tuning tab is."""
-    import ipywidgets as W
-    import plotly.graph_objects as go
-
-    view.whatif_progress = W.IntProgress(value=0, min=0, max=100)
-    view.whatif_status = W.HTML("")
-    view.whatif_figures = {name: go.FigureWidget() for name in CHART_NAMES}
-    *form, buttons = widgets_form(view, WHATIF_FORM, {"whatif_model": view.whatif_models()})
-    buttons.children = (*buttons.children, view.whatif_progress)
-    view.wire_whatif()
-    return W.VBox([*form, buttons, view.whatif_status,
-                   W.GridBox(list(view.whatif_figures.values()), layout=W.Layout(**grid))])
