@@ -135,7 +135,9 @@ def _normalise_device(value: Any) -> int | str:
 
 
 def auto_dtype(device_type: str, checkpoint_dtype: str | None = None) -> tuple[str, str]:
-    """What dtype="auto" becomes on a device type, and why: float16 on CUDA. On the CPU with the native
+    """What dtype="auto" becomes on a device type, and why: on CUDA bfloat16 (as the simulator takes it: the
+    dtype most checkpoints are trained in, which float16 can overflow), float16 only on a visible GPU without
+    bfloat16 (before Ampere). On the CPU with the native
     kernels: bfloat16 where their tier multiplies it natively (AVX512-BF16); else a bfloat16
     checkpoint (`checkpoint_dtype`) stays bfloat16 (every tier reads bfloat16 and computes in float32
     registers: half a float32 copy's memory) and anything else is float32. Without the kernels,
@@ -143,7 +145,9 @@ def auto_dtype(device_type: str, checkpoint_dtype: str | None = None) -> tuple[s
     it, slowly). RUNNER_CORE_CPU_BF16=1 or 0 overrides the CPU check (the tests pin it, so they run
     alike anywhere)."""
     if device_type == "cuda":
-        return "float16", "a CUDA device"
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            return "float16", "this CUDA device has no bfloat16 (before Ampere)"
+        return "bfloat16", "a CUDA device (bfloat16, the dtype most checkpoints are trained in)"
     forced = os.environ.get("RUNNER_CORE_CPU_BF16")
     if forced is not None and forced not in ("0", "1"):
         raise ConfigError(f"environment variable RUNNER_CORE_CPU_BF16={forced!r}; allowed: '1' (dtype auto is "
@@ -182,9 +186,14 @@ def checkpoint_dtype(model: str | Path) -> str | None:
 
 
 def _resolve_device(device: int | str) -> torch.device:
-    """The torch.device to run on; falls back to the CPU (one info line) without CUDA."""
+    """The torch.device to run on. Without CUDA a GPU index (the default 0) falls back to the CPU (one
+    info line); a CUDA device named explicitly ('cuda', 'cuda:N') is refused: it would run on the CPU unnoticed."""
     if device == "cpu":
         return torch.device("cpu")
+    if isinstance(device, str) and not torch.cuda.is_available():
+        raise ConfigError(f"config field 'device' got {device!r}, but torch sees no CUDA device here (torch "
+                          f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use device='cpu', or "
+                          "run where torch.cuda.is_available() is True (a CUDA build of torch and a visible GPU)")
     if not torch.cuda.is_available():
         logger.info("CUDA is not available; device=%r falls back to the CPU", device)
         return torch.device("cpu")

@@ -283,10 +283,6 @@ def test_auto_dtype_override_and_its_reason_in_model_info(no_cuda, monkeypatch, 
     runner.shutdown()
 
 
-def test_auto_dtype_is_float16_on_cuda(two_gpus):
-    assert RunnerConfig(model="m", device=1).torch_dtype is torch.float16
-
-
 def test_device_falls_back_to_cpu_with_one_info_line(no_cuda, caplog):
     with caplog.at_level(logging.INFO, logger="runner_core"):
         config = RunnerConfig(model="m", device=0)
@@ -298,8 +294,29 @@ def test_device_falls_back_to_cpu_with_one_info_line(no_cuda, caplog):
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:3"])
-def test_cuda_strings_fall_back_to_cpu(no_cuda, device):
-    assert RunnerConfig(model="m", device=device).torch_device == torch.device("cpu")
+def test_an_explicit_cuda_device_without_cuda_is_refused(no_cuda, device):
+    """A CUDA device named explicitly is refused without CUDA (it used to run on the CPU with an info line);
+    the default GPU index 0 still falls back (above)."""
+    with pytest.raises(ConfigError) as info:
+        RunnerConfig(model="m", device=device)
+    message = str(info.value)
+    assert f"'device' got {device!r}" in message and "no CUDA device" in message
+    assert "device='cpu'" in message and "torch.cuda.is_available()" in message
+
+
+@pytest.mark.parametrize("bf16, expected", [(True, "bfloat16"), (False, "float16")])
+def test_auto_dtype_on_cuda_is_bfloat16_where_the_gpu_has_it(two_gpus, monkeypatch, bf16, expected):
+    """dtype auto on CUDA is bfloat16, as the simulator and the estimate take it (it was float16, which
+    bf16-trained checkpoints can overflow); float16 only on a GPU without bfloat16."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    config = RunnerConfig(model="m", device="cuda")
+    assert config.torch_dtype == getattr(torch, expected)
+    assert ("no bfloat16" in config.auto_dtype()[1]) == (not bf16)
+
+
+def test_auto_dtype_for_a_cuda_device_not_here_is_bfloat16(no_cuda):
+    """The estimate of a CUDA device from a CPU machine takes bfloat16, as the simulator does."""
+    assert auto_dtype("cuda") == ("bfloat16", auto_dtype("cuda")[1])
 
 
 def test_cpu_device_logs_nothing(caplog):

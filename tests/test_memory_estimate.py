@@ -197,7 +197,7 @@ def test_half_precision_halves_weights_and_kv(tiny_llama_path, dtype):
 
 def test_auto_dtype_follows_the_device(tiny_llama_path):
     assert estimate_memory(tiny_llama_path, device="cpu").dtype == "float32"
-    assert estimate_memory(tiny_llama_path, device="cuda").dtype == "float16"
+    assert estimate_memory(tiny_llama_path, device="cuda").dtype == "bfloat16"
 
 
 def test_config_only_estimate_equals_header_estimate(tiny_llama_path, tmp_path):
