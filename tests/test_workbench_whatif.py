@@ -50,16 +50,22 @@ def test_session_whatif_on_a_70b_config(session):
     assert session.models == {} and len(session.metrics.events()) == events
 
 
-def test_whatif_one_at_a_time_and_cancel(session, monkeypatch):
+def _hold_runs(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """(started, release): each simulated run sets `started`, then waits for `release` (until the test has looked)."""
     started, release = threading.Event(), threading.Event()
     real_run = SimulatorBackend.run
 
-    def run(self, workload, target):  # hold the first run until the test has looked
+    def run(self, workload, target):
         started.set()
         release.wait(30)
         return real_run(self, workload, target)
 
     monkeypatch.setattr(SimulatorBackend, "run", run)
+    return started, release
+
+
+def test_whatif_one_at_a_time_and_cancel(session, monkeypatch):
+    started, release = _hold_runs(monkeypatch)
     job = session.whatif("llama-3-70b", [H100_TP8], SMALL, space=SweepSpace(concurrency=[1, 2, 4]))
     assert started.wait(60)
     with pytest.raises(SessionBusyError, match="what-if is already running"):
@@ -70,6 +76,17 @@ def test_whatif_one_at_a_time_and_cancel(session, monkeypatch):
     assert result.cancelled and job.status.startswith("cancelled") and len(result.rows) <= 1
     assert session.whatif("llama-3-70b", [H100_TP8], SMALL.replace(num_requests=2), band=False,
                           space=SweepSpace(concurrency=[1])).result(60).points
+
+
+def test_the_session_keeps_its_jobs_and_cancels_a_running_one_at_close(monkeypatch):
+    started, release = _hold_runs(monkeypatch)
+    s = Session()
+    job = s.whatif("llama-3-70b", [H100_TP8], SMALL, space=SweepSpace(concurrency=[1, 2, 4]))
+    assert s.latest_job("what-if") is job and WhatifJob.latest(s) is job and s.latest_job("sweep") is None
+    assert started.wait(60) and not job.done
+    release.set()
+    s.close()
+    assert job.done and job.cancelled and job.status.startswith("cancelled") and s.closed
 
 
 def test_bad_layouts_are_refused_with_the_fix(session):

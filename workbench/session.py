@@ -23,7 +23,7 @@ from concurrent.futures import Future
 
 from runner_core import RequestOutput, RunnerConfig, SamplingParams
 from workbench.runtime.engine_thread import EngineThread
-from workbench.runtime.handles import RequestHandle
+from workbench.runtime.handles import RequestHandle, SessionBusyError
 from workbench.runtime.loaded_models import LoadedModels, ModelEntry
 from workbench.runtime.metrics import MetricsSeries, Telemetry
 from workbench.runtime.routing import Router
@@ -49,6 +49,8 @@ class Session:
         self._models = LoadedModels(self._thread, self._telemetry)
         self._router = Router(self._thread, self._models, self._telemetry)
         self._api_servers: list = []  # serve_api's servers, stopped at close()
+        self._jobs: dict[str, object] = {}  # the latest background job of each kind (tune's, whatif's), by its noun
+        self._jobs_lock = threading.Lock()
         self._thread.start()
 
     @classmethod
@@ -278,7 +280,8 @@ class Session:
         """Start a sweep of `space` (runner_core.tuning.SweepSpace; None: proposed from the KV capacity) with
         `workload` under `target` (default: p99 time per output token ≤ 100 ms) on a loaded model, in the
         background: returns a TuneJob (progress, rows so far, result(), cancel()). Scheduler knobs change live,
-        without reloading weights. `options`: repeats, warmup, results (a .csv/.json path that resumes)."""
+        without reloading weights. `options`: repeats, warmup, results (a .csv/.json path that resumes). The session
+        keeps it (`latest_job("sweep")`) and cancels it at close()."""
         from workbench.tuning import TuneJob
 
         return TuneJob.start(self, space, workload, target=target, model=model, **options)
@@ -289,10 +292,27 @@ class Session:
         [{"hardware": "h200", "tensor_parallel_size": 8}]): the engine's scheduler on a virtual clock, no
         weights loaded, this session's engine and models untouched. In the background like tune(): returns a
         WhatifJob (progress, rows, points with "band_low"/"band_high", skipped layouts, result(), cancel()).
-        `options`: space, repeats, results, and RunnerConfig fields of the simulated runners (dtype, ...)."""
+        `options`: space, repeats, results, and RunnerConfig fields of the simulated runners (dtype, ...). The session
+        keeps it (`latest_job("what-if")`) and cancels it at close()."""
         from workbench.whatif.job import WhatifJob
 
         return WhatifJob.start(self, model, layouts, workload, target=target, band=band, **options)
+
+    def keep_job(self, kind: str, start):
+        """Keep the job `start()` builds and launches as the session's latest of `kind` (a TuneJob's "sweep", a
+        WhatifJob's "what-if"; see latest_job), cancelled at close(). SessionBusyError while the latest of that kind
+        still runs."""
+        with self._jobs_lock:
+            running = self._jobs.get(kind)
+            if running is not None and not running.done:
+                raise SessionBusyError(f"a {kind} is already running on this session ({running.status}); cancel it "
+                                       "(job.cancel()) or wait for it (job.result()) before starting another")
+            job = self._jobs[kind] = start()
+        return job
+
+    def latest_job(self, kind: str):
+        """The latest job of `kind` ("sweep": tune()'s, "what-if": whatif()'s), running or finished, or None."""
+        return self._jobs.get(kind)
 
     def serve_api(self, port: int = 0, *, host: str = "127.0.0.1", api_key: str | None = None, limits=None):
         """Serve an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions, /health,
@@ -323,10 +343,19 @@ class Session:
                 return True
 
     # ---- shutdown ---------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Unload every model and stop the engine thread."""
+    def close(self, job_timeout: float = 30.0) -> None:
+        """Cancel the session's jobs (a sweep, a what-if; each waited for up to `job_timeout` s), stop its API
+        servers, unload every model and stop the engine thread."""
         if self.closed:
             return
+        jobs = [job for job in self._jobs.values() if not job.done]
+        for job in jobs:
+            job.cancel()
+        for job in jobs:
+            try:
+                job.result(job_timeout)
+            except Exception:  # its error is the job's; a job still running after the timeout is a daemon thread
+                logger.debug("a %s ended with an error at close", job.noun, exc_info=True)
         for server in self._api_servers:
             server.stop()
         for name, entry in self.models.items():

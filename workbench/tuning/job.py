@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 
 from runner_core.tuning import Target, tune
 from runner_core.tuning.results import judge, point_summary
-from workbench.runtime.handles import SessionBusyError
 from workbench.tuning.backend import DEFAULT_WORKLOAD, SessionBackend
-
-_JOBS_LOCK = threading.Lock()
 
 
 class SweepJob:
@@ -33,12 +29,7 @@ class SweepJob:
     redraws only when it moved), `done`, `cancelled`, `error`; `result(timeout)` waits for the TuneResult;
     `cancel()` stops it (the run in progress is cancelled too). One job of a kind per session at a time."""
 
-    noun = "sweep"  # in status lines and messages
-    _jobs: weakref.WeakKeyDictionary  # each kind's own: session -> its latest job
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        cls._jobs = weakref.WeakKeyDictionary()
+    noun = "sweep"  # in status lines and messages; the session keeps its latest job of each noun
 
     def __init__(self, session, workload, target, *, thread_name: str, repeats: int):
         self.session, self.workload, self.target, self.repeats = session, workload, target, repeats
@@ -61,19 +52,7 @@ class SweepJob:
     @classmethod
     def latest(cls, session):
         """The session's latest job of this kind (running or finished), or None."""
-        return cls._jobs.get(session)
-
-    @classmethod
-    def _register(cls, session, make):
-        """`make()`'s job as the session's latest of this kind; SessionBusyError while another one runs."""
-        with _JOBS_LOCK:
-            running = cls._jobs.get(session)
-            if running is not None and not running.done:
-                raise SessionBusyError(f"a {cls.noun} is already running on this session ({running.status}); "
-                                       "cancel it (job.cancel()) or wait for it (job.result()) before starting "
-                                       "another")
-            job = cls._jobs[session] = make()
-        return job
+        return session.latest_job(cls.noun)
 
     # ---- the sweep's thread --------------------------------------------------------------------------
     def _sweep(self):
@@ -212,13 +191,16 @@ class TuneJob(SweepJob):
         `workload` (None: the
         default run_load workload) under `target` (None: p99 TPOT <= 100 ms). Raises SessionBusyError while
         another sweep of the session runs."""
-        job = cls._register(session, lambda: cls(
-            session, space, DEFAULT_WORKLOAD if workload is None else workload, Target() if target is None else target,
-            model=model, repeats=repeats, warmup=warmup, results=results))
-        job.backend.entry().sweeping = True
-        session.record_event("tune", model=job.model, workload=job.workload.label, target=job.target.label,
+        def make():
+            job = cls(session, space, DEFAULT_WORKLOAD if workload is None else workload,
+                      Target() if target is None else target, model=model, repeats=repeats, warmup=warmup,
+                      results=results)
+            job.backend.entry().sweeping = True
+            session.record_event("tune", model=job.model, workload=job.workload.label, target=job.target.label,
                                  repeats=repeats, warmup=warmup)
-        return job.launch()
+            return job.launch()
+
+        return session.keep_job(cls.noun, make)
 
     def _sweep(self):
         return tune(self.space, self.workload, self.target, backend=self.backend, repeats=self.repeats,

@@ -2,7 +2,8 @@
 scheduler on a virtual clock, on named hardware and layouts) in a background thread, with the progress, rows,
 points and cancel of a TuneJob (workbench/tuning/job.py's SweepJob). It never touches the session's engine
 thread or its loaded models: a simulation loads no weights. The session keeps its latest one
-(`WhatifJob.latest(session)`), so views can show it next to the latest measured sweep (`TuneJob.latest`).
+(`session.latest_job("what-if")`, `WhatifJob.latest(session)`), so views can show it next to the latest measured
+sweep (`TuneJob.latest`), and cancels it at close.
 
 `memory_layouts` is the memory picture's data, at once and without a run: per layout, what one device holds
 (weights, the KV pool the device's memory leaves, activation peak, the hardware's reserved bytes) and whether
@@ -42,11 +43,10 @@ class WhatifJob(SweepJob):
     @classmethod
     def start(cls, session, model: str, layouts, workload=None, *, target=None, band: bool = True, space=None,
               results=None, repeats: int = 1, **config) -> WhatifJob:
-        job = cls._register(session, lambda: cls(
+        return session.keep_job(cls.noun, lambda: cls(
             session, model, layouts, DEFAULT_WORKLOAD if workload is None else workload,
             Target() if target is None else target, band=band, space=space, results=results, repeats=repeats,
-            config=config))
-        return job.launch()
+            config=config).launch())
 
     def _sweep(self):
         return whatif(self.model_path, self.workload, self.target, self.layouts, base_config=self.config,
