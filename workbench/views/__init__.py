@@ -1,5 +1,5 @@
-"""The dashboards: every control and form defined once (`fields`, `forms`), the actions on them
-(`controller`), shown in the browser by Panel (`panel_app`) and in the notebook by ipywidgets
-(`widgets`); the charts they and the lessons draw (`charts`, `timeline`, `perf_charts`,
-`tuning_charts`, `whatif_charts`), the What-if tab (`whatif_view`); `notebook_output` and
-`panel_writer` keep Panel usable in JupyterLab and over its websocket."""
+"""The dashboards: every control and form defined once (`fields`, `forms`), the tabs laid out once (`layout`) and
+refreshed once (`dashboard`), the actions on them (`controller`, `whatif_view`), made in the browser by Panel
+(`panel_app`) and in the notebook by ipywidgets (`widgets`); the charts they and the lessons draw (`charts`,
+`timeline`, `perf_charts`, `tuning_charts`, `whatif_charts`); `notebook_output` and `panel_writer` keep Panel usable
+in JupyterLab and over its websocket."""
