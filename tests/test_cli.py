@@ -23,7 +23,7 @@ def test_generate_json_for_two_prompts(tiny_llama_path):
 def test_missing_model_directory_is_a_clear_error(tmp_path):
     res = _cli("--model", str(tmp_path / "nope"), "--prompt", "hi")
     assert res.returncode == 2
-    assert "model directory not found" in res.stderr and "Traceback" not in res.stderr
+    assert "(no such directory)" in res.stderr and "nope" in res.stderr and "Traceback" not in res.stderr
 
 
 def _tune(*args: str) -> subprocess.CompletedProcess:
