@@ -237,7 +237,8 @@ def test_cuda_capture_plan_bounds_graph_memory(eager):
     hf, big = eager.engine.hf_config, 1 << 50
     cfg = SimpleNamespace(compile=True, enforce_eager=False, torch_device=torch.device("cuda"), world_size=1,
                           compile_backend="inductor", compile_mode="default", compile_scope="model",
-                          compile_sizes=None, max_num_seqs=64, torch_dtype=torch.float16)
+                          compile_sizes=None, max_num_seqs=64, torch_dtype=torch.float16, attention_backend="gather",
+                          block_size=16)
     with_sizes = lambda sizes: SimpleNamespace(**{**vars(cfg), "compile_sizes": sizes})  # noqa: E731
     sizes, reserve, why = dp.cuda_capture_plan(cfg, hf, 2048, big)
     assert (sizes, why) == ([1, 2, 4, 8, 16, 32, 48, 64], "device default")
@@ -246,6 +247,10 @@ def test_cuda_capture_plan_bounds_graph_memory(eager):
     sizes, reserve, why = dp.cuda_capture_plan(cfg, hf, 2048, 10 * peak8 + 10)  # room for size 8 at most
     assert sizes == [1, 2, 4, 8] and reserve == peak8
     assert "sizes [16, 32, 48, 64] left out" in why and "over 10% of the device" in why
+    # flex (CUDA's "auto") reads the pool in place: the graphs' memory does not grow with max_model_len
+    flex = SimpleNamespace(**{**vars(cfg), "attention_backend": "auto"})
+    flex_reserve = dp.cuda_capture_plan(flex, hf, 2048, big)[1]
+    assert flex_reserve == dp.cuda_capture_plan(flex, hf, 256, big)[1] and flex_reserve < peak8
     for change in ({"compile_mode": "reduce-overhead"}, {"compile_sizes": []}, {"compile": False},
                    {"torch_device": torch.device("cpu")}, {"world_size": 2}):
         assert dp.cuda_capture_plan(SimpleNamespace(**{**vars(cfg), **change}), hf, 2048, big)[:2] == ([], 0), change

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runner_core import ConfigError, ModelRunner, RunnerConfig
-from runner_core.loader.model_loader import read_hf_config
+from runner_core.loader.model_loader import read_hf_config, resolve_model_path
 from runner_core.memory import ModelShape, kv_bytes_per_token
 from runner_core.memory.estimate import estimate_memory
 from runner_core.memory.fit import check_config_fits, check_fits, required_bytes
@@ -103,7 +103,8 @@ def test_pool_without_kv_cache_memory_is_max_num_seqs_sequences(tiny_llama_path)
     assert est.kv_pool_bytes == kv.numel() * kv.element_size()
     shape, model = ModelShape.from_hf_config(runner.engine.hf_config), runner.model
     bytes_per_token = kv_bytes_per_token(shape.num_layers, model.num_kv_heads, model.head_dim, torch.float32)
-    plan = plan_kv_pool(runner.config, shape, 100, bytes_per_token=bytes_per_token, weights_bytes=0)
+    plan = plan_kv_pool(runner.config, shape, 100, bytes_per_token=bytes_per_token, weights_bytes=0,
+                        attention_backend=runner.engine.worker.forward_pass.attention_backend)
     assert plan.num_tokens == 304 and plan.num_bytes == est.kv_pool_bytes
     runner.shutdown()
 
@@ -267,6 +268,30 @@ def test_plan_pool_cuda_budget():
                        activation_peak_bytes=512 << 20, total_bytes=10 << 30, non_torch_bytes=512 << 20,
                        reserved_bytes=256 << 20)
     assert graphs.num_blocks == (budget - (256 << 20)) // block_bytes  # room left for the decode CUDA graphs
+
+
+def test_cuda_pool_is_sized_for_the_attention_backend_that_runs(monkeypatch):
+    """Flex (CUDA's default) reads the pool in place: no decode gathers every context. Sized as if it did,
+    Llama-3.1-8B at its 131,072 positions on an 80 GiB device planned 0 blocks (a ConfigError at load)."""
+    from types import SimpleNamespace
+
+    shape = ModelShape.from_hf_config(read_hf_config(resolve_model_path("llama-3.1-8b", weights=False)))
+    config = SimpleNamespace(torch_device=torch.device("cuda"), torch_dtype=torch.bfloat16, block_size=16,
+                             effective_max_num_batched_tokens=2048, max_num_seqs=256, tensor_parallel_size=1,
+                             kv_cache_memory=None, gpu_memory_utilization=0.9)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    bpt = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, torch.bfloat16)
+    plans = {backend: plan_kv_pool(config, shape, 131072, bytes_per_token=bpt, weights_bytes=16 << 30,
+                                   attention_backend=backend) for backend in ("flex", "gather")}
+    assert plans["gather"].activation_peak_bytes > 100 << 30 and plans["gather"].num_blocks == 0
+    assert plans["flex"].activation_peak_bytes < 2 << 30
+    assert plans["flex"].num_tokens > 131072 * 3  # 55+ GiB of pool: several full-length sequences
+    # the estimate before loading takes the backend CUDA runs ("auto": flex), unless gather is chosen
+    est = {b: estimate_memory("llama-3.1-8b", dtype="bfloat16", device="cuda", attention_backend=b)
+           for b in ("auto", "gather")}
+    est = {b: e.activation_peak_bytes for b, e in est.items()}
+    assert est["auto"] < 2 << 30 < 100 << 30 < est["gather"]
 
 
 def test_plan_pool_cpu_and_override():

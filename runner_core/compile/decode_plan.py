@@ -15,6 +15,7 @@ from torch import nn
 from runner_core.compile.compile_optimizer import WARM_START_ENV, CompileOptimizer, CompileSettings
 from runner_core.compile.decode_programs import CUDAGraphDecodePrograms, DecodePrograms, PackedDecodePrograms
 from runner_core.config import CUDA_GRAPH_MODES
+from runner_core.layers.attention import resolve_attention_backend
 from runner_core.layers.linear import packed_weight_bytes
 from runner_core.memory import MemoryManager, ModelShape, available_memory_bytes, estimate_activation_peak
 
@@ -61,7 +62,8 @@ def cuda_capture_plan(config, hf_config, max_model_len: int, total_bytes: int) -
     and why. The pool holds the activation peak of the largest size's static-length decode (the
     graphs share it, captured largest first); sizes whose peak would exceed GRAPH_MEMORY_FRACTION
     of the device's `total_bytes` are not captured (the keys of max_model_len tokens are gathered
-    per sequence: at 256 sequences x 4096 tokens that is gigabytes). ([], 0, why) where no
+    per sequence with the gather backend: at 256 sequences x 4096 tokens that is gigabytes; flex reads the pool
+    in place). ([], 0, why) where no
     runner-level graphs will be captured."""
     settings = _compiled_settings(config, "cuda")
     sizes = _usable_sizes(config.compile_sizes, "cuda", config.max_num_seqs)
@@ -70,8 +72,9 @@ def cuda_capture_plan(config, hf_config, max_model_len: int, total_bytes: int) -
     if settings.backend == "inductor" and settings.mode in CUDA_GRAPH_MODES:
         return [], 0, f"compile_mode={settings.mode!r}: inductor captures its own CUDA graphs"
     shape = ModelShape.from_hf_config(hf_config)
+    backend = resolve_attention_backend(config.attention_backend, config.torch_device, config.block_size)
     peaks = {s: estimate_activation_peak(shape, num_tokens=s, num_seqs=s, dtype=config.torch_dtype,
-                                         context_len=max_model_len, decode_gather=True) for s in sizes}
+                                         context_len=max_model_len, attention_backend=backend) for s in sizes}
     budget = int(total_bytes * GRAPH_MEMORY_FRACTION)
     kept = [s for s in sizes if peaks[s] <= budget]
     why = "configured" if config.compile_sizes is not None else "device default"

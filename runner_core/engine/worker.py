@@ -90,7 +90,8 @@ class Worker:
         plan = plan_kv_pool(config, ModelShape.from_hf_config(self.hf_config), self.max_model_len,
                             bytes_per_token=kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
                                                                self.dtype),
-                            weights_bytes=model_bytes, measured_peak_bytes=measured, reserved_bytes=reserve)
+                            weights_bytes=model_bytes, attention_backend=self.forward_pass.attention_backend,
+                            measured_peak_bytes=measured, reserved_bytes=reserve)
         num_blocks = min_over_ranks(plan.num_blocks)
         if num_blocks != plan.num_blocks:
             plan = dataclasses.replace(plan, num_blocks=num_blocks)

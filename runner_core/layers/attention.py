@@ -72,6 +72,11 @@ class AttentionMetadataBuilder:
         """Complete `meta` once it is on the device (default: nothing to do)."""
 
 
+def default_backend(device_type: str) -> str:
+    """What "auto" runs as on a device type: flex on CUDA, the native kernel on the CPU when built, else gather."""
+    return "flex" if device_type == "cuda" else "native" if cpu_kernels_available() else "gather"
+
+
 def resolve_attention_backend(choice: str, device: torch.device, block_size: int) -> str:
     """The backend `choice` (RunnerConfig.attention_backend) runs as on `device`: "auto" is flex on
     CUDA, the native kernel on the CPU when it is built, else gather."""
@@ -79,7 +84,7 @@ def resolve_attention_backend(choice: str, device: torch.device, block_size: int
         raise ConfigError(f"config field 'attention_backend' got {choice!r}; allowed: one of "
                           + ", ".join(map(repr, ATTENTION_BACKENDS)))
     if choice == "auto":
-        choice = "flex" if device.type == "cuda" else "native" if cpu_kernels_available() else "gather"
+        choice = default_backend(device.type)
     if choice == "native" and (device.type != "cpu" or not cpu_kernels_available()):
         why = "it is a CPU kernel" if device.type != "cpu" else "it did not build (see the warning logged above)"
         raise ConfigError(f"config field 'attention_backend' got 'native' on {device.type}, but {why}; "

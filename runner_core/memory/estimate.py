@@ -29,6 +29,8 @@ from runner_core.config import (
     resolve_max_model_len,
 )
 from runner_core.errors import ConfigError
+from runner_core.layers.attention import default_backend
+from runner_core.layers.flex_attention import Q_BLOCK
 from runner_core.layers.linear import packed_bytes
 from runner_core.layers.quantization import QuantFormat
 from runner_core.layers.weight_storage import layer_format, panels_apply, weight_bytes
@@ -45,7 +47,7 @@ from runner_core.memory.shapes import (
 # ---- activations --------------------------------------------------------------------------
 def estimate_activation_peak(shape: ModelShape, *, num_tokens: int, num_seqs: int, dtype: str | torch.dtype,
                              tensor_parallel_size: int = 1, context_len: int | None = None,
-                             decode_gather: bool = False) -> int:
+                             attention_backend: str | None = None) -> int:
     """Peak transient bytes of one forward over `num_tokens` tokens plus float32 logits for
     `min(num_seqs, num_tokens)` rows, on one device.
 
@@ -59,11 +61,12 @@ def estimate_activation_peak(shape: ModelShape, *, num_tokens: int, num_seqs: in
     [rows, vocab] logits (and their float32 copy below 32 bits; the gathered shards with tp).
     Index tensors (ids, positions, gather indices) add 32 bytes per token.
 
-    `context_len` (when reading keys from the KV pool) is the longest context a step may
-    attend to: a prefill chunk then gathers that many keys and values per layer (and a
-    boolean mask of tokens x context). With `decode_gather` (no native paged kernel, e.g.
-    CUDA here) every decode row gathers its whole context too, with a float32 bias and an
-    int64 index of rows x context for the whole step.
+    `context_len` (when reading keys from the KV pool) is the longest context a step may attend to, and
+    `attention_backend` (resolved: "gather", "native", "flex") how they are read. "gather" (and None)
+    copies that many keys and values per layer for a prefill chunk (and a boolean mask of tokens x
+    context); "gather" also for every decode row, with a float32 bias and an int64 index of rows x
+    context for the whole step. "native" and "flex" read the pool in place: no keys are copied; flex
+    pads each decode row to a Q_BLOCK-row query tile (its grid, output and row metadata).
     """
     b = dtype_bytes(dtype)
     tp = tensor_parallel_size
@@ -78,10 +81,14 @@ def estimate_activation_peak(shape: ModelShape, *, num_tokens: int, num_seqs: in
     base = 4 * t * h * b
     mlp = base + 4 * t * inter * b if shape.dense_layers else 0
     moe = _moe_peak(shape.moe, t, h, b, tp, base) if shape.moe is not None and shape.moe.sparse_layers else 0
+    in_place = context_len is not None and attention_backend in ("native", "flex")
     keys = t if context_len is None else max(t, context_len)
     # qkv, rotated q and k, output/grid/SDPA output (3q), SDPA's softmax scratch (~q/2, measured), keys and values
     attn = base + t * b * (q + 2 * kv) + t * b * (q + kv) + t * b * (3 * q + q // 2) + 2 * keys * kv * b
-    if context_len is not None and context_len > t:
+    if in_place:  # no gathered keys nor mask; flex: a padded query grid, its output, each row's sequence and position
+        padded = t + rows * (Q_BLOCK - 1) if attention_backend == "flex" else t
+        attn = base + t * b * (q + 2 * kv) + t * b * (q + kv) + padded * (3 * q * b + 16)
+    elif context_len is not None and context_len > t:
         attn += t * keys  # boolean mask of a chunk that continues a cached prefix
     norm = base + t * h * (8 + (4 if b != 4 else 0))
     logits = t * h * b + rows * vocab_shard * b
@@ -90,7 +97,7 @@ def estimate_activation_peak(shape: ModelShape, *, num_tokens: int, num_seqs: in
     if b != 4:
         logits += rows * shape.vocab_size * 4
     step = 32 * t
-    if decode_gather and context_len is not None:
+    if attention_backend == "gather" and context_len is not None:
         ctx = max(1, context_len)
         step += rows * ctx * 12  # decode bias (float32) and gather index (int64)
         heads = shape.num_heads // tp
@@ -207,7 +214,7 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
                     trust_remote_code: bool = False, packed_decode_weights: bool = False,
                     encoder_cache_tokens: int | None = None, model_impl: str = "auto",
                     quantization: str | None = None, quantization_group_size: int = 64,
-                    quantize_lm_head: bool = False) -> MemoryEstimate:
+                    quantize_lm_head: bool = False, attention_backend: str = "auto") -> MemoryEstimate:
     """Predict the memory a configuration needs per device, before loading anything.
 
     `model` is resolved like the loader does (a directory, a preset built on first use, a hub id
@@ -229,6 +236,8 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
     CPU kernels multiply panels (one process, the native linear layers) a linear weight is held in
     that layout only, padded to whole panels: `weights_bytes` is then what memory_stats() reports
     after load, and `dense_weights_bytes` what the same weights take in the compute dtype.
+    `attention_backend` (RunnerConfig's choices) says how attention reads the pool: gathering
+    copies of the keys, or in place ("auto" on CUDA: flex).
     """
     from runner_core.loader.model_loader import read_hf_config, resolve_model_path
     from runner_core.models import MODEL_REGISTRY
@@ -254,7 +263,7 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
                 block_size=block_size, kv_cache_memory=kv_cache_memory, device=device, model=str(model),
                 packed_decode_weights=packed_decode_weights, native_linears=adapter.impl == "native",
                 quantization=quantization, quantization_group_size=quantization_group_size,
-                quantize_lm_head=bool(quantize_lm_head),
+                quantize_lm_head=bool(quantize_lm_head), attention_backend=attention_backend,
                 encoder_cache_tokens=(encoder_cache_tokens if encoder_cache_tokens is not None else
                                       max_num_batched_tokens) if multimodal else 0)
     return estimate_from(EstimateInputs(shape, tuple(tensors), args))
@@ -290,8 +299,9 @@ def estimate_from(inputs: EstimateInputs, **overrides) -> MemoryEstimate:
         pool_tokens = -(-a["max_num_seqs"] * max_len // bs) * bs
     # one cos and sin table per model, float32, over the positions a step reaches (model_loader.py)
     buffers = [min(limit, max(max_len, tokens)) * shape.head_dim * 4 if n else 0 for n in layers]
+    backend = default_backend(dev_type) if a["attention_backend"] == "auto" else a["attention_backend"]
     act = estimate_activation_peak(shape, num_tokens=tokens, num_seqs=a["max_num_seqs"], dtype=dtype,
-                                   tensor_parallel_size=tp, context_len=max_len, decode_gather=dev_type == "cuda")
+                                   tensor_parallel_size=tp, context_len=max_len, attention_backend=backend)
     # MKL's copies for the CPU decode programs, only where the linear weights stay row-major (no panels)
     packed = (packed_bytes(linear_shapes(shape)) if a["packed_decode_weights"] and tp * pp == 1
               and dtype == "float32" and a["quantization"] is None and not panels else 0)

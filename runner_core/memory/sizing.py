@@ -150,10 +150,11 @@ def plan_pool(*, bytes_per_token: int, block_size: int, max_model_len: int, max_
 
 
 def plan_kv_pool(config, shape: ModelShape, max_model_len: int, *, bytes_per_token: int, weights_bytes: int,
-                 measured_peak_bytes: int | None = None, reserved_bytes: int = 0) -> PoolPlan:
+                 attention_backend: str, measured_peak_bytes: int | None = None, reserved_bytes: int = 0) -> PoolPlan:
     """The pool plan of a loaded model (`shape`, its stage's layers) under `config` (a RunnerConfig).
 
-    The activation peak is the formula's figure, raised to `measured_peak_bytes` (a profile run,
+    The activation peak is the formula's figure for the resolved `attention_backend` (gather copies
+    each context out of the pool; flex and native read it in place), raised to `measured_peak_bytes` (a profile run,
     `profile.profile_activation_peak`) when given; `weights_bytes` counts the model's parameters and
     buffers on the device; `reserved_bytes` (CUDA) stays free for the decode CUDA graphs.
     """
@@ -161,7 +162,7 @@ def plan_kv_pool(config, shape: ModelShape, max_model_len: int, *, bytes_per_tok
     tokens, seqs = config.effective_max_num_batched_tokens, config.max_num_seqs
     activation = estimate_activation_peak(
         shape, num_tokens=tokens, num_seqs=seqs, dtype=dtype, tensor_parallel_size=config.tensor_parallel_size,
-        context_len=max_model_len, decode_gather=device.type == "cuda")
+        context_len=max_model_len, attention_backend=attention_backend)
     if measured_peak_bytes is not None:
         logger.info("profile run: %d tokens, %d sequences: activation peak %.1f MiB measured, %.1f MiB estimated",
                     tokens, seqs, measured_peak_bytes / MiB, activation / MiB)
