@@ -264,7 +264,8 @@ class RunnerConfig:
     device: int | str = 0
     compile: bool = False
     compile_backend: str = "inductor"
-    compile_mode: str = "max-autotune"
+    # auto: CUDA -> "default" with the runner's decode CUDA graphs; CPU -> "max-autotune" (compile_optimizer.py)
+    compile_mode: str = "auto"
     compile_cache_dir: str = "./compile_cache"
     compile_scope: str = "model"
     compile_fallback: bool = True

@@ -18,6 +18,7 @@ import torch
 from runner_core import CompileError, ConfigError, EngineBusyError, ModelRunner, SamplingParams
 from runner_core.compile import aoti_program, compile_cache
 from runner_core.compile import compile_optimizer as co
+from runner_core.config import CUDA_GRAPH_MODES
 from tests.conftest import COMPILE_CACHE_DIR as CACHE_DIR
 from tests.conftest import COMPILED, REPO
 
@@ -150,10 +151,29 @@ def test_compile_error_falls_back_to_eager_or_raises(eager, monkeypatch, caplog)
     eager.engine.worker.config = eager.engine.worker.config.replace(compile_fallback=True)
 
 
+def test_cuda_graph_trees_never_record_the_attention_op():
+    """The attention op reads each step's metadata from the forward context, outside a graph's inputs: a CUDA
+    graph recording it would replay its first step's pointers and grid (issue 39). Tagged cudagraph_unsafe,
+    inductor (reduce-overhead, max-autotune) splits its graphs around it and runs it outside each replay."""
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    op = torch.ops.runner_core.paged_attention.default
+    assert torch.Tag.cudagraph_unsafe in op.tags
+    graph = torch.fx.Graph()
+    q, k, v, cache = (graph.placeholder(name) for name in ("q", "k", "v", "kv_cache"))
+    attention = graph.call_function(op, (q, k, v, cache, 2, 1, 4, 0.5))
+    graph.output(attention)
+    assert get_first_incompatible_cudagraph_node(torch.fx.GraphModule({}, graph)) is attention
+
+
 def test_auto_mode_picks_from_the_device(monkeypatch):
     cpu = torch.device("cpu")
     s = co.CompileSettings.resolve(True, "inductor", "auto", "model", cpu)
-    assert (s.backend, s.enabled) == ("inductor", True) and "C++ compiler" in s.reason
+    assert (s.backend, s.mode, s.enabled) == ("inductor", "max-autotune", True) and "C++ compiler" in s.reason
+    # CUDA (issue 39): inductor without its own CUDA graphs, so the runner's decode CUDA graphs (static
+    # metadata buffers, memory in the pool plan) capture the decode steps
+    s = co.CompileSettings.resolve(True, "inductor", "auto", "model", torch.device("cuda"))
+    assert (s.backend, s.mode) == ("inductor", "default") and s.mode not in CUDA_GRAPH_MODES
     monkeypatch.setattr(co, "has_cxx_compiler", lambda: False)
     s = co.CompileSettings.resolve(True, "inductor", "auto", "model", cpu)
     assert not s.enabled and "no C++ compiler" in s.reason

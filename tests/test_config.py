@@ -22,7 +22,7 @@ DEFAULTS = {
     "device": 0,
     "compile": False,
     "compile_backend": "inductor",
-    "compile_mode": "max-autotune",
+    "compile_mode": "auto",
     "compile_cache_dir": "./compile_cache",
     "compile_scope": "model",
     "compile_fallback": True,

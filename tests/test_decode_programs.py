@@ -251,6 +251,9 @@ def test_cuda_capture_plan_bounds_graph_memory(eager):
     flex = SimpleNamespace(**{**vars(cfg), "attention_backend": "auto"})
     flex_reserve = dp.cuda_capture_plan(flex, hf, 2048, big)[1]
     assert flex_reserve == dp.cuda_capture_plan(flex, hf, 256, big)[1] and flex_reserve < peak8
+    # the default mode ("auto") on CUDA leaves the decode steps to these graphs (inductor captures none)
+    auto = SimpleNamespace(**{**vars(cfg), "compile_mode": "auto"})
+    assert dp.cuda_capture_plan(auto, hf, 2048, big)[0] == [1, 2, 4, 8, 16, 32, 48, 64]
     for change in ({"compile_mode": "reduce-overhead"}, {"compile_sizes": []}, {"compile": False},
                    {"torch_device": torch.device("cpu")}, {"world_size": 2}):
         assert dp.cuda_capture_plan(SimpleNamespace(**{**vars(cfg), **change}), hf, 2048, big)[:2] == ([], 0), change

@@ -86,18 +86,23 @@ class CompileSettings:
 
     @classmethod
     def resolve(cls, enabled: bool, backend: str, mode: str, scope: str, device: torch.device) -> CompileSettings:
-        """Apply `mode="auto"`: CUDA -> inductor with CUDA graphs; CPU with a C++ compiler ->
-        inductor; no compiler -> eager (nothing compiled)."""
+        """Apply `mode="auto"` (the default): CUDA -> inductor's "default" mode, whose graphs the runner's
+        own decode CUDA graphs capture (static metadata buffers, memory in the KV-pool plan: decode_plan.py);
+        CPU with a C++ compiler -> inductor "max-autotune"; no compiler -> eager (nothing compiled)."""
         if scope not in COMPILE_SCOPES:
             raise ValueError(f"compile scope {scope!r} is not one of {', '.join(COMPILE_SCOPES)}")
         if mode != "auto":
-            return cls(enabled=enabled, backend=backend, mode=mode, scope=scope, reason="as configured")
+            reason = "as configured"
+            if device.type == "cuda" and backend == "inductor" and mode in CUDA_GRAPH_MODES:
+                reason += ("; inductor's CUDA graph trees, split around the attention op (cudagraph_unsafe), "
+                           "their memory outside the KV-pool plan")
+            return cls(enabled=enabled, backend=backend, mode=mode, scope=scope, reason=reason)
         if device.type == "cuda":
-            return cls(enabled=enabled, backend="inductor", mode="reduce-overhead", scope=scope,
-                       reason="auto: CUDA -> inductor with CUDA graphs")
-        if has_cxx_compiler():
             return cls(enabled=enabled, backend="inductor", mode="default", scope=scope,
-                       reason="auto: CPU with a C++ compiler -> inductor")
+                       reason="auto: CUDA -> inductor, decode steps replayed from the runner's CUDA graphs")
+        if has_cxx_compiler():
+            return cls(enabled=enabled, backend="inductor", mode="max-autotune", scope=scope,
+                       reason="auto: CPU with a C++ compiler -> inductor max-autotune")
         return cls(enabled=False, backend="eager", mode="default", scope=scope,
                    reason="auto: no C++ compiler found -> eager")
 

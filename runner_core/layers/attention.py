@@ -143,12 +143,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     return meta.attend(q, k, v, scale).reshape(n, num_heads * head_dim)
 
 
-@torch.library.custom_op("runner_core::paged_attention", mutates_args=("kv_cache",))
+@torch.library.custom_op("runner_core::paged_attention", mutates_args=("kv_cache",),
+                         tags=(torch.Tag.cudagraph_unsafe,))
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, num_heads: int,
                        num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
     """`paged_attention` as one opaque op, so a compiled graph neither traces nor breaks on it. Its
     schema declares that it writes `kv_cache` (the step's K/V go into the pool), so compiled and
-    AOTInductor graphs know the pool they take as an input changes under them."""
+    AOTInductor graphs know the pool they take as an input changes under them. It is tagged
+    `cudagraph_unsafe`: it reads the step's metadata from the forward context, not from its inputs, so
+    inductor's CUDA graph trees (compile modes reduce-overhead, max-autotune) must not record it; they
+    partition each graph around it and run it outside every replay (docs/compile.md)."""
     return paged_attention(q, k, v, kv_cache, num_heads, num_kv_heads, head_dim, scale)
 
 
