@@ -169,6 +169,27 @@ def test_formats_that_cannot_apply_are_refused_with_the_fix(untied, tmp_path):
         _runner(untied, quantization="int8", model_impl="transformers")
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_are_made_and_held_on_the_models_device(device, quantization):
+    """A model built on a device (CUDA; here "meta", which no CPU tensor can pass for) gets its int8/int4
+    weights there, whether one checkpoint tensor is the whole weight or fused shards are staged: they were
+    quantized and registered on the CPU, and the first forward on CUDA met a device mismatch (issue 39)."""
+    from runner_core.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
+
+    with torch.device(device):
+        model = torch.nn.ModuleDict({"one": ColumnParallelLinear(64, 32),
+                                     "fused": MergedColumnParallelLinear(64, [16, 16])})
+    weight_storage.plan_storage(model, torch.float32, False, QuantFormat.of(quantization, 32), False)
+    assert model["fused"].weight.device.type == device  # the float32 staging of the fused shards
+    model["one"].load_shard(model["one"].weight, torch.randn(32, 64))
+    for shard in (0, 1):
+        model["fused"].load_shard(model["fused"].weight, torch.randn(16, 64), shard)
+    for layer in model.values():
+        assert layer.storage.stored and layer.storage.kind == "quant-rows"
+        assert {t.device.type for t in layer.storage.buffers()} == {device}
+
+
 def test_int4_layers_take_the_largest_group_that_divides_k():
     assert weight_storage.layer_format(QuantFormat.of("int4", 128), 352) == QuantFormat.of("int4", 32)
     assert weight_storage.layer_format(QuantFormat.of("int4", 64), 896) == QuantFormat.of("int4", 64)

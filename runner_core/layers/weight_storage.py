@@ -245,23 +245,26 @@ class WeightLayer(nn.Module):
 
     def store_weight(self, source: torch.Tensor | None = None) -> None:
         """Hand the complete weight (the parameter, or `source`, the whole checkpoint tensor) to `storage` and
-        drop the parameter (its bytes are freed at once: the loader's references to it see an empty tensor)."""
+        drop the parameter (its bytes are freed at once: the loader's references to it see an empty tensor).
+        The stored form is made on the parameter's device, the model's: a checkpoint tensor is moved there first
+        (on CUDA the quantizer runs on the GPU, and the model's matmuls find their weights beside them)."""
         if self.storage.stored:
             return
         param = self.weight
-        self.storage.store(param if source is None else source)
+        self.storage.store(param if source is None else source.to(param.device))
         del self.weight
-        param.data = torch.empty(0, dtype=param.dtype)
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def use_storage(self, storage: WeightStorage) -> None:
-        """Hold the weight in `storage` once it is loaded. A quantized one is staged in float32, so it is
-        quantized from the checkpoint's own values (the untied LM head's parameter is the [vocab, hidden] view
-        of a [hidden, vocab] tensor, and keeps that layout)."""
+        """Hold the weight in `storage` once it is loaded. A quantized one is staged in float32 on the model's
+        device, so it is quantized from the checkpoint's own values (the untied LM head's parameter is the
+        [vocab, hidden] view of a [hidden, vocab] tensor, and keeps that layout)."""
         self.storage = storage
         if storage.fmt is not None:
             w = self.weight
-            self.weight.data = (torch.empty(w.shape[1], w.shape[0], dtype=torch.float32).t()
-                                if not w.is_contiguous() else torch.empty(w.shape, dtype=torch.float32))
+            kw = {"dtype": torch.float32, "device": w.device}
+            self.weight.data = torch.empty(w.shape[1], w.shape[0], **kw).t() if not w.is_contiguous() \
+                else torch.empty(w.shape, **kw)
 
     def share_storage(self, head: WeightLayer) -> None:
         """Read this layer's weight from `head`'s storage (an embedding tied to the head: rows from one copy). The
