@@ -36,6 +36,26 @@ def test_total_counts_the_observers_own_time(tiny_llama_path, monkeypatch):
         assert m.total_s == pytest.approx(work + m.observe_s, abs=1e-9) and m.observe_s >= DELAY
 
 
+def test_on_cuda_the_forward_is_timed_to_its_end_on_the_device(tiny_llama_path, monkeypatch):
+    """CUDA runs a forward asynchronously: the engine's clock read after its launch put the GPU's time into
+    sample_s (issue 39). The worker waits for the device after the forward, before the engine stamps it
+    executed. Checked on the CPU with the worker's device taken for CUDA and the sync recorded."""
+    import torch
+
+    runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 22}).load_model()
+    engine, events = runner.engine, []
+    worker, clock = engine.worker, engine.clock
+    execute = worker.forward_pass.execute
+    monkeypatch.setattr(worker.forward_pass, "execute", lambda inp: events.append("forward") or execute(inp))
+    monkeypatch.setattr(worker, "device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync", str(device))))
+    monkeypatch.setattr(engine, "clock", type("Clock", (), {"now": lambda _: events.append("clock") or clock.now(),
+                                                             "sleep_until": clock.sleep_until})())
+    runner.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    step = events[events.index("forward"):]
+    assert step[:3] == ["forward", ("sync", "cuda"), "clock"]  # forward, wait for the GPU, then the executed stamp
+
+
 BYTES_PER_BLOCK = 16 * 4 * 2 * 2 * 32 * 4  # tiny-llama: 16 tokens x 4 layers x K,V x 2 KV heads x 32 dims x fp32
 WASTE = ("kv_utilization", "internal_fragmentation", "static_reservation_waste", "firstfit_reserved_waste",
          "firstfit_external_fragmentation")

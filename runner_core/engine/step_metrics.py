@@ -8,7 +8,8 @@ record. The first-fit simulation sees every admission and release, in order, whe
 (or every PENDING_LIMIT of them).
 
 A record's times: `schedule_s` (the scheduler), `prepare_s` (building the step's input tensors),
-`forward_s` (the model, without `prepare_s`), `sample_s` (sampling and handing the tokens out),
+`forward_s` (the model, without `prepare_s`, until the device has finished it: on CUDA the worker
+synchronises before the engine stamps it), `sample_s` (sampling and handing the tokens out),
 `observe_s` (this observer making the record, up to the moment it is stored, the waste figures
 included when recorded) and `total_s`, their sum: from the step's start until its record is stored.
 So the share of a step outside the forward, 1 - forward_s / total_s, counts the recording too. The

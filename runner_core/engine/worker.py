@@ -43,6 +43,13 @@ from runner_core.memory import (
 logger = logging.getLogger("runner_core")
 
 
+def wait_for_device(device: torch.device) -> None:
+    """Wait until `device` has run what was launched on it: CUDA runs kernels asynchronously, so a clock read
+    after a forward's launch would count its GPU time in the next phase (sampling). Nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Worker:
     def __init__(self, config: RunnerConfig, loaded: LoadedModel):
         self.config, self.model, self.hf_config = config, loaded.model, loaded.hf_config
@@ -120,6 +127,7 @@ class Worker:
         prepared = time.perf_counter() - t
         with recording_routing(inp.num_pad_tokens) as routing:
             logits = faults.fire("logits", self.forward_pass.execute(inp))
+        wait_for_device(self.device)  # the step's forward ends when the device's work does, not at its launch
         counts = self.model.expert_counts(routing) if self.is_moe else None
         return to_driver(logits, (len(batch.sample_rows), self.vocab_size)), prepared, counts
 
