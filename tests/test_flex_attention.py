@@ -151,3 +151,38 @@ def test_engine_with_flex_equals_transformers(tiny_llama_path):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
         assert out.token_ids == ref
+
+
+def test_flex_is_warmed_up_and_profiled_over_the_pool_at_load(tiny_llama_path, monkeypatch):
+    """Flex was first run by the first requests (its Triton kernels compiled then, tens of seconds on CUDA) and
+    its memory never measured (issue 39). At load on CUDA the worker runs it over the pool on the busiest step and
+    a second shape, keeping block 0's contents, and a pool sized from the device's memory gives back what flex's
+    step peaks above the plan. Run here on the CPU (eager flex, small shapes), the peak taken as measured."""
+    import dataclasses
+
+    from runner_core.engine import worker as worker_module
+    from runner_core.layers import flex_attention
+
+    runner = ModelRunner({"model": str(tiny_llama_path), "dtype": "float32", "kv_cache_memory": 1 << 20,
+                          "attention_backend": "flex", "max_num_seqs": 4, "max_num_batched_tokens": 32,
+                          "max_model_len": 64}).load_model()
+    worker = runner.engine.worker
+    rows_seen = []
+    flex = flex_attention.flex_paged_attention
+    monkeypatch.setattr(flex_attention, "flex_paged_attention",
+                        lambda q, *a, **k: rows_seen.append(q.shape[0]) or flex(q, *a, **k))
+    kv = worker.memory.kv_cache
+    block0 = slice(0, worker.memory.block_size)
+    kv[:, :, :, block0] = 7.0  # a live sequence's keys
+    block_bytes = worker.pool_plan.bytes_per_token * worker.pool_plan.block_size
+    worker.pool_plan = dataclasses.replace(worker.pool_plan, source="gpu_memory_utilization", activation_peak_bytes=0)
+    monkeypatch.setattr(worker_module, "profile_activation_peak", lambda run, device: run() or 3 * block_bytes)
+    blocks = worker.memory.num_blocks
+    worker.warm_up_attention()
+    layers = runner.model.num_layers
+    assert rows_seen[:layers] == [32] * layers and len(set(rows_seen)) == 2  # the busiest step, then another shape
+    assert bool((worker.memory.kv_cache[:, :, :, block0] == 7.0).all())  # block 0 as it was
+    assert worker.memory.num_blocks == blocks - 3 == worker.pool_plan.num_blocks
+    assert worker.memory.kv_cache.shape[3] == (blocks - 3) * worker.memory.block_size
+    out = runner.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 2

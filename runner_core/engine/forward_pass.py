@@ -129,18 +129,28 @@ class ForwardPass:
         (token 0 at position 0): with `decode_len`, over the pool (block 0, that static key
         length), as a CUDA graph is captured; else stateless, as a decode program is compiled.
         Writes nothing itself."""
-        starts, q_lens = [0] * size, [1] * size
         if decode_len is not None:
-            common = self.buffers.fill([0] * size, starts, q_lens, size, [BlockTable.ZERO_ROW] * size, self.block_size,
-                                       self.sliding_window, decode_len=decode_len,
-                                       num_pool_blocks=self._num_pool_blocks())
-            meta = self._metadata(common)
-        else:
-            self.buffers.np["input_ids"][:size] = self.buffers.np["positions"][:size] = 0
-            meta = self._stateless_metadata(starts, q_lens, size)
+            return self.dummy_step([1] * size, decode_len)
+        self.buffers.np["input_ids"][:size] = self.buffers.np["positions"][:size] = 0
+        meta = self._stateless_metadata([0] * size, [1] * size, size)
         bufs = self.buffers  # their slices, as in a real step (a compiled program's guards see no difference)
         ids = bufs.to_device("input_ids", bufs.cpu["input_ids"][:size])
         return ids, bufs.to_device("positions", bufs.cpu["positions"][:size]), meta
+
+    @torch.inference_mode()
+    def dummy_step(self, q_lens: list[int], decode_len: int | None = None):
+        """(input ids, positions, metadata) on the device for a step over the pool of dummy sequences of
+        `q_lens` new tokens from position 0 (ones first: the decodes), every one reading and writing block 0
+        through the zero row of the block tables, each with every column (`decode_len`, default
+        max_model_len in whole blocks). Writes nothing itself; the caller keeps block 0's contents."""
+        n, rows = sum(q_lens), len(q_lens)
+        common = self.buffers.fill([0] * n, [0] * rows, q_lens, sum(1 for q in q_lens if q == 1),
+                                   [BlockTable.ZERO_ROW] * rows, self.block_size, self.sliding_window,
+                                   decode_len=decode_len or self.buffers.max_blocks * self.block_size,
+                                   num_pool_blocks=self._num_pool_blocks())
+        bufs = self.buffers  # their slices, as in a real step (a compiled program's guards see no difference)
+        ids = bufs.to_device("input_ids", bufs.cpu["input_ids"][:n])
+        return ids, bufs.to_device("positions", bufs.cpu["positions"][:n]), self._metadata(common)
 
     def _stateless_metadata(self, starts: list[int], q_lens: list[int], num_decodes: int):
         """The gather backend's metadata, on the device, for sequences attending over the step's own tokens."""

@@ -28,6 +28,7 @@ from runner_core.engine.encoder_cache import EncoderCache
 from runner_core.engine.forward_pass import ForwardPass
 from runner_core.engine.input_batch import StepBatch
 from runner_core.errors import CompileError
+from runner_core.layers.attention import set_forward_context
 from runner_core.layers.moe_record import recording_routing
 from runner_core.loader.model_loader import LoadedModel
 from runner_core.memory import (
@@ -62,6 +63,8 @@ class Worker:
         self.forward_pass = self._make_forward_pass()
         self.model_bytes = loaded.weight_bytes + loaded.buffer_bytes
         self._allocate_pool(self._plan_pool(self.model_bytes))
+        if self.device.type == "cuda":
+            self.warm_up_attention()
         multimodal = loaded.adapter.kind == "multimodal"
         self.encoder_cache = EncoderCache(config.effective_encoder_cache_tokens) if multimodal else None
         self.compiler: CompileOptimizer | None = None
@@ -116,6 +119,38 @@ class Worker:
                 self.model.compute_logits(hidden[:rows]).float()
 
         return profile_activation_peak(run, self.device)
+
+    def warm_up_attention(self) -> None:
+        """The flex backend (CUDA's default), before the first request: run its kernels over the pool on the
+        busiest step (`dummy_batch`'s shape) and on a second shape, so the Triton kernels are compiled now
+        (dynamic in the token count), not during the first requests (tens of seconds each); and measure that
+        step's peak. The profile run before the pool was planned ran the gather backend; where flex's step
+        peaks higher, a pool sized from the device's memory gives the difference back. Block 0, which the
+        dummy steps write, keeps its contents."""
+        fp, config, plan = self.forward_pass, self.config, self.pool_plan
+        if fp.attention_backend != "flex":
+            return
+        tokens, seqs = config.effective_max_num_batched_tokens, config.max_num_seqs
+        rows = min(tokens, seqs)
+
+        def run(q_lens: list[int]) -> None:
+            ids, positions, meta = fp.dummy_step(q_lens)
+            with torch.inference_mode(), set_forward_context(meta, True):
+                self.model.compute_logits(self.model(ids, positions)[:len(q_lens)]).float()
+
+        with self.memory.block_kept(0):
+            peak = profile_activation_peak(lambda: run(sorted(map(len, dummy_batch(tokens, seqs)))), self.device)
+            run([1] * max(1, rows // 2) + [2])  # another shape: the compiled kernel takes any token count
+        excess = peak - plan.activation_peak_bytes
+        if excess <= 0 or plan.source != "gpu_memory_utilization":
+            return
+        block_bytes = plan.bytes_per_token * plan.block_size
+        keep = min_over_ranks(self.memory.num_blocks - -(-excess // block_bytes))
+        logger.info("flex attention's step peaks %.1f MiB above the planned activation peak: the KV pool gives "
+                    "back %d blocks", excess / 2**20, self.memory.num_blocks - keep)
+        self.pool_plan = dataclasses.replace(plan, num_blocks=keep, activation_peak_bytes=peak)
+        self.pool_plan.check_holds(self.max_model_len)
+        self.memory.shrink(keep)
 
     # ---- what rank 0 calls on every rank ------------------------------------------------------
     def execute_model(self, batch: StepBatch) -> tuple[torch.Tensor, float, torch.Tensor | None]:
@@ -212,6 +247,8 @@ class Worker:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self._allocate_pool(plan)
+            if self.device.type == "cuda":
+                self.warm_up_attention()
         cache_tokens = config.effective_encoder_cache_tokens
         if self.encoder_cache is not None and old.effective_encoder_cache_tokens != cache_tokens:
             self.encoder_cache = EncoderCache(cache_tokens)
