@@ -1,7 +1,8 @@
-"""`Session`: one long-lived object per kernel (`Session.current()`), the façade over its parts:
-the engine thread (engine_thread.py), the loaded models and their compile switch
-(loaded_models.py), request routing (routing.py), the metrics series (metrics.py) and the demo
-workload (workload.py). It does not know its views; a view takes a session.
+"""`Session`: one long-lived object per kernel (`Session.current()`), the façade over its parts in
+workbench/runtime/: the engine thread and its pace (engine_thread.py), the loaded models and their
+compile switch (loaded_models.py), request routing (routing.py), the metrics series and step records
+(metrics.py), the demo workload (workload.py) and its background jobs (jobs.py). It does not know
+its views; a view takes a session.
 
 runner_core is not thread-safe, so every call into a runner happens on the engine thread:
 public methods either post a command to it (and wait for the answer when asked to) or read
@@ -23,12 +24,13 @@ from concurrent.futures import Future
 
 from runner_core import RequestOutput, RunnerConfig, SamplingParams
 from workbench.runtime.engine_thread import EngineThread
-from workbench.runtime.handles import RequestHandle, SessionBusyError
+from workbench.runtime.handles import RequestHandle, SessionError
+from workbench.runtime.jobs import Jobs
 from workbench.runtime.loaded_models import LoadedModels, ModelEntry
 from workbench.runtime.metrics import MetricsSeries, Telemetry
 from workbench.runtime.routing import Router
 from workbench.runtime.stats import Stats
-from workbench.runtime.workload import random_requests
+from workbench.runtime.workload import DEMO, random_requests
 
 logger = logging.getLogger("workbench")
 
@@ -49,8 +51,7 @@ class Session:
         self._models = LoadedModels(self._thread, self._telemetry)
         self._router = Router(self._thread, self._models, self._telemetry)
         self._api_servers: list = []  # serve_api's servers, stopped at close()
-        self._jobs: dict[str, object] = {}  # the latest background job of each kind (tune's, whatif's), by its noun
-        self._jobs_lock = threading.Lock()
+        self._jobs = Jobs()  # the latest background job of each kind (tune's, whatif's)
         self._thread.start()
 
     @classmethod
@@ -259,14 +260,43 @@ class Session:
             handle.cancel()
             raise
 
-    def run_workload(self, n: int = 16, *, prompt_words: tuple[int, int] = (4, 40),
-                     max_tokens: tuple[int, int] = (8, 64), temperature: float = 0.8, seed: int | None = None,
-                     model: str | None = None) -> list[RequestHandle]:
-        """Fire `n` random requests at once (random prompt lengths and output lengths), so that
-        continuous batching, block allocation and freeing can be watched."""
-        requests = random_requests(n, prompt_words=prompt_words, max_tokens=max_tokens, temperature=temperature,
-                                   seed=seed)
-        return [self.submit(r.prompt, model=model, **r.sampling()) for r in requests]
+    def run_workload(self, n: int = DEMO["n"], *, seed: int | None = None, model: str | None = None,
+                     **options) -> list[RequestHandle]:
+        """Send `n` random requests arriving over a few seconds (`options`, workload.DEMO's keys: rate (a
+        second; 0: all at once), prompt_words, max_tokens, temperature, shared_prefix, ignore_eos), so
+        that continuous batching, blocks allocated, shared and freed, and preemption can be watched. The
+        handles come back at once; each request reaches the engine at its arrival."""
+        requests = random_requests(seed=seed, **{**DEMO, **options, "n": n})
+        params = [SamplingParams(**r.sampling()) for r in requests]  # a bad value raises here, before any is sent
+        return self._router.submit_many(self._models.entry(model),
+                                        [(r.prompt, p, r.arrival) for r, p in zip(requests, params, strict=True)])
+
+    # ---- a run step by step (a teaching mode: the steps compute what they would unpaced) ----------------
+    def pace(self, seconds: float) -> None:
+        """Wait `seconds` (0 to 10) between engine steps, for every request (the API's too); 0: full speed."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 10:
+            raise SessionError(f"pace must be a number of seconds in [0, 10], got {seconds!r}")
+        self._thread.set_pace(seconds)
+
+    def pause(self) -> None:
+        """Stop stepping (requests and commands are still taken); step() runs one step, resume() goes on."""
+        self._thread.pause()
+
+    def resume(self) -> None:
+        self._thread.resume()
+
+    def step(self, timeout: float | None = 30.0) -> bool:
+        """While paused: run one engine step and return once it has (False: nothing to run). Unpaused: True."""
+        return self._thread.step().result(timeout)
+
+    @property
+    def paused(self) -> bool:
+        return self._thread.paused
+
+    def steps(self, model: str | None = None) -> tuple[list, list]:
+        """The step records (runner_core StepMetrics) and step details (StepDetail: requests and blocks) of
+        `model` (the active one by default), as last published by the engine thread."""
+        return self._telemetry.steps(model or self.active or "")
 
     def run_load(self, workload=None, *, target=None, model: str | None = None):
         """Run a tuning workload (runner_core.tuning.Workload: arrivals x lengths x sampling) against a loaded
@@ -287,7 +317,7 @@ class Session:
         return TuneJob.start(self, space, workload, target=target, model=model, **options)
 
     def whatif(self, model: str, layouts, workload=None, *, target=None, band: bool = True, **options):
-        """Simulate `model` (a runner_core.models.config_models name such as "llama-3-70b", a preset, a
+        """Simulate `model` (a catalogue name: a config-only model such as "llama-3-70b" or a preset; a
         directory with config.json, or a loaded model's name) serving `workload` on each of `layouts` (e.g.
         [{"hardware": "h200", "tensor_parallel_size": 8}]): the engine's scheduler on a virtual clock, no
         weights loaded, this session's engine and models untouched. In the background like tune(): returns a
@@ -302,17 +332,11 @@ class Session:
         """Keep the job `start()` builds and launches as the session's latest of `kind` (a TuneJob's "sweep", a
         WhatifJob's "what-if"; see latest_job), cancelled at close(). SessionBusyError while the latest of that kind
         still runs."""
-        with self._jobs_lock:
-            running = self._jobs.get(kind)
-            if running is not None and not running.done:
-                raise SessionBusyError(f"a {kind} is already running on this session ({running.status}); cancel it "
-                                       "(job.cancel()) or wait for it (job.result()) before starting another")
-            job = self._jobs[kind] = start()
-        return job
+        return self._jobs.keep(kind, start)
 
     def latest_job(self, kind: str):
         """The latest job of `kind` ("sweep": tune()'s, "what-if": whatif()'s), running or finished, or None."""
-        return self._jobs.get(kind)
+        return self._jobs.latest(kind)
 
     def serve_api(self, port: int = 0, *, host: str = "127.0.0.1", api_key: str | None = None, limits=None):
         """Serve an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions, /health,
@@ -348,14 +372,7 @@ class Session:
         servers, unload every model and stop the engine thread."""
         if self.closed:
             return
-        jobs = [job for job in self._jobs.values() if not job.done]
-        for job in jobs:
-            job.cancel()
-        for job in jobs:
-            try:
-                job.result(job_timeout)
-            except Exception:  # its error is the job's; a job still running after the timeout is a daemon thread
-                logger.debug("a %s ended with an error at close", job.noun, exc_info=True)
+        self._jobs.cancel_all(job_timeout)
         for server in self._api_servers:
             server.stop()
         for name, entry in self.models.items():

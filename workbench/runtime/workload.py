@@ -33,17 +33,17 @@ class WorkloadRequest:
                 "ignore_eos": self.ignore_eos}
 
 
-# The demo `make run` offers: on tiny-speaker with the dashboard's 16 MiB pool (256 blocks of 16 tokens) it ran
-# 10 s on a 2-core Zen 4, filled the pool, preempted 142 times and served 56% of prompt tokens from the prefix
-# cache (2026-12-05); a faster machine runs it sooner: slow it down with the pace control.
-DEMO = {"n": 64, "duration_s": 5.0, "prompt_words": (4, 24), "max_tokens": (128, 384), "temperature": 0.8,
+# The demo `make run` offers: on tiny-speaker with the dashboard's 16 MiB pool (256 blocks of 16 tokens), 64
+# requests over about 5 s ran 10 s on a 2-core Zen 4, filled the pool, preempted 142 times and served 56% of
+# prompt tokens from the prefix cache (2026-12-05); a faster machine runs it sooner: slow it down with the pace.
+DEMO = {"n": 64, "rate": 12.0, "prompt_words": (4, 24), "max_tokens": (128, 384), "temperature": 0.8,
         "shared_prefix": True, "ignore_eos": True}
 
 
-def describe(n: int, duration_s: float, prompt_words: tuple[int, int], max_tokens: tuple[int, int],
+def describe(n: int, rate: float, prompt_words: tuple[int, int], max_tokens: tuple[int, int],
              shared_prefix: bool, ignore_eos: bool, **_) -> str:
     """What a workload will do, in a sentence (the dashboard's workload form says it)."""
-    arrive = f"arriving at random over {duration_s:g} s" if duration_s else "all at once"
+    arrive = f"arriving at random, {rate:g} a second on average (about {n / rate:.0f} s)" if rate else "all at once"
     opening = "one shared instruction, then " if shared_prefix else ""
     words = f"{prompt_words[0]}-{prompt_words[1]} random words"
     tokens = f"{max_tokens[0]}-{max_tokens[1]} tokens each{' (end of text ignored)' if ignore_eos else ''}"
@@ -51,15 +51,15 @@ def describe(n: int, duration_s: float, prompt_words: tuple[int, int], max_token
 
 
 def random_requests(n: int, *, prompt_words: tuple[int, int], max_tokens: tuple[int, int], temperature: float,
-                    seed: int | None, duration_s: float = 0.0, shared_prefix: bool = False,
+                    seed: int | None, rate: float = 0.0, shared_prefix: bool = False,
                     ignore_eos: bool = False) -> list[WorkloadRequest]:
     """`n` requests (1 to 1024) drawn from one seeded generator: the same seed, the same workload. Their
-    arrivals are a Poisson process of n / `duration_s` requests a second (all at 0 when it is 0); with
-    `shared_prefix` each prompt opens with SHARED_PREFIX."""
+    arrivals are a Poisson process of `rate` requests a second (0: all at once); with `shared_prefix` each
+    prompt opens with SHARED_PREFIX."""
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
         raise SessionError(f"workload size must be an int in [1, 1024], got {n!r}")
-    if not 0 <= duration_s <= 600:
-        raise SessionError(f"workload duration_s must be within [0, 600] seconds, got {duration_s!r}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 10_000:
+        raise SessionError(f"workload rate must be a number of requests a second in [0, 10000], got {rate!r}")
     rng = random.Random(seed)
     requests, arrival = [], 0.0
     for _ in range(n):
@@ -67,5 +67,5 @@ def random_requests(n: int, *, prompt_words: tuple[int, int], max_tokens: tuple[
         prompt = " ".join(([SHARED_PREFIX] if shared_prefix else []) + words)
         requests.append(WorkloadRequest(prompt=prompt, max_tokens=rng.randint(*max_tokens), temperature=temperature,
                                         seed=rng.randrange(2**31), arrival=round(arrival, 3), ignore_eos=ignore_eos))
-        arrival += rng.expovariate(n / duration_s) if duration_s else 0.0
+        arrival += rng.expovariate(rate) if rate else 0.0
     return requests
