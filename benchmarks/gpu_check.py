@@ -1,25 +1,31 @@
-"""The prepared check for a machine with a CUDA GPU: parity, CUDA graphs, bf16 throughput, one summary.
+"""The prepared check for a machine with a CUDA GPU (`make gpu-check`): one summary of every part.
 
-Needs a CUDA device (says so and exits 2 otherwise). Runs in sequence, each part in a process of its
-own with a time limit (together under 8 minutes), and goes on when one fails:
-  parity       greedy tokens of ModelRunner on CUDA (float32) equal transformers' on CUDA, with
-               attention_backend "flex" and "gather": small-llama, and a tiny Mistral with a
-               sliding window of 24; prompts of 3-300 tokens, the longest prefilled in chunks
-  cuda_graphs  benchmarks/cuda_graphs.py (eager vs compiled vs decode CUDA graphs)
-  throughput   benchmarks/throughput.py --dtype bfloat16 --skip-hf --skip-compiled (ours eager on the
-               GPU, its MFU and bandwidth share against the GPU's own peak and bandwidth; vLLM only
-               where its build runs on the same device: the CPU build gives no comparison)
-Then one summary: each part's status, seconds and figures (the last JSON object line it printed) and
-the failures; the summary is also the last stdout line, one JSON object, and is written to --out
-when given. The exit code is 1 when any part failed or its figures report tokens unequal to the
-reference (even if that part exited 0).
+Needs a CUDA device and a Python whose torch is a CUDA build (it installs nothing: the Makefile's GPU_PYTHON, by
+default python3; a lent machine has its own torch and no network). Without CUDA it says so and exits 2. Runs in
+sequence, each part in a process of its own with its own time limit (together about ten minutes), and goes on
+when one fails:
+  parity          greedy tokens of ModelRunner on CUDA (float32) equal transformers' on CUDA, attention_backend
+                  "flex" and "gather": small-llama, and a tiny Mistral with a sliding window of 24; prompts of
+                  3-300 tokens, the longest prefilled in chunks
+  parity_bf16     the same in bfloat16, flex and gather: agreement with transformers' bfloat16 tokens
+  compiled_modes  compile modes default (with the runner's decode CUDA graphs), reduce-overhead and max-autotune
+                  against eager on two batch mixes (greedy tokens equal)
+  quantized       int8 and int4 load on CUDA, their weights on the GPU, and generate
+  engine          activation estimate against the measured profile peak; the first request's time with flex
+                  warmed at load; the steps' forward_s against CUDA events
+  cuda_graphs     benchmarks/cuda_graphs.py: decode CUDA graphs against eager, tokens, speed and graph memory
+  roofline        batch-1 decode of Qwen2.5-0.5B's shape (bfloat16) against the HBM bandwidth measured here
+Then one summary: each part's status, seconds and figures (the last JSON object line it printed) and the
+failures; the summary is also the last stdout line, one JSON object, and is written to --out when given. The exit
+code is 1 when any part failed or its figures report a failed comparison (even if that part exited 0).
 
-Run:  make gpu-check    or    .venv/bin/python benchmarks/gpu_check.py [--out summary.json]
+Run:  make gpu-check    or    python3 benchmarks/gpu_check.py [--out summary.json] [--part NAME]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -32,14 +38,20 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = {  # name: (command after the python executable, seconds allowed)
-    "parity": (["benchmarks/gpu_check.py", "--parity"], 150),
-    "cuda_graphs": (["benchmarks/cuda_graphs.py", "--rounds", "1"], 150),
-    # --skip-compiled: its compile=True run (max-autotune) could take the whole budget; cuda_graphs
-    # measures our compiled modes on CUDA. A timed-out engine process would stop throughput.py whole.
-    "throughput": (["benchmarks/throughput.py", "--dtype", "bfloat16", "--skip-hf", "--skip-compiled",
-                    "--engine-timeout", "130"], 150),
+sys.path.insert(0, str(ROOT))
+from benchmarks.gpu_checks import CHECKS, require_cuda  # noqa: E402
+from benchmarks.gpu_checks import run as run_check  # noqa: E402
+
+PARTS = {  # name: (command after the python executable, seconds allowed); together about ten minutes
+    "parity": (["benchmarks/gpu_check.py", "--parity"], 100),
+    "parity_bf16": (["benchmarks/gpu_check.py", "--part", "parity_bf16"], 60),
+    "compiled_modes": (["benchmarks/gpu_check.py", "--part", "compiled_modes"], 180),
+    "quantized": (["benchmarks/gpu_check.py", "--part", "quantized"], 50),
+    "engine": (["benchmarks/gpu_check.py", "--part", "engine"], 70),
+    "cuda_graphs": (["benchmarks/cuda_graphs.py", "--rounds", "1"], 100),
+    "roofline": (["benchmarks/gpu_check.py", "--part", "roofline"], 60),
 }
+NEEDED_MODULES = ("transformers", "safetensors", "tokenizers", "pytest")  # pytest: tests.helpers builds the Mistral
 PROMPT_LENGTHS = (3, 40, 300, 17)
 NEW_TOKENS = 24
 
@@ -50,8 +62,6 @@ def parity(device: str) -> dict:
 
     from runner_core import ModelRunner, SamplingParams
     from runner_core.models.presets import ensure_preset
-
-    sys.path.insert(0, str(ROOT))
     from tests.helpers import make_tiny_hf_model
 
     tmp = Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -119,6 +129,8 @@ def failures(summary: dict) -> list[str]:
         unequal = [mode for mode, ok in (figures.get("greedy_equal") or {}).items() if ok is not True]
         if unequal:
             problems.append(f"{name}: greedy tokens of {', '.join(unequal)} differ from eager's")
+        if figures.get("ok") is False:
+            problems.append(f"{name}: {figures.get('why') or 'its comparison failed'}")
         if name == "parity":
             short = [f"{case} {backend}" for case, counts in figures.items() for backend, n in counts.items()
                      if n != len(PROMPT_LENGTHS)]
@@ -142,22 +154,31 @@ def check(parts: dict, summary: dict, out: Path | None = None) -> int:
     return 1 if summary["failures"] else 0
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parity", action="store_true", help="only the parity part, in this process")
+    ap.add_argument("--part", choices=sorted(CHECKS), help="only this check, in this process")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="the parity part's device (cpu: a dry run of its logic, slow: eager flex)")
     ap.add_argument("--out", type=Path, default=None, help="also write the summary JSON here")
-    args = ap.parse_args()
-    if not torch.cuda.is_available() and not (args.parity and args.device == "cpu"):
-        print("benchmarks/gpu_check.py needs CUDA: no CUDA device is visible here (run it on a GPU machine)",
-              file=sys.stderr)
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.part:
+        sys.exit(run_check(args.part))
+    missing = [m for m in NEEDED_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"benchmarks/gpu_check.py needs {', '.join(missing)} beside torch in {sys.executable} (it installs "
+              "nothing); install them there, or name another Python: make gpu-check GPU_PYTHON=...", file=sys.stderr)
         sys.exit(2)
+    if not (args.parity and args.device == "cpu"):
+        require_cuda("parity" if args.parity else "gpu-check")
     if args.parity:
         result = parity(args.device)
         print(json.dumps(result))
         sys.exit(0 if all(n == len(PROMPT_LENGTHS) for case in result.values() for n in case.values()) else 1)
-    sys.path.insert(0, str(ROOT))
     from benchmarks.machine import describe, machine_info
 
     info = machine_info("cuda:0")

@@ -8,6 +8,7 @@ report judges its capacity apart from the loads. All on the CPU; the one model r
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -17,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import runner_core.kernels
 from benchmarks import contention, gpu_check, machine, quant, quant_report, throughput, verdicts, whatif
@@ -95,6 +97,29 @@ def test_the_gpu_check_fails_when_parity_counts_fall_short_even_on_exit_0():
     summary = {}
     assert gpu_check.check({"parity": _part({"small-llama": {"flex": 4, "gather": 3}}, 0)}, summary) == 1
     assert summary["failures"] == ["parity: small-llama gather differ from transformers"]
+
+
+def test_the_gpu_check_parses_its_arguments_and_every_check_refuses_without_cuda(monkeypatch, capsys):
+    """On a machine without CUDA (this one) each check of `make gpu-check` stops before any work, with exit code
+    2 and a message naming the check, CUDA and the fix; the orchestrator's arguments parse here."""
+    from benchmarks import gpu_checks
+
+    args = gpu_check.parse_args(["--part", "engine", "--out", "summary.json"])
+    assert args.part == "engine" and args.out.name == "summary.json"
+    assert set(gpu_check.PARTS) >= set(gpu_checks.CHECKS) | {"parity", "cuda_graphs"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in list(gpu_checks.CHECKS):
+        monkeypatch.setitem(gpu_checks.CHECKS, name, functools.partial(pytest.fail, f"{name} ran without CUDA"))
+        with pytest.raises(SystemExit) as stop:
+            gpu_checks.run(name)
+        said = capsys.readouterr().err
+        assert stop.value.code == 2 and f"gpu check {name!r} needs CUDA" in said and "GPU_PYTHON" in said
+
+
+def test_the_gpu_check_fails_a_part_whose_figures_say_it_failed():
+    summary = {}
+    assert gpu_check.check({"engine": _part({"ok": False, "why": "forward_s misses the GPU's time"}, 0)}, summary) == 1
+    assert summary["failures"] == ["engine: forward_s misses the GPU's time"]
 
 
 def test_a_start_records_whether_its_caches_were_cold_or_warm(tmp_path):

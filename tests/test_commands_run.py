@@ -67,7 +67,8 @@ INTERNAL = {"benchmarks/engine_proc.py", "benchmarks/quant_proc.py"}  # started 
 def make(target: str, args: list[str], tmp: Path, extra: dict[str, str] | None = None) -> list[str]:
     """`make TARGET ARGS=...` with this venv and its setup taken as done (make test has just done it)."""
     venv = Path(sys.prefix)
-    variables = {"VENV": str(venv), "PY": sys.executable, "SWEEP_RESULTS": str(tmp / "sweep.csv"),
+    variables = {"VENV": str(venv), "PY": sys.executable, "GPU_PYTHON": sys.executable,
+                 "SWEEP_RESULTS": str(tmp / "sweep.csv"),
                  **(extra or {}), "ARGS": " ".join(args)}
     return ["make", "--no-print-directory", "-o", str(venv / ".installed"), target,
             *[f"{k}={v}" for k, v in variables.items()]]
