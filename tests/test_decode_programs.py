@@ -282,3 +282,44 @@ def test_default_keeps_the_decode_program_only_when_it_pays(eager, monkeypatch):
     finally:
         eager.set_compile_mode(False)
         eng.worker.config = saved
+
+
+def test_cuda_graphs_are_captured_on_the_runners_device(eager, monkeypatch):
+    """The capture's streams, graph pool, memory figures and syncs follow the current CUDA device, which was not
+    the runner's when it runs on another GPU (cuda:1): every CUDA call of a capture and a drop now happens with the
+    runner's device current (issue 39). The CUDA runtime is recorded, not run: the model runs on the CPU."""
+    from contextlib import contextmanager, nullcontext
+    from types import SimpleNamespace
+
+    from runner_core.compile.decode_programs import CUDAGraphDecodePrograms
+
+    current, calls = ["cuda:0"], []
+
+    @contextmanager
+    def device(d):
+        saved, current[0] = current[0], str(d)
+        try:
+            yield
+        finally:
+            current[0] = saved
+
+    def recorded(name, result=None):
+        return lambda *a, **k: calls.append((name, current[0])) or result
+
+    stream = SimpleNamespace(wait_stream=recorded("wait_stream"))
+    for name, fake in {"device": device, "graph_pool_handle": recorded("graph_pool_handle", object()),
+                       "memory_reserved": recorded("memory_reserved", 0), "Stream": recorded("Stream", stream),
+                       "current_stream": recorded("current_stream", stream), "stream": lambda s: nullcontext(),
+                       "CUDAGraph": recorded("CUDAGraph", object()), "graph": lambda g, pool: nullcontext(),
+                       "synchronize": recorded("synchronize"), "empty_cache": recorded("empty_cache")}.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    worker = eager.engine.worker
+    runner_device = torch.device("cuda", 1)
+    with worker.memory.block_kept(0):
+        programs = CUDAGraphDecodePrograms(eager.model, [1, 2], worker.forward_pass.buffers.max_blocks * 16,
+                                           runner_device)
+        programs.build(worker.forward_pass.dummy_decode)
+        programs.rebuild(worker.forward_pass.dummy_decode)
+    assert sorted(programs.graphs) == [1, 2] and current == ["cuda:0"]
+    assert {name for name, _ in calls} >= {"graph_pool_handle", "Stream", "CUDAGraph", "synchronize", "empty_cache"}
+    assert {where for _, where in calls} == {"cuda:1"}

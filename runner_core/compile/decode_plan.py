@@ -121,7 +121,7 @@ def build_decode_programs(optimizer: CompileOptimizer, config, hf_config, model:
         if not sizes:
             return None, why
         memory.reset_prefix_cache()  # the capture's warm-up writes dummy K/V into block 0
-        programs = CUDAGraphDecodePrograms(model, sizes, forward_pass.buffers.max_blocks * memory.block_size)
+        programs = CUDAGraphDecodePrograms(model, sizes, forward_pass.buffers.max_blocks * memory.block_size, device)
     else:
         sizes, why = plan_sizes(config.compile_sizes, model, config.torch_dtype, config.max_num_seqs, optimizer.route)
         if not sizes:

@@ -163,39 +163,43 @@ class CUDAGraphDecodePrograms(DecodePrograms):
     kind = "CUDA graphs"
     holds_pool_address = True  # a graph replays the kernels on the addresses it was captured with
 
-    def __init__(self, model: nn.Module, sizes: list[int], static_decode_len: int):
+    def __init__(self, model: nn.Module, sizes: list[int], static_decode_len: int, device: torch.device):
         super().__init__(model, sizes)
         self.static_decode_len = static_decode_len  # max_model_len in whole blocks
-        self.graphs: dict[int, tuple] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.device = device  # the runner's, made current around every capture (streams, pools and memory figures
+        self.graphs: dict[int, tuple] = {}  # follow the current device, which may be another GPU: cuda:1's runner)
+        with torch.cuda.device(device):
+            self.pool = torch.cuda.graph_pool_handle()
         self.memory_bytes = 0
 
     def _build_size(self, size: int, run_dummy) -> None:
-        """Capture `size` tokens: warm up on a side stream, then record the model over the static
-        tensors `run_dummy` leaves (ids, positions, metadata of a decode step of that size over
-        block 0, which the warm-up runs write: the engine frees it of cached prefixes first, and a
+        """Capture `size` tokens on the runner's device: warm up on a side stream, then record the model
+        over the static tensors `run_dummy` leaves (ids, positions, metadata of a decode step of that size
+        over block 0, which the warm-up runs write: the engine frees it of cached prefixes first, and a
         rebuild restores its contents afterwards)."""
-        ids, positions, meta = run_dummy(size, self.static_decode_len)
-        before = torch.cuda.memory_reserved()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode(), set_forward_context(meta, True):
-            for _ in range(2):
-                self.model(ids, positions)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), set_forward_context(meta, True), torch.cuda.graph(graph, pool=self.pool):
-            out = self.model(ids, positions)
-        torch.cuda.synchronize()
-        self.memory_bytes += torch.cuda.memory_reserved() - before
+        with torch.cuda.device(self.device):
+            ids, positions, meta = run_dummy(size, self.static_decode_len)
+            before = torch.cuda.memory_reserved(self.device)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream), torch.inference_mode(), set_forward_context(meta, True):
+                for _ in range(2):
+                    self.model(ids, positions)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), set_forward_context(meta, True), torch.cuda.graph(graph, pool=self.pool):
+                out = self.model(ids, positions)
+            torch.cuda.synchronize(self.device)
+            self.memory_bytes += torch.cuda.memory_reserved(self.device) - before
         self.graphs[size] = (graph, ids, positions, meta, out)
 
     def _drop(self) -> None:
         """Free the graphs and their pool, so the recapture's memory is measured anew."""
         self.graphs.clear()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            self.pool = torch.cuda.graph_pool_handle()
         self.memory_bytes = 0
 
     def _run(self, n, input_ids, positions, meta) -> torch.Tensor:
