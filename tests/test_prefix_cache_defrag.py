@@ -133,6 +133,30 @@ def test_shrink_releases_memory_and_generation_continues(tiny_llama_path, expect
     assert runner.memory_stats()["blocks_free"] == 48
 
 
+def test_a_shrink_without_room_beside_the_old_pool_goes_through_host_memory(tiny_llama_path, expected, monkeypatch):
+    """A shrink cloned the kept part while the old pool was alive: old + new at the peak, which a device short of
+    memory cannot hold (issue 39). It checks the free memory first; without room the kept part goes through host
+    memory, the old pool released (its layers' views unbound) before the new one is made; tokens are unchanged."""
+    from runner_core.memory import manager
+
+    runner = _runner(tiny_llama_path, blocks=128)
+    ids = [runner.add_request(p, GREEDY) for p in PROMPTS]
+    runner.step()
+    bound = []
+    bind = manager.bind_kv_cache
+    monkeypatch.setattr(manager, "bind_kv_cache",
+                        lambda model, kv: bound.append(kv[0].numel() and kv.shape[3]) or bind(model, kv))
+    asked = []
+    monkeypatch.setattr(manager, "available_memory_bytes", lambda device: asked.append(str(device)) or 0)
+    runner.defragment(shrink_to_blocks=48)
+    # the old pool released (the layers bound to nothing) before the new one is made
+    assert asked == ["cpu"] and bound == [0, 48 * runner.engine.memory.block_size]
+    done = {}
+    while runner.has_unfinished_requests():
+        done.update({o.request_id: o for o in runner.step() if o.finished})
+    assert [done[r].token_ids for r in ids] == expected
+
+
 request = st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(1, 10), st.integers(0, 4))
 
 

@@ -275,10 +275,10 @@ class Worker:
         address (CUDA graphs) are rebuilt."""
         self.memory.move_blocks(moves)
         self.forward_pass.buffers.block_table.move(moves)
-        pool = self.memory.kv_cache
+        blocks = self.memory.num_blocks  # (no reference to the old pool: the shrink may release it first)
         self.memory.shrink(num_blocks)
         programs = self.forward_pass.decode_programs
-        if programs is not None and programs.holds_pool_address and self.memory.kv_cache is not pool:
+        if programs is not None and programs.holds_pool_address and self.memory.num_blocks != blocks:
             self._rebuild_decode_programs()
 
     def _drop_decode_programs(self) -> None:

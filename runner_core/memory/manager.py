@@ -21,6 +21,7 @@ from torch import nn
 
 from runner_core.layers.attention import bind_kv_cache
 from runner_core.memory.block_pool import BlockPool, hash_block
+from runner_core.memory.sizing import available_memory_bytes
 
 logger = logging.getLogger("runner_core")
 
@@ -210,12 +211,26 @@ class MemoryManager:
 
     def shrink(self, num_blocks: int) -> None:
         """Cut the pool to `num_blocks` blocks (after `compact`), releasing the memory beyond and
-        re-binding the attention layers to the new tensor."""
+        re-binding the attention layers to the new tensor. The kept part is copied beside the old pool
+        when the device has room for it; else it goes through host memory, the old pool released first
+        (old and new together would be the peak: a shrink to free memory must not fail for want of it)."""
         if num_blocks >= self.num_blocks:
             return
         self.pool.truncate(num_blocks)
         if self.kv_cache is not None:
-            self._bind(self.kv_cache[:, :, :, : num_blocks * self.block_size].clone())
+            kept = self.kv_cache[:, :, :, : num_blocks * self.block_size]
+            device, need = kept.device, kept.numel() * kept.element_size()
+            if available_memory_bytes(device) >= need:
+                self._bind(kept.clone())
+            else:
+                staged = kept.to("cpu", copy=True)
+                del kept
+                self.release_kv_cache()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self._bind(staged.to(device))
+                logger.info("the shrunk KV pool (%.1f MiB) went through host memory: the device had not room for "
+                            "it beside the old pool", need / 2**20)
         logger.info("shrank the KV pool to %d blocks", num_blocks)
 
     # ---- figures ----------------------------------------------------------------------------
