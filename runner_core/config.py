@@ -44,12 +44,8 @@ RECONFIGURABLE = {"scheduler": ("max_num_seqs", "max_num_batched_tokens"),
                   "pool": ("block_size", "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching"),
                   "compile": ("compile", "compile_backend", "compile_mode", "compile_scope", "enforce_eager")}
 
-_DTYPES = {
-    "auto": "auto",
-    "float16": "float16", "half": "float16", "fp16": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float32": "float32", "float": "float32", "fp32": "float32",
-}
+_DTYPES = {"auto": "auto", "float16": "float16", "half": "float16", "fp16": "float16", "bfloat16": "bfloat16",
+           "bf16": "bfloat16", "float32": "float32", "float": "float32", "fp32": "float32"}
 _CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
 
 
@@ -135,15 +131,13 @@ def _normalise_device(value: Any) -> int | str:
 
 
 def auto_dtype(device_type: str, checkpoint_dtype: str | None = None) -> tuple[str, str]:
-    """What dtype="auto" becomes on a device type, and why: on CUDA bfloat16 (as the simulator takes it: the
-    dtype most checkpoints are trained in, which float16 can overflow), float16 only on a visible GPU without
-    bfloat16 (before Ampere). On the CPU with the native
-    kernels: bfloat16 where their tier multiplies it natively (AVX512-BF16); else a bfloat16
-    checkpoint (`checkpoint_dtype`) stays bfloat16 (every tier reads bfloat16 and computes in float32
-    registers: half a float32 copy's memory) and anything else is float32. Without the kernels,
-    bfloat16 where torch's matmuls are native (AVX512-BF16 or AMX), else float32 (torch would emulate
-    it, slowly). RUNNER_CORE_CPU_BF16=1 or 0 overrides the CPU check (the tests pin it, so they run
-    alike anywhere)."""
+    """What dtype="auto" becomes on a device type, and why: on CUDA bfloat16 (as the simulator takes it; float16
+    overflows bf16-trained checkpoints), float16 only on a visible GPU without bfloat16. On the CPU with the native
+    kernels: bfloat16 where their tier multiplies it natively (AVX512-BF16); else a bfloat16 checkpoint
+    (`checkpoint_dtype`) stays bfloat16 (every tier reads bfloat16 and computes in float32 registers: half a
+    float32 copy's memory) and anything else is float32. Without the kernels, bfloat16 where torch's matmuls are
+    native (AVX512-BF16 or AMX), else float32 (emulated, slow). RUNNER_CORE_CPU_BF16=1 or 0 overrides the CPU
+    check (the tests pin it, so they run alike anywhere)."""
     if device_type == "cuda":
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             return "float16", "this CUDA device has no bfloat16 (before Ampere)"
@@ -190,11 +184,11 @@ def _resolve_device(device: int | str) -> torch.device:
     info line); a CUDA device named explicitly ('cuda', 'cuda:N') is refused: it would run on the CPU unnoticed."""
     if device == "cpu":
         return torch.device("cpu")
-    if isinstance(device, str) and not torch.cuda.is_available():
-        raise ConfigError(f"config field 'device' got {device!r}, but torch sees no CUDA device here (torch "
-                          f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use device='cpu', or "
-                          "run where torch.cuda.is_available() is True (a CUDA build of torch and a visible GPU)")
     if not torch.cuda.is_available():
+        if isinstance(device, str):
+            raise ConfigError(f"config field 'device' got {device!r}, but torch sees no CUDA device here (torch "
+                              f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use device='cpu', "
+                              "or run where torch.cuda.is_available() is True (a CUDA torch and a visible GPU)")
         logger.info("CUDA is not available; device=%r falls back to the CPU", device)
         return torch.device("cpu")
     if isinstance(device, int):
@@ -220,8 +214,7 @@ def _check_backend(value: Any) -> str:
 
 
 def _check_memory_fraction(value: Any) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
-    if not ok:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1):
         raise _bad("gpu_memory_utilization", value, "a number in (0, 1]")
     return float(value)
 
@@ -264,14 +257,12 @@ class RunnerConfig:
     device: int | str = 0
     compile: bool = False
     compile_backend: str = "inductor"
-    # auto: CUDA -> "default" with the runner's decode CUDA graphs; CPU -> "max-autotune" (compile_optimizer.py)
-    compile_mode: str = "auto"
+    compile_mode: str = "auto"  # CUDA: "default" + the runner's decode CUDA graphs; CPU: "max-autotune"
     compile_cache_dir: str = "./compile_cache"
     compile_scope: str = "model"
     compile_fallback: bool = True
-    # pure-decode batch sizes given a static program (CPU: weight-frozen inductor compile; CUDA: a
-    # CUDA graph); a decode batch runs at the next size up. None: [1] on CPU, 1, 2, 4, 8, 16, 32, ...
-    # up to max_num_seqs on CUDA; []: none
+    # pure-decode batch sizes given a static program (CPU: weight-frozen inductor compile; CUDA: a CUDA graph); a
+    # decode batch runs at the next size up. None: [1] on CPU, 1, 2, 4, 8, 16, 32, ... up to max_num_seqs; []: none
     compile_sizes: list | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -392,8 +383,7 @@ class RunnerConfig:
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.auto_dtype()[0] if self.dtype == "auto" else self.dtype]
 
-    def auto_dtype(self) -> tuple[str, str]:
-        """What dtype="auto" means for this model on this device, and why (`auto_dtype`)."""
+    def auto_dtype(self) -> tuple[str, str]:  # what dtype="auto" means for this model on this device, and why
         if "_checkpoint_dtype" not in self.__dict__:
             self._checkpoint_dtype = checkpoint_dtype(self.model) if self._torch_device.type == "cpu" else None
         return auto_dtype(self._torch_device.type, self._checkpoint_dtype)
