@@ -131,7 +131,12 @@ class Worker:
         if fp.attention_backend != "flex":
             return
         tokens, seqs = config.effective_max_num_batched_tokens, config.max_num_seqs
-        rows = min(tokens, seqs)
+        # the busiest step: dummy_batch's decodes, its prefill in pieces of at most max_model_len (as scheduled)
+        busiest = sorted(map(len, dummy_batch(tokens, seqs)))
+        rest, busiest, cap = busiest[-1], busiest[:-1], fp.buffers.max_blocks * fp.block_size
+        while rest > 0 and len(busiest) < seqs:
+            busiest.append(min(rest, cap))
+            rest -= busiest[-1]
 
         def run(q_lens: list[int]) -> None:
             ids, positions, meta = fp.dummy_step(q_lens)
@@ -139,8 +144,8 @@ class Worker:
                 self.model.compute_logits(self.model(ids, positions)[:len(q_lens)]).float()
 
         with self.memory.block_kept(0):
-            peak = profile_activation_peak(lambda: run(sorted(map(len, dummy_batch(tokens, seqs)))), self.device)
-            run([1] * max(1, rows // 2) + [2])  # another shape: the compiled kernel takes any token count
+            peak = profile_activation_peak(lambda: run(busiest), self.device)
+            run([1] * max(1, len(busiest) // 2))  # another shape: the compiled kernel takes any token count
         excess = peak - plan.activation_peak_bytes
         if excess <= 0 or plan.source != "gpu_memory_utilization":
             return
