@@ -10,6 +10,7 @@ import pytest
 import workbench
 from runner_core.kernels import kernel_tier, use_kernel_tier
 from workbench import Session
+from workbench.views.timeline import last_run
 from workbench.views.widgets import SessionWidgets
 
 
@@ -59,8 +60,13 @@ def test_widgets_drive_the_session(ui):
     assert len(ui.workload) == 6
     ui.wait(120)
     assert all(h.done for h in ui.workload)
+    # the last run drawn by engine step ("auto"): one bar per step the session recorded
+    run = [r.step for r in last_run(s.steps()[0])]
+    assert list(ui.figures["throughput"].data[0].x) == run and len(run) > points_before
+    ui.axis_select.value = "wall clock"  # the session's time series: prompt and generated tokens/s
     throughput = ui.figures["throughput"]
-    assert len(throughput.data) == 2 and len(throughput.data[0].x) > points_before  # prompt, generated tokens/s
+    assert len(throughput.data) == 2 and [t.name for t in throughput.data][1].startswith("generated")
+    ui.axis_select.value = "auto"
     assert len(ui.figures["memory"].data) >= 4 and ui.figures["block_map"].data[0].type == "heatmap"
 
     ui.model_path.value = "/nonexistent/model/dir"

@@ -246,10 +246,11 @@ def rolling_rate(rows: Rows, key: str, window: float = 1.0) -> list[float]:
     return out
 
 
-def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_blocks: int = 4096) -> go.Figure:
+def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_blocks: int = 4096,
+                 when: str = "") -> go.Figure:
     """Which request owns which KV block, one cell per block (a colour per request; cached
     prefix blocks grey when the snapshot names them). Pools larger than `max_blocks` show
-    the low end, where the allocator places blocks first."""
+    the low end, where the allocator places blocks first. `when` follows the title's "KV block map"."""
     fig = go.Figure(layout=base_layout("KV block map (who owns which block)", ""))
     fig.update_layout(xaxis=dict(title=dict(text=f"block id mod {columns} (one cell per block)"), showticklabels=False,
                                  showgrid=False, zeroline=False, rangemode="normal"),
@@ -284,11 +285,11 @@ def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_bloc
         scale += [[k / n, color], [(k + 1) / n, color]]
     fig.add_trace(go.Heatmap(z=z, hovertext=text, hoverinfo="text", colorscale=scale, zmin=-0.5, zmax=n - 0.5,
                              showscale=False, xgap=1, ygap=1))
-    used = sum(len(b) for b in owners.values())
+    used = len({b for blocks in owners.values() for b in blocks})  # a shared block once
     note = f" (first {shown} of {total})" if shown < total else ""
     n = len(owners)
     who = f"{n} request{'s' * (n != 1)} hold{'s' * (n == 1)}"
-    fig.update_layout(title=dict(text=f"KV block map: {who} {used} of {total} blocks{note}"))
+    fig.update_layout(title=dict(text=f"KV block map{when}: {who} {used} of {total} blocks{note}"))
     return fig
 
 

@@ -16,7 +16,7 @@ from workbench.runtime.handles import RequestHandle
 from workbench.runtime.model_roots import ModelRoots
 from workbench.session import Session
 from workbench.views import charts, tuning_charts
-from workbench.views.forms import NONE, TUNE_DEFAULTS, TUNE_FIELDS, WINDOW_CHOICES, WINDOW_FIELD
+from workbench.views.forms import DEFAULT_LOAD, NONE, TUNE_DEFAULTS, TUNE_FIELDS, WINDOW_CHOICES, WINDOW_FIELD
 
 CHART_HISTORY = 1200  # rows drawn at most, the latest of the window (0.1 s each while work runs: 2 busy minutes)
 DEFAULT_WINDOW = WINDOW_FIELD.default
@@ -71,10 +71,11 @@ def image_prompt(text: str, image) -> str | dict:
 
 
 def load_config(dtype: str, device: str, kv_cache_memory_mib: int | None, max_model_len: int | None,
-                storage: str = NONE, group_size: int = 64, quantize_lm_head: bool = False) -> dict:
+                storage: str = NONE, group_size: int = 64, quantize_lm_head: bool = False,
+                prefix_caching: bool = DEFAULT_LOAD["enable_prefix_caching"]) -> dict:
     """RunnerConfig fields from the load controls (0 or None means automatic; `storage` is one of
     forms.STORAGE_CHOICES: "none" keeps the weights in the compute dtype)."""
-    config = {"dtype": dtype, "device": device}
+    config = {"dtype": dtype, "device": device, "enable_prefix_caching": bool(prefix_caching)}
     if storage != NONE:
         config.update(quantization=storage, quantization_group_size=int(group_size),
                       quantize_lm_head=bool(quantize_lm_head))
@@ -145,7 +146,8 @@ class ViewController:
     def on_load(self) -> None:
         model = model_choice(self.model_select.value, self.model_path.value)
         config = load_config(self.dtype.value, self.device.value, self.kv_mib.value, self.max_len.value,
-                             self.storage.value, self.group_size.value, self.quantize_lm_head.value)
+                             self.storage.value, self.group_size.value, self.quantize_lm_head.value,
+                             self.prefix_caching.value)
         already = model in self.session.models
         if self.load(model, config) is not None:
             self.show_info(f"{model} is already loaded; it is the active model now" if already
@@ -165,8 +167,7 @@ class ViewController:
 
     def on_chart_window(self, label: str) -> None:
         self.set_chart_window(label)
-        self._chart_version = -1  # redraw now
-        self.refresh()
+        self.redraw_charts()
 
     def on_unload(self) -> None:
         self.unload()

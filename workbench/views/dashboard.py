@@ -12,17 +12,19 @@ import logging
 from time import monotonic
 
 from runner_core.models import preset_names
+from workbench.runtime import workload
 from workbench.runtime.loaded_models import ModelEntry
 from workbench.runtime.model_roots import ModelRoots
 from workbench.session import Session
 from workbench.views import layout
 from workbench.views.controller import ViewController, default_device
+from workbench.views.step_view import StepControls
 from workbench.views.whatif_view import WhatifControls
 
 logger = logging.getLogger("workbench")
 
 
-class Dashboard(ViewController, WhatifControls):
+class Dashboard(ViewController, WhatifControls, StepControls):
     """The layout and its refresh over `session`, made with `toolkit` (see workbench.views.panel_app.PanelToolkit
     for what a toolkit does); `live_charts`: the Live tab's charts shown (layout.CHART_NAMES: all)."""
 
@@ -42,12 +44,18 @@ class Dashboard(ViewController, WhatifControls):
         self.device.value = default_device()
         self.wire_buttons()
         self.wire_whatif()
+        self.wire_steps()
         toolkit.on_change(self.active_select, self.on_active)
         toolkit.on_change(self.image_input, self.on_image)
         toolkit.on_change(self.window_select, self.on_chart_window)
 
     def show_generating(self) -> None:
         self.set_texts({"answer": "", "answer_stats": "<i>generating…</i>"})
+
+    def redraw_charts(self) -> None:
+        """Redraw the live charts now (a control they depend on changed)."""
+        self._chart_version = -1
+        self.refresh()
 
     def set_texts(self, texts: dict[str, str]) -> None:
         for attr, value in texts.items():
@@ -87,6 +95,8 @@ class Dashboard(ViewController, WhatifControls):
         if self.handle is not None:
             texts["answer"], stats = self.answer_view()
             texts["answer_stats"] = html.escape(stats)
+        plan = {**workload.DEMO, "n": self.workload_n.value or workload.DEMO["n"]}
+        texts["workload_plan"] = html.escape(workload.describe(**plan))
         if self.workload:
             texts["workload_status"] = html.escape(self.workload_summary())
         tune_status, tune_figures, recommendation = self.refresh_tuning()
@@ -96,7 +106,7 @@ class Dashboard(ViewController, WhatifControls):
         live = None
         if s.metrics.version != self._chart_version or s.active != self._chart_model:
             self._chart_version, self._chart_model = s.metrics.version, s.active
-            live = self.chart_figures()
+            live = {**self.chart_figures(), **self.step_figures()}
         return texts, {"charts": live, "tune_charts": tune_figures, "whatif_charts": whatif_figures}
 
     def status_line(self) -> str:

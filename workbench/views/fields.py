@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-KINDS = ("text", "area", "int", "float", "choice", "check")
+KINDS = ("text", "area", "int", "float", "choice", "check", "slider")
 WIDTH = 120  # px: a number or a short choice; a list typed as text gets twice that
 
 
@@ -46,12 +46,12 @@ class Field:
             if self.options and value not in self.options:
                 raise ValueError(f"{self.label} {value!r}: choose one of {', '.join(map(str, self.options))}")
             return value
-        number = int if self.kind == "int" else float
+        number = int if self.kind in ("int", "slider") else float
         try:
             checked = number(value)
         except (TypeError, ValueError):
             raise ValueError(f"{self.label} {value!r}: give a number{self._range()}") from None
-        if self.kind == "int" and checked != float(value):
+        if number is int and checked != float(value):
             raise ValueError(f"{self.label} {value!r}: give a whole number{self._range()}")
         if (self.low is not None and checked < self.low) or (self.high is not None and checked > self.high):
             raise ValueError(f"{self.label} {value}: must be{self._range()}")
@@ -87,7 +87,7 @@ def panel_control(control: Field | Action, options: Sequence | None):
         return w.Button(label=control.label, color="primary" if control.primary else "default", css_classes=css)
     size = {"sizing_mode": "stretch_width"} if control.width is None else {"width": control.width}
     common = dict(label=control.label, value=control.default, css_classes=css, **size)
-    if control.help:
+    if control.help and control.kind != "check":  # Panel's checkbox has no tooltip
         common["description"] = control.help
     if control.kind == "check":
         return w.Checkbox(**common)
@@ -96,6 +96,8 @@ def panel_control(control: Field | Action, options: Sequence | None):
     if control.kind in ("text", "area"):
         text = w.TextAreaInput if control.kind == "area" else w.TextInput
         return text(placeholder=control.placeholder, **({"rows": 3} if control.kind == "area" else {}), **common)
+    if control.kind == "slider":  # whole numbers from `low` to `high` (set_range moves the end)
+        return w.IntSlider(start=control.low, end=max(control.high, control.low + 1), **common)
     number = w.IntInput if control.kind == "int" else w.FloatInput
     return number(start=control.low, end=control.high, **({"step": control.step} if control.step else {}), **common)
 
@@ -114,6 +116,8 @@ def widgets_control(control: Field | Action, options: Sequence | None):
         return W.Dropdown(options=list(options if options is not None else control.options), **common)
     if control.kind in ("text", "area"):
         return (W.Textarea if control.kind == "area" else W.Text)(placeholder=control.placeholder, **common)
+    if control.kind == "slider":
+        return W.IntSlider(min=control.low, max=max(control.high, control.low + 1), **common)
     step = {"step": control.step} if control.step else {}
     if control.low is None and control.high is None:
         return (W.IntText if control.kind == "int" else W.FloatText)(**step, **common)

@@ -1,13 +1,14 @@
 """Every form of the dashboards, defined once for both views (workbench.views.fields): the Live tab's model,
-compile, generation and workload forms and its chart window, the Tuning tab's sweep and the What-if tab's
-layouts. A control is added here, in one place; the views lay the rows out and `fields.Field.check` bounds
-what they send."""
+compile, generation and workload forms, its chart window and its step view (the x axis, the pace, pause / step /
+resume and the replay slider), the Tuning tab's sweep and the What-if tab's layouts. A control is added here, in
+one place; the views lay the rows out and `fields.Field.check` bounds what they send."""
 
 from __future__ import annotations
 
 from runner_core.config import COMPILE_BACKENDS, COMPILE_MODES, COMPILE_SCOPES, QUANT_GROUP_SIZES, QUANTIZATIONS
 from runner_core.simulator.hardware import HARDWARE
 from runner_core.simulator.simulation import WEIGHT_FORMATS
+from workbench.runtime.workload import DEMO
 from workbench.views.charts import WINDOW_MINUTES
 from workbench.views.fields import WIDTH, Action, Field
 
@@ -18,7 +19,8 @@ NONE = "none"  # a storage format choice: the weights kept in the compute dtype
 # what the views (and `serve --model`) load with unless told otherwise: a small KV pool keeps the block map
 # readable and the load fast on a laptop CPU
 DEFAULT_MODEL = "tiny-speaker"  # the trained preset: its text is words (the random presets are for benchmarks)
-DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 0}  # 0: the model's own limit
+DEFAULT_LOAD = {"dtype": "float32", "kv_cache_memory_mib": 16, "max_model_len": 0,  # 0: the model's own limit
+                "enable_prefix_caching": True}  # the demo's prompts share their opening: watch the hits
 STORAGE_CHOICES = (NONE, *(q for q in QUANTIZATIONS if q))  # none, int8, int4
 LOAD_FORM = (
     (Field("model_select", "Model preset", "choice", DEFAULT_MODEL, width=None, css_name="wb-model"),),
@@ -37,6 +39,8 @@ LOAD_FORM = (
      Field("group_size", "int4 group", "choice", 64, options=tuple(QUANT_GROUP_SIZES), width=SIDE,
            help="weights along k per int4 scale")),
     (Field("quantize_lm_head", "quantize the LM head too", "check", False, width=None),),
+    (Field("prefix_caching", "prefix caching", "check", DEFAULT_LOAD["enable_prefix_caching"], width=None,
+           help="full blocks of a prompt's opening shared with later prompts that start the same"),),
     (Action("load_button", "Load model", primary=True, icon="download", css_name="wb-load"),
      Action("unload_button", "Unload", icon="eject", css_name="wb-unload")),
     (Field("active_select", "Active model", "choice", None, width=None, css_name="wb-active"),),
@@ -62,7 +66,7 @@ GENERATE_FORM = (
     (Action("generate_button", "Generate", primary=True, icon="play", css_name="wb-generate"),
      Action("cancel_button", "Cancel", icon="stop", css_name="wb-cancel")),
 )
-WORKLOAD_FORM = ((Field("workload_n", "requests", "int", 16, low=1, high=1024),
+WORKLOAD_FORM = ((Field("workload_n", "requests", "int", DEMO["n"], low=1, high=1024),
                   Action("workload_button", "Run workload", icon="bolt", css_name="wb-workload")),)
 
 # ---- Live: the charts' window: label -> (charts.window mode, minutes) -------------------------------------
@@ -71,6 +75,22 @@ WINDOW_CHOICES = {"last minute": ("minutes", 1.0), "last 2 minutes": ("minutes",
                   "last run": ("run", WINDOW_MINUTES)}
 WINDOW_FIELD = Field("window_select", "the charts show", "choice", "last 2 minutes", options=tuple(WINDOW_CHOICES),
                      width=SIDE + 20, css_name="wb-chart-window")
+
+# ---- Live: the step view: label -> seconds between steps; the x axis ------------------------------------------
+PACE_CHOICES = {"full speed": 0.0, "20 ms a step": 0.02, "100 ms a step": 0.1, "300 ms a step": 0.3,
+                "1 s a step": 1.0}
+AXIS_CHOICES = ("auto", "engine step", "wall clock")  # auto: engine steps for a run of up to STEP_VIEW_STEPS
+STEP_FORM = (
+    (Field("axis_select", "x axis", "choice", "auto", options=AXIS_CHOICES, width=SIDE, css_name="wb-axis",
+           help="engine step: one point per step of the last run; wall clock: the session's time series"),
+     Field("pace_select", "pace", "choice", "full speed", options=tuple(PACE_CHOICES), width=SIDE,
+           css_name="wb-pace", help="a wait between engine steps (a teaching mode, not a benchmark)"),
+     Action("pause_button", "Pause", icon="pause", css_name="wb-pause"),
+     Action("step_button", "Step", icon="step-forward", css_name="wb-step"),
+     Action("resume_button", "Resume", icon="play", css_name="wb-resume")),
+    (Field("replay_step", "replay step (0: the latest)", "slider", 0, low=0, high=1, width=None,
+           css_name="wb-replay"),),
+)
 
 # ---- Tuning -----------------------------------------------------------------------------------------------
 TUNE_METRICS = ("tpot_p99_ms", "ttft_p99_ms", "e2e_p99_ms", "itl_p99_ms", "tpot_p50_ms", "ttft_p50_ms")

@@ -15,7 +15,8 @@ from workbench.views import forms
 from workbench.views.fields import Action, Field
 
 CHART_CSS = {"charts": "wb-chart-", "tune_charts": "wb-tune-", "whatif_charts": "wb-whatif-"}  # group -> css prefix
-CHART_NAMES = ("throughput", "memory", "weights", "blocks", "waste", "block_map", "compile", "expert_load")
+CHART_NAMES = ("throughput", "blocks", "block_map", "batch", "waste", "step_times", "memory", "weights", "compile",
+               "expert_load")
 TUNE_CHARTS = ("pareto", "latency", "pass_fail")
 WHATIF_CHARTS = ("pareto", "memory", "latency")
 
@@ -87,11 +88,13 @@ GENERATION = Box("column", (
     *_rows(forms.GENERATE_FORM, Note("image (multimodal models):"), Element("image_input", "image_input", "wb-image")),
     Box("row", (Text("answer", "wb-answer", pre=True), Element("image_view", "image_view", "wb-image-preview"))),
     Text("answer_stats", "wb-answer-stats"),
-    Box("row", (Note("<b>Workload</b> — fire N random requests to watch continuous batching:"),
-                *forms.WORKLOAD_FORM[0])),
-    Text("workload_status", "wb-workload-status")))
-LIVE = Box("split", (SIDE, Box("column", (GENERATION, Box("row", (forms.WINDOW_FIELD,)),
-                                          _grid("charts", CHART_NAMES)))))
+    Box("row", (Note("<b>Workload</b> — random requests to watch continuous batching:"), *forms.WORKLOAD_FORM[0])),
+    Text("workload_plan", "wb-workload-plan"), Text("workload_status", "wb-workload-status")))
+STEPS = Box("column", (Note("<b>The run, step by step</b>: the charts draw one point per engine step of the last run "
+                            "(or the session's time series: x axis); slow the engine down, pause it and step it, and "
+                            "replay any recorded step's batch and block map."),
+                       *_rows(forms.STEP_FORM), Box("row", (forms.WINDOW_FIELD,))))
+LIVE = Box("split", (SIDE, Box("column", (GENERATION, STEPS, _grid("charts", CHART_NAMES)))))
 TUNING = Box("column", (
     Note("<b>Sweep</b> the loaded model's scheduler live (no reload): the most output tokens/s whose target metric "
          "stays under the limit. The values come from its KV capacity."),

@@ -85,6 +85,14 @@ class PanelToolkit:
     def set_busy(self, spinner, busy: bool) -> None:
         spinner.value = busy
 
+    def set_end(self, slider, end: int) -> None:
+        """A slider's last value (its value kept within it)."""
+        end = max(end, slider.start + 1)
+        if slider.value > end:
+            slider.value = end
+        if slider.end != end:
+            slider.end = end
+
     def on_change(self, widget, callback) -> None:
         widget.param.watch(lambda event: callback(event.new), "value")
 

@@ -15,7 +15,7 @@ workbench/views/charts.py, whose palette and colours they use.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
@@ -29,6 +29,20 @@ BLOCK_FIELDS = ("step", "blocks_used", "blocks_cached", "blocks_free")
 TIME_FIELDS = ("step", "schedule_s", "prepare_s", "forward_s", "sample_s", "observe_s")
 WASTE_FIELDS = ("step", "num_running", "kv_utilization", "static_reservation_waste", "firstfit_reserved_waste",
                 "firstfit_external_fragmentation")
+
+
+RUN_GAP_S = 5.0  # an idle engine this long before its next step: that step starts a new run
+
+
+def last_run(steps: Sequence[Any], gap_s: float = RUN_GAP_S) -> list:
+    """The records of the latest run: those after the last step that left the engine idle (nothing running or
+    waiting) and came `gap_s` or more before the next step. A pause mid-run does not cut it (requests still wait)."""
+    start = 0
+    for i in range(1, len(steps)):
+        before = steps[i - 1]
+        if before.num_running == 0 and before.num_waiting == 0 and steps[i].time - before.time >= gap_s:
+            start = i
+    return list(steps[start:])
 
 
 def step_rows(steps: Iterable[Any], fields: tuple[str, ...] = FIELDS) -> list[dict]:

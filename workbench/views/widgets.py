@@ -25,7 +25,7 @@ from workbench.views import charts
 from workbench.views.dashboard import Dashboard
 from workbench.views.fields import widgets_control
 
-FIGURES = ("throughput", "memory", "weights", "blocks", "block_map", "expert_load")
+FIGURES = ("throughput", "blocks", "block_map", "batch", "memory", "weights", "expert_load")
 # the charts two by two, each column half of the cell's width (plotly autosizes into it)
 GRID = dict(grid_template_columns="repeat(2, minmax(0, 1fr))", grid_gap="4px 12px", width="100%")
 
@@ -74,6 +74,11 @@ class WidgetsToolkit:
 
     def set_busy(self, spinner, busy: bool) -> None:
         self.set_text(spinner, None, "<i>busy…</i>" if busy else "")
+
+    def set_end(self, slider, end: int) -> None:
+        end = max(end, slider.min + 1)
+        if slider.max != end:
+            slider.max = end  # ipywidgets keeps the value within it
 
     def on_change(self, widget, callback) -> None:
         widget.observe(lambda change: callback(change["new"]), names="value")
