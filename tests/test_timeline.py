@@ -86,7 +86,7 @@ def test_waste_per_step_compares_the_allocators(tiny_llama_path):
 
 def test_timeline_of_nothing_and_of_wrong_records():
     empty = step_timeline([])
-    assert not empty.data and "no steps yet" in empty.layout.annotations[0].text
+    assert not empty.data and "one point per engine step appears here" in empty.layout.annotations[0].text
     with pytest.raises(ValueError, match="no num_admitted, num_finished; pass runner.step_metrics"):
         step_timeline([{"step": 1, "num_prefill_tokens": 4, "num_decode_tokens": 0, "num_running": 1,
                         "num_waiting": 0, "num_preempted": 0}])

@@ -248,9 +248,12 @@ def test_a_live_chart_drops_the_empty_note_once_data_comes():
     from workbench.views.widgets import _update_figure
 
     widget = go.FigureWidget(charts.all_figures([])["memory"])
-    assert widget.layout.annotations and widget.layout.xaxis.showticklabels is False
+    # laid out as it will be: its time axis and titles, an empty range, the y values hidden
+    assert widget.layout.annotations and widget.layout.xaxis.title.text == charts.TIME_AXIS
+    assert widget.layout.yaxis.range == (0, 1) and widget.layout.yaxis.showticklabels is False
     _update_figure(widget, charts.memory_breakdown(_full_rows(30)))
-    assert widget.layout.annotations == () and widget.layout.xaxis.showticklabels is not False
+    assert widget.layout.annotations == () and widget.layout.yaxis.showticklabels is not False
+    assert widget.layout.yaxis.range is None
     assert widget.layout.title.text == "Memory of the model (MiB)" and len(widget.data) == 5
 
 

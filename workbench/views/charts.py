@@ -59,11 +59,13 @@ def base_layout(title: str, y_title: str = "", **extra) -> dict:
 
 
 def empty_note(fig: go.Figure, note: str) -> go.Figure:
-    """`fig` without data: the note says what will appear; no ticks (they would mean nothing)."""
-    fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
-    fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False)
+    """`fig` without data, laid out as it will be with data (its axes, titles and margins where they will stand,
+    over an empty range), the note in the middle saying what will appear and how to make it appear."""
+    time_axis = fig.layout.xaxis.title.text == TIME_AXIS
+    fig.update_xaxes(range=[0, MIN_SPAN_S] if time_axis else [0, 1], showticklabels=time_axis)
+    fig.update_yaxes(range=[0, 1], showticklabels=False)
     fig.add_annotation(text=note, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
-                       font=dict(color=PALETTE[9]))
+                       font=dict(color=PALETTE[9]), bgcolor="rgba(255,255,255,0.85)")
     return fig
 
 
@@ -147,7 +149,7 @@ def memory_breakdown(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
     fig = go.Figure(layout=base_layout("Memory of the model (MiB)", "MiB"))
     rows = [r for r in rows if r.get("kv_pool_bytes") is not None]
     if not rows:
-        return empty_note(fig, "no data yet: load a model")
+        return empty_note(fig, "appears once a model is loaded: press Load model")
 
     def kv(key):  # MiB held by the blocks counted in `key`
         return lambda r: r.get(key, 0) * r["kv_pool_bytes"] / r["blocks_total"] / MIB if r.get("blocks_total") else 0
@@ -171,7 +173,7 @@ def weights_storage(info: Mapping[str, Any] | None) -> go.Figure:
     fig.update_xaxes(title_text="MiB", rangemode="tozero")
     fig.update_yaxes(title_text="weights", autorange="reversed")
     if not info or info.get("dense_bytes") is None:
-        return empty_note(fig, "no data yet: load a model")
+        return empty_note(fig, "appears once a model is loaded: press Load model")
     fmt, dtype = info.get("format"), info.get("dtype", "compute dtype")
     stored = fmt + (f" g{info['group_size']}" if fmt == "int4" else "") + (
         " + LM head" if info.get("lm_head") else "") if fmt else dtype
@@ -192,7 +194,7 @@ def kv_blocks(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
     fig = go.Figure(layout=base_layout("KV cache blocks", "blocks"))
     rows = [r for r in rows if r.get("blocks_total") is not None]
     if not rows:
-        return empty_note(fig, "no data yet: load a model")
+        return empty_note(fig, "appears once a model is loaded: press Load model")
     _stacked(fig, rows, [("used", _get("blocks_used"), COLORS["kv_used"]),
                          ("cached", _get("blocks_cached"), COLORS["kv_cached"]),
                          ("free", _get("blocks_free"), COLORS["kv_free"])], "blocks", gap_s, "blocks")
@@ -206,7 +208,7 @@ def waste(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
     fig.update_yaxes(range=[0, 100], dtick=25)
     rows = [r for r in rows if r.get("internal_fragmentation") is not None]
     if not rows:
-        return empty_note(fig, "no data yet: generate something")
+        return empty_note(fig, "appears while requests run: press Generate or Run workload")
     for name, key, color in (("contiguous max_model_len reservation", "static_reservation_waste", COLORS["contiguous"]),
                              ("paged (partly filled blocks)", "internal_fragmentation", COLORS["paged"])):
         x, y = _broken(rows, _get(key, 100), gap_s)
@@ -222,7 +224,7 @@ def throughput(rows: Rows, window: float = 1.0, gap_s: float = GAP_S) -> go.Figu
     fig = go.Figure(layout=base_layout("Throughput (tokens/s)", "tokens/s"))
     rows = [r for r in rows if r.get("steps")]
     if not rows:
-        return empty_note(fig, "no steps yet: generate something")
+        return empty_note(fig, "appears while requests run: press Generate or Run workload")
     for name, key, color in (("prompt tokens/s (prefill)", "prefill_tokens", COLORS["prefill"]),
                              ("generated tokens/s (decode)", "sampled_tokens", COLORS["decode"])):
         rate = dict(zip(map(id, rows), rolling_rate(rows, key, window)))
@@ -257,7 +259,7 @@ def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_bloc
                       yaxis=dict(title=dict(text=f"block id ÷ {columns}"), autorange="reversed", showgrid=False,
                                  zeroline=False, rangemode="normal"), showlegend=False)
     if not snapshot or not snapshot.get("num_blocks"):
-        return empty_note(fig, "no data yet: load a model")
+        return empty_note(fig, "appears once a model is loaded: press Load model")
     total = int(snapshot["num_blocks"])
     owners: Mapping[str, Sequence[int]] = snapshot.get("owners", {})
     cached = set(snapshot.get("cached_block_ids", ()))
@@ -304,7 +306,7 @@ def compile_timings(events: Sequence[Mapping[str, Any]], stats: Mapping[str, Any
     per_size = _per_size_seconds(stats)
     decode = (stats.get("decode_programs") or {}).get("build_seconds") or {}
     if not events and not per_size and not decode:
-        return empty_note(fig, "no compile events yet: toggle compile mode")
+        return empty_note(fig, "appears after a compile: tick torch.compile, then Apply compile mode")
     if events:
         labels = [f"#{i + 1} {_compile_label(e)}" for i, e in enumerate(events)]
         colors = [COLORS["ok"] if e.get("ok", True) else COLORS["failed"] for e in events]

@@ -50,7 +50,8 @@ LOAD_FORM = (
 COMPILE_FORM = (
     (Field("compile_on", "torch.compile", "check", False, width=None, css_name="wb-compile"),),
     (Field("compile_backend", "backend", "choice", "inductor", options=tuple(COMPILE_BACKENDS), width=SIDE),
-     Field("compile_mode", "mode", "choice", "default", options=tuple(COMPILE_MODES), width=SIDE)),
+     Field("compile_mode", "mode", "choice", "auto", options=tuple(COMPILE_MODES), width=SIDE,
+           help="auto: inductor default on CUDA (the runner captures CUDA graphs), max-autotune on the CPU")),
     (Field("compile_scope", "scope", "choice", "model", options=tuple(COMPILE_SCOPES), width=SIDE),),
     (Action("compile_button", "Apply compile mode", icon="bolt", css_name="wb-apply-compile"),),
 )

@@ -72,8 +72,11 @@ def _figure(title: str, height: int) -> go.Figure:
 
 
 def _no_steps(fig: go.Figure) -> go.Figure:
-    fig.add_annotation(text="no steps yet: run requests, then pass runner.step_metrics", showarrow=False,
-                       xref="paper", yref="paper", x=0.5, y=0.5, font=dict(color="#888"))
+    fig.update_xaxes(range=[0, 1], showticklabels=False)
+    fig.update_yaxes(range=[0, 1], showticklabels=False)
+    fig.add_annotation(text="one point per engine step appears here: run requests (in a notebook, pass "
+                            "runner.step_metrics)", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
+                       font=dict(color="#888"))
     return fig
 
 
