@@ -114,6 +114,8 @@ def test_the_step_view_draws_one_point_per_step_and_a_steps_batch(tiny_llama_pat
     steps, details = list(runner.step_metrics), list(runner.step_details)
     blocks = {t.name: list(t.y) for t in step_blocks(steps).data}
     assert blocks["used"] == [s.blocks_used for s in steps] and len(blocks["free"]) == len(steps)
+    total = {u + c + f for u, c, f in zip(blocks["used"], blocks["cached"], blocks["free"], strict=True)}
+    assert total == {steps[0].blocks_used + steps[0].blocks_free}  # stacked to the pool, the cached ones once
     times = {t.name: list(t.x) for t in step_times(steps).data}
     assert times["model"] == [s.step for s in steps]
     k = next(i for i, d in enumerate(details) if d.preempted)

@@ -162,8 +162,8 @@ class Session:
                 self._router.release_backlog(entry)
             if entry.runner.has_unfinished_requests():
                 self._telemetry.begin_step(entry)
-                if self._router.step(entry):
-                    self._telemetry.end_step(entry)
+                if self._router.step(entry):  # a paced or single-stepped step is shown at once
+                    self._telemetry.end_step(entry, flush=self._thread.paused or self._thread.interval > 0)
 
     # ---- models ----------------------------------------------------------------------------
     def load_model(self, model: str, *, name: str | None = None, activate: bool = True, wait: bool = True,

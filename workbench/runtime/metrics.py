@@ -193,14 +193,14 @@ class Telemetry:
         if entry.acc.steps == 0:  # a row covers busy time only, not the idle time before it
             entry.acc.start = time.perf_counter()
 
-    def end_step(self, entry: Any) -> None:
-        """Fold the step just run in; write a row once the interval is full or the model is idle."""
+    def end_step(self, entry: Any, flush: bool = False) -> None:
+        """Fold the step just run in; write a row once the interval is full, the model is idle or `flush`."""
         runner = entry.runner
         metrics = runner.step_metrics
         if metrics:
             entry.acc.add(metrics[-1])
         now = time.perf_counter()
-        if now - entry.acc.start >= self.sample_interval or not runner.has_unfinished_requests():
+        if flush or now - entry.acc.start >= self.sample_interval or not runner.has_unfinished_requests():
             self.record(entry, now)
 
     def record(self, entry: Any, now: float | None = None) -> None:

@@ -160,7 +160,7 @@ def memory_breakdown(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
         series.append(("activations (peak)", _get(act_key, 1 / MIB), COLORS["activations"]))
     series += [("KV in use", kv("blocks_used"), COLORS["kv_used"]),
                ("KV cached", kv("blocks_cached"), COLORS["kv_cached"]),
-               ("KV free", kv("blocks_free"), COLORS["kv_free"])]
+               ("KV free", lambda r: kv("blocks_free")(r) - kv("blocks_cached")(r), COLORS["kv_free"])]
     _stacked(fig, rows, series, "mem", gap_s, "MiB")
     return _time_axis(fig, rows)
 
@@ -189,15 +189,20 @@ def weights_storage(info: Mapping[str, Any] | None) -> go.Figure:
     return fig
 
 
+def empty_blocks(row: Mapping[str, Any]) -> int:
+    """Free blocks holding nothing: a record's `blocks_free` counts the cached ones too (they can be reused)."""
+    return row["blocks_free"] - row["blocks_cached"]
+
+
 def kv_blocks(rows: Rows, gap_s: float = GAP_S) -> go.Figure:
-    """KV pool blocks used / cached / free over time."""
+    """KV pool blocks used / cached / free over time (stacked: they add up to the pool)."""
     fig = go.Figure(layout=base_layout("KV cache blocks", "blocks"))
     rows = [r for r in rows if r.get("blocks_total") is not None]
     if not rows:
         return empty_note(fig, "appears once a model is loaded: press Load model")
     _stacked(fig, rows, [("used", _get("blocks_used"), COLORS["kv_used"]),
                          ("cached", _get("blocks_cached"), COLORS["kv_cached"]),
-                         ("free", _get("blocks_free"), COLORS["kv_free"])], "blocks", gap_s, "blocks")
+                         ("free", empty_blocks, COLORS["kv_free"])], "blocks", gap_s, "blocks")
     return _time_axis(fig, rows)
 
 

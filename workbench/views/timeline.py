@@ -21,7 +21,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.views.charts import COLORS, PALETTE
+from workbench.views.charts import COLORS, PALETTE, empty_blocks
 
 FIELDS = ("step", "num_prefill_tokens", "num_decode_tokens", "num_running", "num_waiting",
           "num_admitted", "num_finished", "num_preempted")
@@ -148,7 +148,8 @@ def step_waste(steps: Iterable[Any], title: str = "KV slots wasted, step by step
 
 
 def step_blocks(steps: Iterable[Any], title: str = "KV blocks after each step") -> go.Figure:
-    """The pool's blocks after each step, stacked: held by requests, free with a cached prefix, free."""
+    """The pool's blocks after each step, stacked to the pool's size: held by requests, free with a cached prefix,
+    free and empty."""
     rows = step_rows(steps, BLOCK_FIELDS)
     fig = _figure(title, 300)
     fig.update_yaxes(title_text="blocks", rangemode="tozero")
@@ -156,10 +157,10 @@ def step_blocks(steps: Iterable[Any], title: str = "KV blocks after each step") 
     if not rows:
         return _no_steps(fig)
     x = [r["step"] for r in rows]
-    for label, key, color in (("used", "blocks_used", COLORS["kv_used"]), ("cached", "blocks_cached",
-                                                                            COLORS["kv_cached"]),
-                              ("free", "blocks_free", COLORS["kv_free"])):
-        fig.add_trace(go.Scatter(x=x, y=[r[key] for r in rows], name=label, stackgroup="blocks", mode="lines",
+    for label, value, color in (("used", lambda r: r["blocks_used"], COLORS["kv_used"]),
+                                ("cached", lambda r: r["blocks_cached"], COLORS["kv_cached"]),
+                                ("free", empty_blocks, COLORS["kv_free"])):
+        fig.add_trace(go.Scatter(x=x, y=[value(r) for r in rows], name=label, stackgroup="blocks", mode="lines",
                                  line=dict(width=0.5, color=color, shape="hv"), fillcolor=color,
                                  hovertemplate=f"step %{{x}}: %{{y}} blocks {label}<extra></extra>"))
     return fig
