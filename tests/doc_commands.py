@@ -137,10 +137,11 @@ def recipe_commands() -> list[Command]:
     cmds = []
     for target, recipe in makefile_targets().items():
         for line in recipe:
-            line = re.sub(r"\$\((PY|PYTHON)\)", "python", line).replace("$$", "$")
+            line = re.sub(r"\$\((PY|PYTHON|GPU_PYTHON)\)", "python", line).replace("$$", "$")
             line = re.sub(r"\$\([A-Z_]+:%=([^ %)]*)[^)]*\)", r"\1", line)  # $(MODELS:%=--model %): --model
             for part in re.split(r"&&|;", line):
                 part = re.sub(r"^\W*((do|then|else) )?(nice -n \d+ )?", "", part.strip())
+                part = re.sub(r"^([A-Z_]+=\S+\s+)+", "", part)  # the recipe's environment (PYTHONPATH=...)
                 words = [w for w in part.split() if not w.startswith("$")]
                 cmd = _command(f"Makefile:{target}", part, words) if words else None
                 if cmd is not None and cmd.make_target is None:

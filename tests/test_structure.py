@@ -7,6 +7,7 @@ through `self` (a library's privates, such as torch's, are another matter)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,3 +272,23 @@ def test_the_level_check_sees_an_import_up_a_level(tmp_path):
     assert found == ["runner_core.layers.linear (layers) imports runner_core.engine.scheduler (engine, a higher level)",
                      "workbench.runtime.handles (runtime) imports workbench.views.charts (views, a higher level)",
                      "runner_core.config imports workbench.runtime (workbench is not below runner_core)"]
+
+
+def _map_rows() -> dict[str, set[str]]:
+    """ARCHITECTURE.md's folder tables: folder -> the `*.py` modules its row names."""
+    rows = {}
+    for line in (REPO / "ARCHITECTURE.md").read_text().splitlines():
+        cells = line.split("|")
+        if len(cells) > 3 and cells[1].strip().startswith("`") and cells[1].strip().endswith("/`"):
+            rows[cells[1].strip().strip("`")] = set(re.findall(r"`([\w/]+\.py)`", "|".join(cells[2:])))
+    return rows
+
+
+def test_architecture_md_names_every_module_of_every_folder_and_no_other():
+    rows = _map_rows()
+    folders = {f"{p.relative_to(REPO)}/" for pkg in (*PACKAGES, "runner_tools")
+               for p in [REPO / pkg, *(REPO / pkg).rglob("*")] if (p / "__init__.py").is_file()}
+    assert set(rows) == folders
+    for folder, named in rows.items():
+        present = {p.name for p in (REPO / folder).glob("*.py") if p.name != "__init__.py"}
+        assert named == present, f"{folder}: not on the map {present - named}, on the map only {named - present}"
