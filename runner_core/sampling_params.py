@@ -40,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -65,8 +66,10 @@ class SamplingParams:
                 raise _bad(name, getattr(self, name), "True or False")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise _bad("logprobs", self.logprobs, "None or an int >= 0 (top logprobs per token)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise _bad(name, value, "None or an int >= 0 (top logprobs per token)")
 
     @staticmethod
     def _normalise_stop(stop: Iterable[str] | str | None) -> tuple[str, ...]:

@@ -128,6 +128,8 @@ class LLMEngine:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         if params.logprobs is not None:
             seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first prompt token has no context
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -199,6 +201,10 @@ class LLMEngine:
         expert counts or None, the clock when the model had run). A simulated engine replaces this."""
         logits, prepare_s, expert_counts = self.executor.call("execute_model", batch)
         executed = self.clock.now()
+        if batch.prompt_logits:  # the rows after the sampling ones: prompt positions
+            spans = [(self.requests[batch.request_ids[r]], p, c) for r, p, c in batch.prompt_logits]
+            self.output_processor.add_prompt_logprobs(spans, logits[len(seqs):])
+            logits = logits[:len(seqs)]
         sampled, broken = None, []
         if seqs:
             logits, broken = nonfinite_rows(logits)

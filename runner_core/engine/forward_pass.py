@@ -101,11 +101,16 @@ class ForwardPass:
         common = self.buffers.fill(ids, starts, counts, d + pad, rows, self.block_size, self.sliding_window,
                                    decode_len=decode_len, num_pool_blocks=self._num_pool_blocks())
         ends = torch.cumsum(common.query_lens, 0) - 1
+        logits_indices = ends[batch.sample_rows]
+        if batch.prompt_logits:  # flat index of a row's position p: the row's first token's, plus p - start
+            firsts = ends - common.query_lens + 1
+            logits_indices = torch.cat([logits_indices, *(torch.arange(c) + (firsts[r] + p - batch.starts[r])
+                                                          for r, p, c in batch.prompt_logits)])
         return ModelInput(
             input_ids=self.buffers.to_device("input_ids", self.buffers.cpu["input_ids"][:len(ids)]),
             positions=self.buffers.to_device("positions", common.positions),
             meta=self._metadata(common),
-            logits_indices=ends[batch.sample_rows].to(self.device),
+            logits_indices=logits_indices.to(self.device),
             num_prefill_tokens=batch.num_prefill_tokens,
             num_decode_tokens=d,
             num_pad_tokens=pad,
@@ -114,7 +119,8 @@ class ForwardPass:
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
-        """Logits [S, vocab] (float32) for the sequences that sample this step."""
+        """Logits [S + P, vocab] (float32) for the sequences that sample this step, then for the P prompt
+        positions whose logprobs are asked (`StepBatch.prompt_logits`)."""
         with set_forward_context(inp.meta, True, inp.multimodal):
             hidden = None
             if self.decode_programs is not None and not inp.num_prefill_tokens and inp.multimodal is None:

@@ -40,6 +40,9 @@ class StepBatch:
     token_ids: list[int]  # the new tokens of every sequence, concatenated
     num_decodes: int
     sample_rows: list[int]  # sequences whose prompt is complete after this step: they sample a token
+    # prompt positions whose logits are wanted too (prompt logprobs): (row, first position, count); each
+    # position's logits give the logprob of the prompt token after it
+    prompt_logits: list[tuple[int, int, int]] = field(default_factory=list)
     # block-table entries the ranks lack: (request id, index of the first, block ids), in the batch's order
     new_blocks: list[tuple[str, int, list[int]]] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)  # requests freed since the last batch: their rows go first
@@ -55,6 +58,12 @@ class StepBatch:
         counts = [n for _, n in ordered]
         ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
         sample = [i for i, (s, n) in enumerate(ordered) if s.num_computed_tokens + n == s.num_tokens]
+        prompt_logits = []
+        for i, ((s, n), st) in enumerate(zip(ordered, starts)):
+            if s.prompt_logprobs_pending:  # the positions not yet done, up to the one before the prompt's last
+                first, end = max(st, len(s.prompt_logprobs) - 1), min(st + n, s.num_prompt_tokens - 1)
+                if end > first:
+                    prompt_logits.append((i, first, end - first))
         new_blocks = [(s.request_id, s.num_sent_blocks, s.block_table[s.num_sent_blocks:]) for s, _ in ordered
                       if len(s.block_table) > s.num_sent_blocks]
         images, base = [], 0
@@ -67,12 +76,18 @@ class StepBatch:
             base += n
         batch = cls(request_ids=[s.request_id for s, _ in ordered], starts=starts, num_new_tokens=counts,
                     token_ids=ids, num_decodes=sum(1 for n in counts if n == 1), sample_rows=sample,
+                    prompt_logits=prompt_logits,
                     new_blocks=new_blocks, freed=list(freed), images=images)
         return batch, [s for s, _ in ordered]
 
     @property
     def num_prefill_tokens(self) -> int:
         return len(self.token_ids) - self.num_decodes
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of the step's logits: one per sampling sequence, then one per prompt-logprob position."""
+        return len(self.sample_rows) + sum(c for _, _, c in self.prompt_logits)
 
 
 class BlockTable:

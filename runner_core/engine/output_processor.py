@@ -7,8 +7,13 @@ outputs carry token ids and text "", streams included."""
 
 from __future__ import annotations
 
+from itertools import chain
+
+import torch
+
 from runner_core.engine.clock import WallClock
 from runner_core.engine.sequence import RequestOutput, Sequence
+from runner_core.layers.sampler import token_logprobs
 
 
 class OutputProcessor:
@@ -42,6 +47,18 @@ class OutputProcessor:
             if seq.is_finished or seq.detokenizer is not None:
                 updates.append((seq, [tok], delta))
         return updates
+
+    def add_prompt_logprobs(self, spans: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
+        """Record prompt logprobs from `logits` [rows, V], the rows of each (sequence, first position, count)
+        span in order: position p's logits score prompt token p + 1. One log-softmax and top-k for them all."""
+        targets = list(chain.from_iterable(seq.token_ids[p + 1:p + 1 + c] for seq, p, c in spans))
+        k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
+        ids, values = token_logprobs(logits, torch.tensor(targets, device=logits.device), k)
+        ids, values, row = ids.tolist(), values.tolist(), 0
+        for seq, _, c in spans:
+            n = seq.params.prompt_logprobs + 1
+            seq.prompt_logprobs.extend(dict(zip(ids[i][:n], values[i][:n])) for i in range(row, row + c))
+            row += c
 
     def check_stop(self, seq: Sequence, tok: int, now: float) -> None:
         p = seq.params
@@ -84,4 +101,4 @@ class OutputProcessor:
             token_ids=seq.output_token_ids, text=text, delta_token_ids=delta_ids, delta_text=delta_text,
             finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             error=seq.error, logprobs=seq.logprobs,
-            metrics=seq.metrics.as_dict(seq.num_cached_tokens))
+            metrics=seq.metrics.as_dict(seq.num_cached_tokens), prompt_logprobs=seq.prompt_logprobs)

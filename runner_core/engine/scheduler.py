@@ -102,7 +102,8 @@ class Scheduler:
                 self.waiting.popleft()
                 out.rejected.append(seq)
                 continue
-            self.memory.match_prefix(seq)
+            if not seq.prompt_logprobs_pending:
+                self.memory.match_prefix(seq)
             n = self._chunk(seq, budget)
             if n == 0 or not self.memory.can_allocate(seq, seq.num_computed_tokens + n):
                 self.memory.free(seq)  # give back the cached prefix it took

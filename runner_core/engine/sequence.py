@@ -122,6 +122,8 @@ class Sequence:
     stop_reason: int | str | None = None
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # with params.prompt_logprobs: one entry per prompt token computed so far, None for the first (no context)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     detokenizer: object | None = None
     text: str | None = None  # final text, set when the request finishes
     mm_items: tuple[MultiModalItem, ...] = ()  # its images, by placeholder position
@@ -138,6 +140,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """It asked for prompt logprobs and some are still to compute: its prompt runs through the model
+        whole (no prefix-cache hit), as vLLM does, since a cached block's logits are not kept."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -164,7 +172,9 @@ class RequestOutput:
 
     `finish_reason` is "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
     max_model_len), "abort" (cancelled) or "error" (the request was refused or failed;
-    `error` says why). `text` is filled at the end, and during streaming.
+    `error` says why). `text` is filled at the end, and during streaming. `logprobs` (with
+`SamplingParams.logprobs=k`): per output token {token id: logprob} of the sampled token and the k most likely
+ones (vLLM's shape; the log-softmax of the model's raw logits, before temperature and top-k/p/min-p).
     """
 
     request_id: str
@@ -180,6 +190,8 @@ class RequestOutput:
     error: str | None
     logprobs: list[dict[int, float]] | None
     metrics: dict
+    # per prompt token, {token id: logprob} of it and the top `prompt_logprobs`; None for the first token
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def failed(cls, request_id: str, prompt, error: str) -> RequestOutput:

@@ -159,8 +159,8 @@ class Worker:
 
     # ---- what rank 0 calls on every rank ------------------------------------------------------
     def execute_model(self, batch: StepBatch) -> tuple[torch.Tensor, float, torch.Tensor | None]:
-        """(logits [sampling rows, vocab] float32, seconds spent preparing the inputs, and for an MoE
-        model the step's tokens per expert [MoE layers, experts], pad rows excluded) on rank 0."""
+        """(logits [sampling rows + prompt-logprob rows, vocab] float32, seconds spent preparing the inputs,
+        and for an MoE model the step's tokens per expert [MoE layers, experts], pad rows excluded) on rank 0."""
         t = time.perf_counter()
         inp = self.forward_pass.prepare(faults.fire("forward", batch),
                                         self._image_features(batch) if batch.images else None)
@@ -169,7 +169,7 @@ class Worker:
             logits = faults.fire("logits", self.forward_pass.execute(inp))
         wait_for_device(self.device)  # the step's forward ends when the device's work does, not at its launch
         counts = self.model.expert_counts(routing) if self.is_moe else None
-        return to_driver(logits, (len(batch.sample_rows), self.vocab_size)), prepared, counts
+        return to_driver(logits, (batch.num_logits, self.vocab_size)), prepared, counts
 
     def _image_features(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat positions, feature rows) of the step's image tokens; each image is encoded once

@@ -101,6 +101,16 @@ def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p:
     return torch.empty_like(logits).scatter_(-1, order, logits_sort)
 
 
+def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(ids [N, k+1], logprobs [N, k+1]): each row's `token_ids` entry, then its k most likely tokens, with
+    their logprobs under the log-softmax of the raw `logits` [N, V] (before temperature and filtering, as
+    vLLM's default `raw_logprobs`). The sampled tokens' logprobs, and the prompt's."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    top = logprobs.topk(k, dim=-1)
+    col = token_ids.unsqueeze(1)
+    return torch.cat([col, top.indices], dim=1), torch.cat([logprobs.gather(1, col), top.values], dim=1)
+
+
 def greedy(logits: Tensor) -> Tensor:
     """logits.argmax(dim=-1) of float32 [B, V] logits; on the CPU through the native kernel."""
     if logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0 and cpu_kernels_available():
@@ -121,14 +131,8 @@ class Sampler(torch.nn.Module):
                 sampled = torch.where(meta.temperature == 0, greedy(logits), sampled)
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=None, logprobs=None)
-        logprobs = logits.log_softmax(dim=-1)
-        top = logprobs.topk(meta.max_num_logprobs, dim=-1)
-        sampled_col = sampled.unsqueeze(1)
-        return SamplerOutput(
-            sampled_token_ids=sampled,
-            logprob_token_ids=torch.cat([sampled_col, top.indices], dim=1),
-            logprobs=torch.cat([logprobs.gather(1, sampled_col), top.values], dim=1),
-        )
+        ids, values = token_logprobs(logits, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=ids, logprobs=values)
 
     @staticmethod
     def _sample_random(logits: Tensor, meta: SamplingMetadata) -> Tensor:
