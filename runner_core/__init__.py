@@ -23,7 +23,7 @@ from runner_core.memory import MemoryEstimate, estimate_memory
 from runner_core.model_runner import ModelRunner, StreamDelta
 from runner_core.models import MODEL_REGISTRY, register_model
 from runner_core.parallel.plan import ParallelSuggestion, suggest_parallel_config
-from runner_core.sampling_params import SamplingParams
+from runner_core.sampling_params import SamplingParams, StructuredOutputsParams
 from runner_core.tuning import SweepSpace, Target, Workload, tune
 
 __version__ = project_version()
@@ -37,6 +37,7 @@ def supported_architectures() -> dict[str, str]:
 __all__ = [
     "CompileError", "ConfigError", "EngineBusyError", "EngineNotReadyError", "InvalidRequestError", "MemoryEstimate",
     "ModelLoadError", "ModelRunner", "ParallelSuggestion", "RequestMetrics", "RequestOutput", "RunnerConfig",
-    "RunnerError", "SamplingParams", "StreamDelta", "SweepSpace", "Target", "WorkerError", "Workload",
+    "RunnerError", "SamplingParams", "StreamDelta", "StructuredOutputsParams", "SweepSpace", "Target", "WorkerError",
+    "Workload",
     "estimate_memory", "register_model", "suggest_parallel_config", "supported_architectures", "tune",
 ]

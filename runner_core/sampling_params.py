@@ -1,5 +1,8 @@
 """`SamplingParams`: how one request picks its tokens (vLLM's names), validated on
-construction; a bad value raises `InvalidRequestError` naming the field and the range.
+construction; a bad value raises `InvalidRequestError` naming the field and the range. Its
+`structured_outputs` (`StructuredOutputsParams`, vLLM's name) constrains the output to a JSON Schema, any JSON
+object, a regular expression, a choice among strings or a grammar; whether the engine can compile it is
+checked when the request is submitted (engine/structured_output.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,47 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's `StructuredOutputsParams`); exactly one field is set.
+
+    `json`: a JSON Schema (a dict or its JSON text); `json_object`: any JSON object; `regex`: a regular
+    expression the whole output matches; `choice`: one of these strings, exactly; `grammar`: a Lark grammar
+    (llguidance's dialect, `start` its root) or a GBNF one (llama.cpp's, `root ::= ...`)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"StructuredOutputsParams needs exactly one of {', '.join(self.KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise _bad("structured_outputs.json", self.json, "a JSON Schema: a dict or its JSON text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _bad(f"structured_outputs.{name}", value, "a non-empty string")
+        if self.choice is not None:
+            choice = tuple(self.choice) if isinstance(self.choice, (list, tuple)) else ()
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise _bad("structured_outputs.choice", self.choice, "a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+        if not isinstance(self.json_object, bool):
+            raise _bad("structured_outputs.json_object", self.json_object, "True or False")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings; `temperature=0` (or `top_k=1`) means greedy."""
@@ -42,6 +86,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -56,6 +101,7 @@ class SamplingParams:
             raise _bad("min_p", self.min_p, "a number in [0, 1]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise _bad("seed", self.seed, "None or an int in [0, 2**64)")
+        self._check_structured_outputs()
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.min_p = float(self.min_p)
@@ -70,6 +116,18 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise _bad(name, value, "None or an int >= 0 (top logprobs per token)")
+
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise _bad("structured_outputs", so, "None or a StructuredOutputsParams")
+        # a constrained output ends with EOS once its grammar is complete: nothing may hold it back
+        if self.ignore_eos:
+            raise _bad("ignore_eos", True, "False with structured_outputs (the output ends when its grammar does)")
+        if self.min_tokens:
+            raise _bad("min_tokens", self.min_tokens, "0 with structured_outputs (the grammar decides the length)")
 
     @staticmethod
     def _normalise_stop(stop: Iterable[str] | str | None) -> tuple[str, ...]:

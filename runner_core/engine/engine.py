@@ -22,6 +22,7 @@ from runner_core.engine.scheduler import Scheduler
 from runner_core.engine.sequence import RequestMetrics, RequestOutput, Sequence
 from runner_core.engine.step_detail import block_map, block_owners
 from runner_core.engine.step_metrics import StepObserver, StepTimes
+from runner_core.engine.structured_output import StructuredOutputs
 from runner_core.engine.threads import ThreadTuner
 from runner_core.engine.worker import Executor, LocalExecutor, Worker
 from runner_core.errors import ConfigError, EngineBusyError, InvalidRequestError, WorkerError
@@ -80,6 +81,7 @@ class LLMEngine:
                                    encoder_cached=cache.__contains__ if cache is not None else lambda digest: False,
                                    clock=clock)
         self.sampler = Sampler()
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size)
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len, clock)
         self.observer = StepObserver(self.memory, self.scheduler, self.max_model_len, moe_spec=moe_spec, clock=clock)
         self.requests: dict[str, Sequence] = {}
@@ -118,6 +120,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.structured_outputs is not None:  # compiled (or cached) now: a bad one is refused here
+            self.structured.add(request_id, params.structured_outputs)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
@@ -182,8 +186,7 @@ class LLMEngine:
             self.memory.cache_blocks(seq)
         if broken:  # those requests fail; the rest of the batch goes on
             outputs += [self._fail(seqs[i], NONFINITE_MESSAGE.format(n=seqs[i].num_output_tokens)) for i in broken]
-            keep = [i for i in range(len(seqs)) if i not in set(broken)]
-            seqs, sampled = [seqs[i] for i in keep], sampled.select(keep) if keep else None
+            seqs, sampled = _without(seqs, sampled, broken)
         if sampled is not None:
             outputs += self._append_tokens(seqs, sampled)
         num_finished = sum(o.finished for o in outputs)  # a request's final output comes once
@@ -199,6 +202,8 @@ class LLMEngine:
         """Run the model on `batch` on every rank and sample a token for `seqs` (the batch's sampling rows):
         (the SamplerOutput or None, rows whose logits were not finite, seconds preparing inputs, the MoE
         expert counts or None, the clock when the model had run). A simulated engine replaces this."""
+        constrained = self.structured.constrained_rows(seqs)
+        masks = self.structured.start_fill(seqs, constrained) if constrained else None  # while the model runs
         logits, prepare_s, expert_counts = self.executor.call("execute_model", batch)
         executed = self.clock.now()
         if batch.prompt_logits:  # the rows after the sampling ones: prompt positions
@@ -208,14 +213,18 @@ class LLMEngine:
         sampled, broken = None, []
         if seqs:
             logits, broken = nonfinite_rows(logits)
+            if masks is not None:
+                logits = self.structured.apply(logits, constrained, masks)
             meta = SamplingMetadata.build([s.params for s in seqs], [s.generator for s in seqs],
                                           self.vocab_size, self.device)
             sampled = self.sampler(logits, meta)
         return sampled, broken, prepare_s, expert_counts, executed
 
     def _append_tokens(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
-        outputs = []
-        for seq, delta_ids, delta_text in self.output_processor.append(seqs, sampled):
+        errors = self.structured.advance(seqs, sampled.sampled_token_ids) if self.structured.has_matchers else {}
+        outputs = [self._fail(seqs[i], message) for i, message in errors.items()]  # the grammar refused the token
+        seqs, sampled = _without(seqs, sampled, list(errors))
+        for seq, delta_ids, delta_text in self.output_processor.append(seqs, sampled) if sampled is not None else ():
             if seq.is_finished:
                 self._release(seq)
             outputs.append(self.output_processor.output(seq, delta_ids, delta_text))
@@ -225,6 +234,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self._freed.append(seq.request_id)
         self.observer.on_release(seq.request_id)
+        self.structured.release(seq.request_id)
         self.requests.pop(seq.request_id, None)
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
@@ -347,6 +357,15 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.executor.shutdown()
         self.threads.close()
+        self.structured.close()
+
+
+def _without(seqs: list[Sequence], sampled, rows: list[int]):
+    """(the sequences, the SamplerOutput) without these rows; the output None when no row is left."""
+    if not rows:
+        return seqs, sampled
+    keep = [i for i in range(len(seqs)) if i not in set(rows)]
+    return [seqs[i] for i in keep], sampled.select(keep) if keep else None
 
 
 _REBUILDS = ("none", "scheduler", "pool", "compile")  # what a change rebuilds, least to most

@@ -224,7 +224,8 @@ def _one_prompt(prompt):
 
 def _sampling(body, max_tokens: int) -> SamplingParams:
     try:
-        return SamplingParams(max_tokens=max_tokens, **body.sampling_fields())
+        return SamplingParams(max_tokens=max_tokens, structured_outputs=body.structured_outputs_params(),
+                              **body.sampling_fields())
     except InvalidRequestError as exc:
         raise request_error(exc) from exc
 

@@ -34,8 +34,8 @@ def request_error(exc: BaseException) -> ApiError:
     """The engine's refusal of a request (or the session's) as an API error."""
     message = str(exc)
     if isinstance(exc, InvalidRequestError):
-        m = re.match(r"SamplingParams\.(\w+)", message)
-        param = m.group(1) if m else "prompt" if re.match(r"(prompt|token id)", message) else None
+        m = re.match(r"SamplingParams\.(\w+)|(response_format|structured_outputs|guided_\w+):", message)
+        param = (m.group(1) or m.group(2)) if m else "prompt" if re.match(r"(prompt|token id)", message) else None
         return bad(param, message)
     if isinstance(exc, SessionError):  # NoModelError included: the model went away
         return ApiError(503, message, type="service_unavailable")

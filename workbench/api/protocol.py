@@ -1,17 +1,47 @@
 """The API's request bodies and response objects, with OpenAI's field names (and vLLM's extensions
-`top_k` and `ignore_eos`). Pydantic checks types and ranges, so a bad field is a 400 naming it."""
+`top_k` and `ignore_eos`, and its structured-output parameters). Pydantic checks types and ranges, so a bad field is
+a 400 naming it."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from runner_core import InvalidRequestError, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's extension: usage in every chunk
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON that follows `json_schema.schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra parameter: one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(BaseModel):
@@ -33,6 +63,13 @@ class _Sampling(BaseModel):
     logprobs: int | bool | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* parameters
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_fields(self) -> dict:
         """SamplingParams fields (max_tokens is the endpoint's to decide)."""
@@ -41,6 +78,28 @@ class _Sampling(BaseModel):
         if self.top_k is not None:
             fields["top_k"] = self.top_k
         return fields
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint the request gives (InvalidRequestError when it gives several, or a bad one)."""
+        given = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise _refused("response_format", "type 'json_schema' needs response_format.json_schema.schema")
+            given["response_format"] = {"json": fmt.json_schema.schema_}
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(exclude_none=True)
+            given["structured_outputs"] = {"json" if k == "json_" else k: v for k, v in fields.items()}
+        for kind in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f"guided_{kind}") is not None:
+                given[f"guided_{kind}"] = {kind: getattr(self, f"guided_{kind}")}
+        if not given:
+            return None
+        if len(given) > 1:
+            raise _refused(next(iter(given)), f"give one structured-output constraint; got {', '.join(given)}")
+        return StructuredOutputsParams(**next(iter(given.values())))
 
     @property
     def include_usage(self) -> bool:
@@ -71,6 +130,10 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = None
+
+
+def _refused(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param}: {message}")
 
 
 def new_id(prefix: str) -> str:
