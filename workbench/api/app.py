@@ -16,7 +16,9 @@ from runner_core import InvalidRequestError, SamplingParams
 from workbench.api.admission import LimitsMiddleware, Slots
 from workbench.api.bridge import Job
 from workbench.api.errors import ApiError, bad, request_error
+from workbench.api.formats import ChatFormat, CompletionFormat
 from workbench.api.limits import ApiLimits
+from workbench.api.logprobs import chat_fields, completion_fields
 from workbench.api.names import served_names, session_name
 from workbench.api.prometheus import ApiMetrics
 from workbench.api.prompts import PromptEncoder, max_model_len
@@ -101,8 +103,6 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request):
         _refuse_unsupported(body)
-        if body.echo:
-            raise bad("echo", "echo is not supported; prepend the prompt to the returned text yourself")
         if body.suffix:
             raise bad("suffix", "suffix (insertion) is not supported; send the prompt alone")
         if body.best_of not in (None, 1):
@@ -110,15 +110,17 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
         prompt = _one_prompt(body.prompt)
         limits.check_stop(body.stop)
         entry = entry_for(body.model)
-        params = _sampling(body, body.max_tokens)
+        params = _sampling(body, body.max_tokens).replace(**completion_fields(body))
         ids = await prompts.completion(entry, prompt)
-        return await _serve(request, body, entry, ids, params, _CompletionFormat())
+        tokenizer = entry.runner.tokenizer
+        echo = None
+        if body.echo:  # the prompt's text as given, or its token ids' text
+            echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids, skip_special_tokens=False), ids)
+        return await _serve(request, body, entry, ids, params, CompletionFormat(tokenizer, params.logprobs, echo))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _refuse_unsupported(body)
-        if body.top_logprobs:
-            raise bad("top_logprobs", "logprobs are not supported by this server")
         limits.check_stop(body.stop)
         limits.check_messages(body.messages)
         entry = entry_for(body.model)
@@ -126,8 +128,8 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
         limit = body.max_completion_tokens or body.max_tokens
         if limit is None:
             limit = max(1, max_model_len(entry) - len(ids))  # the rest of the context, as OpenAI does
-        params = _sampling(body, limit)
-        return await _serve(request, body, entry, ids, params, _ChatFormat())
+        params = _sampling(body, limit).replace(**chat_fields(body))
+        return await _serve(request, body, entry, ids, params, ChatFormat(entry.runner.tokenizer, params.logprobs))
 
     async def _serve(request, body, entry, ids, params, fmt):
         model = served_names(session).get(entry.name, entry.name)
@@ -156,22 +158,22 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
             jobs.discard(job)
         if handle.exception is not None:
             return request_error(handle.exception).response()
-        out = handle.output
-        return fmt.final(new_id(fmt.prefix), model, out.text, out.finish_reason,
-                         usage(job.usage_prompt_tokens(), len(out.token_ids)))
+        return fmt.final(new_id(fmt.prefix), model, handle,
+                         usage(job.usage_prompt_tokens(), len(handle.output.token_ids)))
 
     async def _events(job: Job, first: str, body, model: str, fmt):
         rid, text = new_id(fmt.prefix), first
         try:
-            yield from_chunk(fmt.start(rid, model))
+            yield from_chunk(fmt.start(rid, model, job.handle))
             while True:
                 if text or job.finished:
                     reason = job.handle.finish_reason if job.finished else None
-                    chunk = fmt.chunk(rid, model, text, None if reason == "error" else reason)
-                    n = job.new_tokens()
+                    ids, logprobs = job.new_tokens()
+                    chunk = fmt.chunk(rid, model, text, None if reason == "error" else reason,
+                                      fmt.token_logprobs(ids, logprobs))
                     if body.continuous_usage:
                         chunk["usage"] = usage(job.usage_prompt_tokens(), job.sent_tokens)
-                    if text or reason not in (None, "error") or n:
+                    if text or reason not in (None, "error") or ids:
                         yield from_chunk(chunk)
                 if job.finished:
                     break
@@ -204,8 +206,6 @@ def _ordered(session) -> dict[str, str]:
 def _refuse_unsupported(body) -> None:
     if body.n != 1:
         raise bad("n", f"only n=1 is supported (got n={body.n}); send {body.n} requests (with different seeds)")
-    if body.logprobs not in (None, False, 0):
-        raise bad("logprobs", "logprobs are not supported by this server; leave logprobs unset")
 
 
 def _one_prompt(prompt):
@@ -241,39 +241,3 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     if err.get("type") == "missing":
         return bad(field, f"{where} is required")
     return bad(field, f"{where}: {err.get('msg')} (got {err.get('input')!r})")
-
-
-class _CompletionFormat:
-    prefix = "cmpl"
-
-    def start(self, rid, model):
-        return None
-
-    def chunk(self, rid, model, text, finish_reason):
-        return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-
-    def final(self, rid, model, text, finish_reason, use):
-        return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-                "usage": use}
-
-
-class _ChatFormat:
-    prefix = "chatcmpl"
-
-    def start(self, rid, model):
-        return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]}
-
-    def chunk(self, rid, model, text, finish_reason):
-        return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
-                "choices": [{"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
-                             "finish_reason": finish_reason}]}
-
-    def final(self, rid, model, text, finish_reason, use):
-        return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                             "finish_reason": finish_reason}],
-                "usage": use}

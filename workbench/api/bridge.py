@@ -58,11 +58,11 @@ class Job:
                 if await request.is_disconnected():
                     self.handle.cancel()
 
-    def new_tokens(self) -> int:
-        """Tokens produced since the previous call."""
-        n = len(self.handle.token_ids)
-        delta, self.sent_tokens = n - self.sent_tokens, n
-        return delta
+    def new_tokens(self) -> tuple[list[int], list[dict[int, float]] | None]:
+        """The tokens produced since the previous call, and their logprobs (None when none were asked)."""
+        ids, logprobs = self.handle.tokens_since(self.sent_tokens)
+        self.sent_tokens += len(ids)
+        return ids, logprobs
 
     def usage_prompt_tokens(self) -> int:
         out = self.handle.output

@@ -117,6 +117,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+    prompt_logprobs: int | None = None  # vLLM's extension: logprobs of the prompt's tokens
 
 
 class ChatMessage(BaseModel):

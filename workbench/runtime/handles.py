@@ -47,6 +47,8 @@ class RequestHandle:
         self._cond = threading.Condition()
         self._pieces: list[str] = []
         self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = None  # per token, with SamplingParams.logprobs
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
         self.output = None  # the final RequestOutput
         self.exception: BaseException | None = None
         self.metrics = RequestMetrics(time.perf_counter(), len(prompt) if isinstance(prompt, list) else 0)
@@ -59,6 +61,11 @@ class RequestHandle:
         with self._cond:
             if out.delta_token_ids:
                 self.token_ids.extend(out.delta_token_ids)
+            if out.logprobs is not None:  # the engine's list grows on: copy the tokens' entries delivered
+                self.logprobs = self.logprobs or []
+                self.logprobs.extend(out.logprobs[len(self.logprobs):len(self.token_ids)])
+            if out.prompt_logprobs is not None:  # complete before the first output
+                self.prompt_logprobs = out.prompt_logprobs
             if out.delta_text:
                 self._pieces.append(out.delta_text)
             if out.finished:
@@ -125,6 +132,12 @@ class RequestHandle:
         with self._cond:
             pieces = self._pieces[start:]
         return "".join(pieces), start + len(pieces)
+
+    def tokens_since(self, start: int) -> tuple[list[int], list[dict[int, float]] | None]:
+        """The token ids from the `start`-th on and their logprobs (None when the request asked none)."""
+        with self._cond:
+            ids = self.token_ids[start:]
+            return ids, None if self.logprobs is None else self.logprobs[start:start + len(ids)]
 
     @property
     def text(self) -> str:
