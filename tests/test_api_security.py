@@ -51,7 +51,7 @@ GOOD = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}
     ({**GOOD, "top_p": 0}, 400, "top_p", "greater than 0"),
     ({**GOOD, "n": 2}, 400, "n", "only n=1"),
     ({**GOOD, "prompt": ["one", "two"]}, 400, "prompt", "one prompt per request"),
-    ({**GOOD, "logprobs": 2}, 400, "logprobs", "not supported"),
+    ({**GOOD, "logprobs": 21}, 400, "logprobs", "from 0 to 20"),
     ({**GOOD, "model": "gpt-4"}, 404, "model", "loaded: tiny-llama"),
     ({**GOOD, "prompt": "word " * 400}, 400, "prompt", "max_model_len is 256"),
     ({**GOOD, "prompt": "word " * 400, "stream": True}, 400, "prompt", "max_model_len is 256"),
