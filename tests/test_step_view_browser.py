@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_workbench_browser import CHROMIUM, CHROMIUM_ARGS, OUT, SLOW, _require_browser
+from tests.test_workbench_browser import OUT, SLOW, open_page
 from workbench import Session
 from workbench.views.controller import load_config
 from workbench.views.forms import DEFAULT_LOAD, DEFAULT_MODEL
@@ -29,14 +29,7 @@ def served():
 
 @pytest.fixture(scope="module")
 def page(served):
-    sync_api = _require_browser()
-    OUT.mkdir(parents=True, exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1500})
-        page.goto(served[1], timeout=SLOW)
-        yield page
-        browser.close()
+    yield from open_page(served[1], height=1500)
 
 
 def _xs(page, chart: str, trace: int = 0) -> list:

@@ -28,21 +28,28 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(name: str, path: Path) -> set[str]:
-    """Every module `name` imports, anywhere in the file, as the project modules it names."""
-    tree = ast.parse(path.read_text())
+def _import_statements(name: str, path: Path):
+    """Each import anywhere in the file (lazy and TYPE_CHECKING ones included) as (the module it reads from,
+    the names it takes: None for `import x`), relative imports made absolute."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            for alias in node.names:
+                yield alias.name, None
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
-            found.update(f"{base}.{alias.name}" for alias in node.names)
-            found.add(base)
+            yield base, [alias.name for alias in node.names]
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module `name` imports, anywhere in the file, as the project modules it names."""
+    found = set()
+    for base, names in _import_statements(name, path):
+        found.add(base)
+        found.update(f"{base}.{n}" for n in names or ())
     return found
 
 
@@ -205,20 +212,13 @@ def _unit(package: str, target: str, levels: list[set[str]]) -> str:
 def _module_imports(name: str, path: Path) -> set[str]:
     """The modules (or package namespaces) `name` imports anywhere in its file, lazy and TYPE_CHECKING
     imports included: `from p import x` is p.x where p.x is a module or folder, else p."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
-            for alias in node.names:
-                full = f"{base}.{alias.name}"
-                as_path = REPO / Path(*full.split("."))
-                found.add(full if as_path.is_dir() or as_path.with_suffix(".py").is_file() else base)
+    for base, names in _import_statements(name, path):
+        if names is None:
+            found.add(base)
+        for n in names or ():
+            as_path = REPO / Path(*f"{base}.{n}".split("."))
+            found.add(f"{base}.{n}" if as_path.is_dir() or as_path.with_suffix(".py").is_file() else base)
     return found
 
 

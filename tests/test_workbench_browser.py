@@ -40,16 +40,21 @@ def server_url(tiny_llama_path):
         yield url
 
 
-@pytest.fixture(scope="module")
-def page(server_url):
+def open_page(url: str, height: int = 1350):
+    """Chromium headless on `url`, for a module fixture to `yield from` (closed after)."""
     sync_api = _require_browser()
     OUT.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1350})
-        page.goto(server_url, timeout=SLOW)
+        page = browser.new_page(viewport={"width": 1400, "height": height})
+        page.goto(url, timeout=SLOW)
         yield page
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(server_url):
+    yield from open_page(server_url)
 
 
 def _fill(page, *fields: tuple[str, str]) -> None:
