@@ -52,6 +52,7 @@ SMOKE = {
                                               "--repeats", "1", "--num-requests", "4"]),
     "benchmarks/compile.py": ("bench-compile", ["--quick", "--scopes", "layer", "--num-requests", "2",
                                                 "--rounds", "1"]),
+    "benchmarks/ab_revisions.py": (None, ["HEAD", "HEAD", "--rounds", "1", "--model", TINY]),
 }
 # the same variables each target reads, pointed at the tiny preset and this run's folders
 MAKE_VARS = {"bench-quant": {"BENCH_MODELS": TINY}, "bench-serve": {"SWEEP_MODEL": TINY}}
