@@ -53,6 +53,8 @@ SMOKE = {
     "benchmarks/compile.py": ("bench-compile", ["--quick", "--scopes", "layer", "--num-requests", "2",
                                                 "--rounds", "1"]),
     "benchmarks/ab_revisions.py": (None, ["HEAD", "HEAD", "--rounds", "1", "--model", TINY]),
+    "benchmarks/structured_outputs.py": (None, ["--model", TINY, "--repeats", "1", "--max-tokens", "8", "--seeds", "1",
+                                                "--schema-max-tokens", "64"]),
 }
 # the same variables each target reads, pointed at the tiny preset and this run's folders
 MAKE_VARS = {"bench-quant": {"BENCH_MODELS": TINY}, "bench-serve": {"SWEEP_MODEL": TINY}}
