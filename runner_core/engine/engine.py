@@ -20,7 +20,6 @@ from runner_core.engine.multimodal import MultiModalItem, MultiModalProcessor
 from runner_core.engine.output_processor import OutputProcessor
 from runner_core.engine.scheduler import Scheduler
 from runner_core.engine.sequence import RequestMetrics, RequestOutput, Sequence
-from runner_core.engine.step_detail import block_map, block_owners
 from runner_core.engine.step_metrics import StepObserver, StepTimes
 from runner_core.engine.structured_output import StructuredOutputs
 from runner_core.engine.threads import ThreadTuner
@@ -352,7 +351,10 @@ class LLMEngine:
 
     def kv_block_map(self) -> dict:
         """Which request owns which KV block, and which free blocks still hold a cached prefix."""
-        return {**block_map(*block_owners(self.requests, self.memory.pool)), "block_size": self.memory.block_size}
+        pool = self.memory.pool  # each request's blocks in its table's order (a step detail keeps only holders)
+        return {"num_blocks": pool.num_blocks, "block_size": self.memory.block_size,
+                "owners": {rid: list(seq.block_table) for rid, seq in self.requests.items() if seq.block_table},
+                "cached_block_ids": [i for i in pool.free_queue if pool.blocks[i].block_hash is not None]}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -30,7 +30,7 @@ class StepDetail:
     shared: dict[int, list[int]]  # a SHARED block -> the indices of the requests holding it
 
     def block_map(self) -> dict:
-        """The blocks after this step, as `LLMEngine.kv_block_map()` gives them now."""
+        """The blocks after this step in `LLMEngine.kv_block_map()`'s form (each holder's blocks in id order)."""
         return block_map(self.owners, self.block_owner, self.shared)
 
     def blocks_changed(self, before: StepDetail | None) -> tuple[list[int], list[int]]:
