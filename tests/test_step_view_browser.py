@@ -1,7 +1,7 @@
 """The Live tab's step view in a real browser, served in this process so the session's own records can be read
 back: `make run`'s model (tiny-speaker) with the dashboard's load settings, its default workload run by a click,
-and the step charts holding one point per engine step of that run; pause, one step and resume by buttons. The
-screenshot is the README's."""
+and the step charts holding one point per engine step of that run (per k steps past STEP_POINTS); pause, one step
+and resume by buttons. The screenshot is the README's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from tests.test_workbench_browser import OUT, SLOW, open_page
 from workbench import Session
 from workbench.views.controller import load_config
 from workbench.views.forms import DEFAULT_LOAD, DEFAULT_MODEL
-from workbench.views.timeline import last_run
+from workbench.views.step_view import STEP_POINTS
+from workbench.views.timeline import last_run, thin
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +46,22 @@ def test_the_default_workload_is_drawn_one_point_per_engine_step(served, page):
     page.get_by_role("button", name="Run workload").click()
     expect(page.locator(".wb-workload-status")).to_contain_text("64/64 requests done", timeout=4 * SLOW)
     assert session.wait_idle(60)
-    run = [r.step for r in last_run(session.steps()[0])]
+    records = last_run(session.steps()[0])
+    run = [r.step for r in records]
     assert len(run) > 64
-    # every step chart of the run: one point per engine step the session recorded, in order
+    # every step chart of the run: a point per engine step the session recorded, in order; a run longer than
+    # STEP_POINTS steps: a point per k steps (at the last of them), and the title says so
+    points, k = thin(records, STEP_POINTS)
+    xs = [p["step"] for p in points]
+    assert len(xs) <= STEP_POINTS and xs[-1] == run[-1]
     plot = page.locator(".wb-chart-throughput .js-plotly-plot").element_handle()  # (Panel's panes: shadow DOM)
     page.wait_for_function("([el, n]) => el.data && el.data[0] && el.data[0].x && el.data[0].x.length === n",
-                           arg=[plot, len(run)], timeout=SLOW)
-    assert _xs(page, "throughput") == run  # prefill tokens per step
-    assert _xs(page, "throughput", 1) == run  # decode tokens per step
-    assert _xs(page, "blocks") == run and _xs(page, "step-times") == run
+                           arg=[plot, len(xs)], timeout=SLOW)
+    assert _xs(page, "throughput") == xs  # prefill tokens per step
+    assert _xs(page, "throughput", 1) == xs  # decode tokens per step
+    assert _xs(page, "blocks") == xs and _xs(page, "step-times") == xs
+    if k > 1:
+        expect(page.locator(".wb-chart-blocks")).to_contain_text(f"a point per {k} steps")
     expect(page.locator(".wb-chart-batch")).to_contain_text(f"Step {run[-1]}:")
     page.screenshot(path=str(OUT / "step-view.png"), full_page=True)
 

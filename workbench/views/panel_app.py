@@ -120,17 +120,16 @@ class SessionDashboard(Dashboard):
     # ---- messages -------------------------------------------------------------------------------
     def show_error(self, message: str) -> None:
         logger.warning("dashboard: %s", message)
-        self.info.visible = False
-        self.error.object = html.escape(message)
-        self.error.visible = True
+        self.info.param.update(object="", visible=False)
+        self.error.param.update(object=html.escape(message), visible=True)  # text and visibility in one event
 
     def show_info(self, message: str) -> None:
-        self.info.object = html.escape(message)
-        self.info.visible = True
+        self.info.param.update(object=html.escape(message), visible=True)
 
     def clear_messages(self) -> None:
-        self.error.visible = False
-        self.info.visible = False
+        # a hidden pane keeps no text: shown again, it can only carry the message that showed it
+        self.error.param.update(object="", visible=False)
+        self.info.param.update(object="", visible=False)
 
     def on_image(self, data: bytes | None) -> None:
         """FileInput's value: the file's bytes."""

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from workbench.views.charts import PALETTE, empty_note
+from workbench.views.charts import PALETTE, TEMPLATE, empty_note
 
 GIB = 2**30
 HEIGHT = 380
@@ -22,7 +22,7 @@ HEIGHT = 380
 
 def _figure(title: str, x_title: str, y_title: str, height: int = HEIGHT) -> go.Figure:
     return go.Figure(layout=dict(
-        title=dict(text=title, x=0.01, font=dict(size=14)), height=height, template="plotly_white",
+        title=dict(text=title, x=0.01, font=dict(size=14)), height=height, template=TEMPLATE,
         margin=dict(l=60, r=20, t=50, b=45), legend=dict(orientation="h", y=-0.2, x=0),
         xaxis=dict(title=x_title), yaxis=dict(title=y_title)))
 

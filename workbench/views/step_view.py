@@ -10,6 +10,8 @@ from workbench.views import charts, timeline
 from workbench.views.forms import PACE_CHOICES
 
 STEP_VIEW_STEPS = 5000  # "auto": a last run of up to this many steps is drawn by step
+STEP_POINTS = 400  # a chart's points at most (a longer run: a point for k steps): a chart is ~600 px wide, and
+#                    each refresh sends every point to the page, so the page's updates keep pace with the engine
 
 
 class StepControls:
@@ -49,13 +51,23 @@ class StepControls:
         k = min(int(self.replay_step.value or 0), len(shown))
         detail = shown[k - 1] if k else (shown[-1] if shown else None)
         before = next((d for d in reversed(shown) if d.step < detail.step), None) if detail is not None else None
-        figures = {"batch": timeline.step_batch(detail, before), "step_times": timeline.step_times(run)}
+        points, per = timeline.thin(run, STEP_POINTS)
+        figures = {"batch": timeline.step_batch(detail, before),
+                   "step_times": per_point(timeline.step_times(points), per)}
         if self.by_step(run):
             entry = self.session.active_model
             budget = entry.runner.config.effective_max_num_batched_tokens if entry and entry.runner else None
-            watched = [r for r in run if r.kv_utilization is not None]
-            figures.update(throughput=timeline.step_timeline(run, budget), blocks=timeline.step_blocks(run),
-                           waste=timeline.step_waste(watched))
+            watched, per_watched = timeline.thin([r for r in run if r.kv_utilization is not None], STEP_POINTS)
+            figures.update(throughput=per_point(timeline.step_timeline(points, budget), per),
+                           blocks=per_point(timeline.step_blocks(points), per),
+                           waste=per_point(timeline.step_waste(watched), per_watched))
             if k:  # a replayed step's map (0: the pool now, as the wall-clock view draws it)
                 figures["block_map"] = charts.kv_block_map(detail.block_map(), when=f" after step {detail.step}")
         return figures
+
+
+def per_point(fig, k: int):
+    """`fig` with its title saying that a point stands for `k` steps (when k > 1: timeline.thin)."""
+    if k > 1:
+        fig.update_layout(title_text=f"{fig.layout.title.text} (a point per {k} steps)")
+    return fig

@@ -21,7 +21,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.views.charts import COLORS, PALETTE, empty_blocks
+from workbench.views.charts import COLORS, PALETTE, TEMPLATE, empty_blocks
 
 FIELDS = ("step", "num_prefill_tokens", "num_decode_tokens", "num_running", "num_waiting",
           "num_admitted", "num_finished", "num_preempted")
@@ -45,6 +45,29 @@ def last_run(steps: Sequence[Any], gap_s: float = RUN_GAP_S) -> list:
     return list(steps[start:])
 
 
+EVENT_FIELDS = ("num_admitted", "num_finished", "num_preempted")
+RATE_FIELDS = ("num_prefill_tokens", "num_decode_tokens", *TIME_FIELDS[1:])
+
+
+def thin(steps: Sequence[Any], max_points: int) -> tuple[list, int]:
+    """At most `max_points` rows (dicts of the step charts' fields) for a chart of `steps`, and k, the steps each
+    stands for. A row for k steps has the tokens and times of a step averaged over them, the admissions, finishes
+    and preemptions summed, and the state after the last of them (requests, blocks, waste)."""
+    fields = dict.fromkeys((*FIELDS, *BLOCK_FIELDS, *TIME_FIELDS, *WASTE_FIELDS))
+    rows = [{f: getattr(s, f, None) for f in fields} for s in steps]
+    k = -(-len(rows) // max(1, max_points))
+    if k <= 1:
+        return rows, 1
+    thinned = []
+    for i in range(0, len(rows), k):
+        group = rows[i:i + k]
+        row = dict(group[-1])
+        row.update({f: sum(r[f] for r in group) for f in EVENT_FIELDS})
+        row.update({f: sum(r[f] for r in group) / len(group) for f in RATE_FIELDS})
+        thinned.append(row)
+    return thinned, k
+
+
 def step_rows(steps: Iterable[Any], fields: tuple[str, ...] = FIELDS) -> list[dict]:
     """Plain dicts of `fields` from StepMetrics records or mappings (a missing field is named,
     with where the records come from)."""
@@ -64,11 +87,9 @@ def step_rows(steps: Iterable[Any], fields: tuple[str, ...] = FIELDS) -> list[di
 
 
 def _figure(title: str, height: int) -> go.Figure:
-    fig = go.Figure()
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height, template="plotly_white",
-                      margin=dict(l=60, r=15, t=45, b=40),
-                      legend=dict(orientation="h", y=-0.14, x=0, traceorder="normal"))
-    return fig
+    return go.Figure(layout=dict(title=dict(text=title, x=0.01, font=dict(size=14)), height=height, template=TEMPLATE,
+                                 margin=dict(l=60, r=15, t=45, b=40),
+                                 legend=dict(orientation="h", y=-0.14, x=0, traceorder="normal")))
 
 
 def _no_steps(fig: go.Figure) -> go.Figure:
@@ -134,15 +155,13 @@ def step_waste(steps: Iterable[Any], title: str = "KV slots wasted, step by step
     if not rows:
         return _no_steps(fig)
     x = [r["step"] for r in rows]
-    for label, y, color, dash in (
-            ("paged pool", [100 * (1 - r["kv_utilization"]) for r in rows], PALETTE[2], "solid"),
-            ("static max_model_len reservation", [100 * r["static_reservation_waste"] for r in rows], PALETTE[3],
-             "solid"),
-            ("first fit: reserved, not filled", [100 * r["firstfit_reserved_waste"] for r in rows], PALETTE[1],
-             "solid"),
-            ("first fit: external fragmentation", [100 * r["firstfit_external_fragmentation"] for r in rows],
-             PALETTE[1], "dot")):
-        fig.add_trace(go.Scatter(x=x, y=y, name=label, mode="lines", line=dict(color=color, dash=dash, width=2),
+    for label, share, color, dash in (
+            ("paged pool", lambda r: 1 - r["kv_utilization"], PALETTE[2], "solid"),
+            ("static max_model_len reservation", lambda r: r["static_reservation_waste"], PALETTE[3], "solid"),
+            ("first fit: reserved, not filled", lambda r: r["firstfit_reserved_waste"], PALETTE[1], "solid"),
+            ("first fit: external fragmentation", lambda r: r["firstfit_external_fragmentation"], PALETTE[1], "dot")):
+        fig.add_trace(go.Scatter(x=x, y=[round(100 * share(r), 2) for r in rows], name=label, mode="lines",
+                                 line=dict(color=color, dash=dash, width=2),
                                  hovertemplate=f"step %{{x}}: %{{y:.1f}}% {label}<extra></extra>"))
     return fig
 
@@ -179,7 +198,7 @@ def step_times(steps: Iterable[Any], title: str = "Each step's time by phase") -
     x = [r["step"] for r in rows]
     for k, (label, key) in enumerate((("schedule", "schedule_s"), ("inputs", "prepare_s"), ("model", "forward_s"),
                                       ("sample and outputs", "sample_s"), ("record", "observe_s"))):
-        fig.add_trace(go.Bar(x=x, y=[1e3 * r[key] for r in rows], name=label, marker_color=PALETTE[k],
+        fig.add_trace(go.Bar(x=x, y=[round(1e3 * r[key], 3) for r in rows], name=label, marker_color=PALETTE[k],
                              hovertemplate=f"step %{{x}}: %{{y:.2f}} ms {label}<extra></extra>"))
     return fig
 

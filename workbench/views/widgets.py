@@ -46,7 +46,7 @@ class WidgetsToolkit:
             widget.value = value
 
     def chart(self, slot):
-        return go.FigureWidget(layout={"template": "plotly_white", "height": charts.HEIGHT})
+        return go.FigureWidget(layout={"template": charts.TEMPLATE, "height": charts.HEIGHT})
 
     def set_figure(self, widget, fig) -> None:
         _update_figure(widget, fig)
