@@ -8,7 +8,7 @@ façade), `model_loader` (ModelLoader), `engine/` (ForwardPass and the step loop
 
 from runner_core import openmp_env  # noqa: F401  (first: OpenMP's wait policy is read when torch loads)
 from runner_core.config import RunnerConfig, project_version
-from runner_core.engine import RequestMetrics, RequestOutput
+from runner_core.engine import CompletionOutput, RequestMetrics, RequestOutput
 from runner_core.errors import (
                                 CompileError,
                                 ConfigError,
@@ -35,9 +35,9 @@ def supported_architectures() -> dict[str, str]:
 
 
 __all__ = [
-    "CompileError", "ConfigError", "EngineBusyError", "EngineNotReadyError", "InvalidRequestError", "MemoryEstimate",
-    "ModelLoadError", "ModelRunner", "ParallelSuggestion", "RequestMetrics", "RequestOutput", "RunnerConfig",
-    "RunnerError", "SamplingParams", "StreamDelta", "StructuredOutputsParams", "SweepSpace", "Target", "WorkerError",
-    "Workload",
+    "CompileError", "CompletionOutput", "ConfigError", "EngineBusyError", "EngineNotReadyError", "InvalidRequestError",
+    "MemoryEstimate", "ModelLoadError", "ModelRunner", "ParallelSuggestion", "RequestMetrics", "RequestOutput",
+    "RunnerConfig", "RunnerError", "SamplingParams", "StreamDelta", "StructuredOutputsParams", "SweepSpace", "Target",
+    "WorkerError", "Workload",
     "estimate_memory", "register_model", "suggest_parallel_config", "supported_architectures", "tune",
 ]

@@ -27,7 +27,8 @@ logger = logging.getLogger("runner_core")
 
 @dataclass(slots=True)
 class StreamDelta:
-    """A piece of a streamed generation: new text and token ids; the last one has `finished` set."""
+    """A piece of a streamed generation: new text and token ids of completion `index` (0..n-1); the last one
+    has `finished` set, `finish_reason` is its completion's."""
 
     request_id: str
     text: str
@@ -35,6 +36,7 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None
     output: RequestOutput
+    index: int = 0
 
     def __str__(self) -> str:
         return self.text
@@ -254,9 +256,13 @@ class ModelRunner:
         return torch.tensor([f + [pad] * (width - len(f)) for f in full], dtype=torch.long)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, **kwargs) -> Iterator[StreamDelta]:
-        """Yield text deltas of one request as they are produced (other queued requests advance too)."""
+        """Yield text deltas of one request as they are produced (other queued requests advance too); with n > 1
+        each delta names its completion (`index`). best_of > n is refused: its n best are known only at the end."""
         engine = self._engine()
         (params,) = self._params(sampling_params, kwargs.pop("max_new_tokens", None), kwargs, 1)
+        if params.num_sequences > params.n:
+            raise InvalidRequestError(f"best_of={params.best_of} > n={params.n} cannot stream (the n best are known "
+                                      "only at the end); use generate(), or best_of=None")
         rid = engine.add_request(prompt, params, stream=True).request_id
         finished = False
         try:
@@ -264,8 +270,12 @@ class ModelRunner:
                 for out in engine.step():
                     if out.request_id == rid:
                         finished = out.finished
-                        yield StreamDelta(request_id=rid, text=out.delta_text, token_ids=out.delta_token_ids,
-                                          finished=out.finished, finish_reason=out.finish_reason, output=out)
+                        # the completions that advanced (one for n=1; the first when none did: an abort, an error)
+                        done = [c for c in out.outputs if c.delta_token_ids or c.delta_text] or out.outputs[:1]
+                        for c in done:
+                            yield StreamDelta(request_id=rid, text=c.delta_text, token_ids=c.delta_token_ids,
+                                              finished=out.finished and c is done[-1], finish_reason=c.finish_reason,
+                                              output=out, index=c.index)
         finally:
             if not finished:
                 engine.abort_request(rid)

@@ -87,6 +87,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # parallel sampling (engine/parallel_sampling.py): n completions of the prompt, the n best of best_of
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -102,6 +105,7 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise _bad("seed", self.seed, "None or an int in [0, 2**64)")
         self._check_structured_outputs()
+        self._check_parallel_sampling()
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.min_p = float(self.min_p)
@@ -128,6 +132,19 @@ class SamplingParams:
             raise _bad("ignore_eos", True, "False with structured_outputs (the output ends when its grammar does)")
         if self.min_tokens:
             raise _bad("min_tokens", self.min_tokens, "0 with structured_outputs (the grammar decides the length)")
+
+    def _check_parallel_sampling(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise _bad("n", self.n, "an int >= 1 (the completions returned)")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise _bad("best_of", self.best_of, f"None or an int >= n={self.n} (the sequences run, of which the n "
+                                                "with the highest cumulative logprob are returned); raise best_of "
+                                                "or lower n")
+
+    @property
+    def num_sequences(self) -> int:
+        """The sequences the request runs after its prompt: best_of if given, else n."""
+        return self.n if self.best_of is None else self.best_of
 
     @staticmethod
     def _normalise_stop(stop: Iterable[str] | str | None) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """LLMEngine: the step loop, on rank 0. Admits requests, schedules them, has the workers run the
-model (through the executor's one `call` per step), samples, hands the sampled tokens to the
-OutputProcessor and releases finished requests; the step's observer records what it did. One bad
-request never stops it.
+model (through the executor's one `call` per step), samples (forking a parallel-sampling request's
+prompt into its sequences: engine/parallel_sampling.py), hands the sampled tokens to the OutputProcessor
+and releases finished requests; the step's observer records what it did. One bad request never stops it.
 """
 
 from __future__ import annotations
@@ -12,19 +12,21 @@ import time
 
 import torch
 
-from runner_core.config import RECONFIGURABLE, RunnerConfig
+from runner_core.config import RunnerConfig
 from runner_core.engine.clock import WallClock
 from runner_core.engine.input_batch import StepBatch
 from runner_core.engine.input_processor import InputProcessor
 from runner_core.engine.multimodal import MultiModalItem, MultiModalProcessor
 from runner_core.engine.output_processor import OutputProcessor
+from runner_core.engine.parallel_sampling import ParentRequest, check_parallel_sampling, expand_forks
+from runner_core.engine.reconfigure import check_pool_fits, group_of, plan_reconfigure
 from runner_core.engine.scheduler import Scheduler
 from runner_core.engine.sequence import RequestMetrics, RequestOutput, Sequence
 from runner_core.engine.step_metrics import StepObserver, StepTimes
 from runner_core.engine.structured_output import StructuredOutputs
 from runner_core.engine.threads import ThreadTuner
 from runner_core.engine.worker import Executor, LocalExecutor, Worker
-from runner_core.errors import ConfigError, EngineBusyError, InvalidRequestError, WorkerError
+from runner_core.errors import EngineBusyError, InvalidRequestError, WorkerError
 from runner_core.kernels import kernel_info
 from runner_core.layers.sampler import Sampler, SamplingMetadata, nonfinite_rows
 from runner_core.layers.weight_storage import num_weights
@@ -83,7 +85,8 @@ class LLMEngine:
         self.structured = StructuredOutputs(tokenizer, self.vocab_size)
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len, clock)
         self.observer = StepObserver(self.memory, self.scheduler, self.max_model_len, moe_spec=moe_spec, clock=clock)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # every sequence, a parallel-sampling request's children too
+        self.groups: dict[str, ParentRequest] = {}  # the requests with n or best_of > 1, until their final output
         self._freed: list[str] = []  # requests freed since the last batch: their block-table rows go on every rank
         self._ids = itertools.count()
 
@@ -117,8 +120,9 @@ class LLMEngine:
                                       f"{budget} (an image's tokens run in one step); raise max_num_batched_tokens "
                                       f"to at least {images[big].length}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        check_parallel_sampling(params, request_id, self.scheduler.max_num_seqs)
         if params.structured_outputs is not None:  # compiled (or cached) now: a bad one is refused here
             self.structured.add(request_id, params.structured_outputs)
         generator = None
@@ -129,7 +133,9 @@ class LLMEngine:
                        generator=generator, mm_items=tuple(images), metrics=metrics)
         if stream or params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        if params.logprobs is not None:
+        if params.num_sequences > 1:
+            self.groups[request_id] = ParentRequest(seq, stream)
+        if seq.params.logprobs is not None:
             seq.logprobs = []
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first prompt token has no context
@@ -138,6 +144,8 @@ class LLMEngine:
         return seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        if request_id in self.groups:
+            return self._end_group(self.groups[request_id], "abort")
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
@@ -159,15 +167,15 @@ class LLMEngine:
         clock = self.clock
         start = clock.now()
         sched = self.scheduler.schedule()
-        outputs = [self._fail(s, f"request needs {self.memory.blocks_for(s.num_tokens)} KV blocks but the "
-                                 f"pool has {self.memory.num_blocks}; raise kv_cache_memory")
-                   for s in sched.rejected]
+        outputs = _present(self._fail(s, f"request needs {self.memory.blocks_for(s.num_tokens)} KV blocks but "
+                                         f"the pool has {self.memory.num_blocks}; raise kv_cache_memory")
+                           for s in sched.rejected)
         if sched.is_empty:
             return outputs
         self.threads.before_step()
         freed, self._freed = self._freed + [s.request_id for s in sched.preempted], []
-        batch, ordered = StepBatch.build(sched.scheduled, freed)
-        seqs = [ordered[i] for i in batch.sample_rows]
+        batch, ordered = StepBatch.build(sched.scheduled, freed, self.memory.take_copies())
+        seqs = expand_forks([ordered[i] for i in batch.sample_rows], self._fork)
         scheduled = clock.now()
         try:
             sampled, broken, prepare_s, expert_counts, executed = self._run_model(batch, seqs)
@@ -178,14 +186,15 @@ class LLMEngine:
                 raise
             # the batch is lost, not the engine
             logger.exception("step failed; failing the %d scheduled requests", len(sched.scheduled))
-            return outputs + [self._fail(s, f"{type(e).__name__}: {e}") for s, _ in sched.scheduled]
+            return outputs + _present(self._fail(s, f"{type(e).__name__}: {e}") for s, _ in sched.scheduled)
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             seq.num_sent_blocks = len(seq.block_table)  # every rank took the batch's entries
             self.memory.cache_blocks(seq)
         if broken:  # those requests fail; the rest of the batch goes on
-            outputs += [self._fail(seqs[i], NONFINITE_MESSAGE.format(n=seqs[i].num_output_tokens)) for i in broken]
-            seqs, sampled = _without(seqs, sampled, broken)
+            outputs += _present(self._fail(seqs[i], NONFINITE_MESSAGE.format(n=seqs[i].num_output_tokens))
+                                for i in broken)
+            seqs, sampled = _without_finished(seqs, sampled)
         if sampled is not None:
             outputs += self._append_tokens(seqs, sampled)
         num_finished = sum(o.finished for o in outputs)  # a request's final output comes once
@@ -219,15 +228,37 @@ class LLMEngine:
             sampled = self.sampler(logits, meta)
         return sampled, broken, prepare_s, expert_counts, executed
 
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Fork `parent` as the step that completes its prompt samples; its new children run from now on."""
+        children = parent.group.fork(self.memory)
+        self.scheduler.fork(parent, children)
+        for child in children:
+            self.requests[child.request_id] = child
+            if child.params.structured_outputs is not None:  # each its own matcher
+                self.structured.add(child.request_id, child.params.structured_outputs)
+        return children
+
     def _append_tokens(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
         errors = self.structured.advance(seqs, sampled.sampled_token_ids) if self.structured.has_matchers else {}
-        outputs = [self._fail(seqs[i], message) for i, message in errors.items()]  # the grammar refused the token
-        seqs, sampled = _without(seqs, sampled, list(errors))
+        outputs = _present(self._fail(seqs[i], message) for i, message in errors.items())  # the grammar refused it
+        seqs, sampled = _without_finished(seqs, sampled)
+        groups: dict[int, list] = {}  # a group's updates, for its one output of the step
         for seq, delta_ids, delta_text in self.output_processor.append(seqs, sampled) if sampled is not None else ():
             if seq.is_finished:
                 self._release(seq)
-            outputs.append(self.output_processor.output(seq, delta_ids, delta_text))
-        return outputs
+            if seq.group is None:
+                outputs.append(self.output_processor.output(seq, delta_ids, delta_text))
+            else:
+                groups.setdefault(id(seq.group), []).append((seq, delta_ids, delta_text))
+        return outputs + _present(u[0][0].group.output(u, self.output_processor, self.clock.now())
+                                  for u in groups.values())
+
+    def _end_group(self, group: ParentRequest, reason: str, error: str | None = None) -> RequestOutput | None:
+        """End every sequence of `group` (abort, or a member failed): its final output, None if it was made."""
+        for seq in group.live():
+            seq.finish(reason, self.clock.now(), error=error)
+            self._release(seq)
+        return group.output([], self.output_processor, self.clock.now())
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
@@ -235,8 +266,12 @@ class LLMEngine:
         self.observer.on_release(seq.request_id)
         self.structured.release(seq.request_id)
         self.requests.pop(seq.request_id, None)
+        if seq.group is not None and not seq.group.live():  # its request's last sequence
+            self.groups.pop(seq.group.request_id, None)
 
-    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput | None:
+        if seq.group is not None:
+            return self._end_group(seq.group, "error", message)
         self._release(seq)
         seq.finish("error", self.clock.now(), error=message)
         return self.output_processor.output(seq, [], "")
@@ -267,7 +302,7 @@ class LLMEngine:
         if changed:
             self._check_idle("reconfigure the runner")
             if "block_size" in changed or "kv_cache_memory" in changed:
-                self._check_pool_fits(new)
+                check_pool_fits(new, self.worker.pool_plan.bytes_per_token, self.max_model_len)
             groups = tuple(sorted({group_of(name) for name in changed}))
             done = self.executor.call("reconfigure", new, groups)
             if "compile" in groups:  # its own call: a parallel runner does not time a compile as a hang
@@ -285,18 +320,6 @@ class LLMEngine:
                 self.observer.on_pool_resized()
             result["prefix_cache_dropped"] = done["pool"]
         return {**result, "seconds": time.perf_counter() - start, "kv_tokens": self.worker.pool_plan.num_tokens}
-
-    def _check_pool_fits(self, config: RunnerConfig) -> None:
-        """Refuse a block size or KV budget whose pool holds less than one max_model_len sequence."""
-        if config.kv_cache_memory is None:
-            return
-        bs, per_token = config.block_size, self.worker.pool_plan.bytes_per_token
-        tokens = config.kv_cache_memory // (bs * per_token) * bs
-        if tokens < self.max_model_len:
-            raise ConfigError(
-                f"config field 'kv_cache_memory' got {config.kv_cache_memory!r}: with block_size={bs} the KV pool "
-                f"holds {tokens} tokens, fewer than one max_model_len={self.max_model_len} sequence needs; allowed: "
-                f"at least {-(-self.max_model_len // bs) * bs * per_token} bytes")
 
     def compile_stats(self) -> dict:
         return self.worker.compile_stats()
@@ -350,11 +373,8 @@ class LLMEngine:
         return self.observer.moe_stats(recent_steps)
 
     def kv_block_map(self) -> dict:
-        """Which request owns which KV block, and which free blocks still hold a cached prefix."""
-        pool = self.memory.pool  # each request's blocks in its table's order (a step detail keeps only holders)
-        return {"num_blocks": pool.num_blocks, "block_size": self.memory.block_size,
-                "owners": {rid: list(seq.block_table) for rid, seq in self.requests.items() if seq.block_table},
-                "cached_block_ids": [i for i in pool.free_queue if pool.blocks[i].block_hash is not None]}
+        """Which request owns which KV block, which blocks several share, which free ones hold a cached prefix."""
+        return self.memory.block_map(self.requests)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -362,35 +382,18 @@ class LLMEngine:
         self.structured.close()
 
 
-def _without(seqs: list[Sequence], sampled, rows: list[int]):
-    """(the sequences, the SamplerOutput) without these rows; the output None when no row is left."""
-    if not rows:
+def _without_finished(seqs: list[Sequence], sampled):
+    """(the sequences, the SamplerOutput) without the rows of finished sequences (failed: a whole group fails
+    with one); the output None when no row is left."""
+    keep = [i for i, s in enumerate(seqs) if not s.is_finished]
+    if len(keep) == len(seqs):
         return seqs, sampled
-    keep = [i for i in range(len(seqs)) if i not in set(rows)]
     return [seqs[i] for i in keep], sampled.select(keep) if keep else None
 
 
-_REBUILDS = ("none", "scheduler", "pool", "compile")  # what a change rebuilds, least to most
-
-
-def group_of(field: str) -> str | None:
-    """The RECONFIGURABLE group of a config field, None for one that needs a reload."""
-    return next((group for group, names in RECONFIGURABLE.items() if field in names), None)
-
-
-def plan_reconfigure(config: RunnerConfig, fields: dict) -> tuple[RunnerConfig, dict, str]:
-    """(the new validated config, the changed fields {name: [old, new]}, what they rebuild) for a live
-    change of `fields`. A field that needs a reload is refused unless its value stays the same."""
-    new = config.replace(**fields)  # unknown fields and bad values: ConfigError naming them
-    changed = {name: [getattr(config, name), getattr(new, name)] for name in fields
-               if getattr(config, name) != getattr(new, name)}
-    reload = [name for name in changed if group_of(name) is None]
-    if reload:
-        given = ", ".join(f"{name!r}: {fields[name]!r}" for name in reload)
-        live = ", ".join(name for names in RECONFIGURABLE.values() for name in names)
-        raise ConfigError(f"config field {reload[0]!r} cannot change on a loaded runner: it needs a reload: "
-                          f"ModelRunner({{..., {given}}}) and load_model() again. Fields that change live: {live}")
-    return new, changed, max((group_of(name) for name in changed), key=_REBUILDS.index, default="none")
+def _present(outputs) -> list[RequestOutput]:
+    """The outputs made (a group's failure makes its one final output, for the first of its sequences)."""
+    return [o for o in outputs if o is not None]
 
 
 def _dtype_reason(config: RunnerConfig) -> str:

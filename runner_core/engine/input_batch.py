@@ -39,25 +39,32 @@ class StepBatch:
     num_new_tokens: list[int]
     token_ids: list[int]  # the new tokens of every sequence, concatenated
     num_decodes: int
-    sample_rows: list[int]  # sequences whose prompt is complete after this step: they sample a token
+    # sequences whose prompt is complete after this step: they sample a token (a parallel-sampling parent's row
+    # once per sequence it forks into: engine/parallel_sampling.py)
+    sample_rows: list[int]
     # prompt positions whose logits are wanted too (prompt logprobs): (row, first position, count); each
     # position's logits give the logprob of the prompt token after it
     prompt_logits: list[tuple[int, int, int]] = field(default_factory=list)
     # block-table entries the ranks lack: (request id, index of the first, block ids), in the batch's order
     new_blocks: list[tuple[str, int, list[int]]] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)  # requests freed since the last batch: their rows go first
+    # (source, destination) KV blocks each rank copies before the forward (copy on write of a forked block)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     # image tokens in the step: (flat index of the first, image hash, its first feature row, rows, pixels)
     images: list[tuple[int, str, int, int, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
-    def build(cls, scheduled: Seq[tuple[Sequence, int]], freed: Iterable[str] = ()) -> tuple[StepBatch, list[Sequence]]:
+    def build(cls, scheduled: Seq[tuple[Sequence, int]], freed: Iterable[str] = (),
+              block_copies: Seq[tuple[int, int]] = ()) -> tuple[StepBatch, list[Sequence]]:
         """The batch of (sequence, new tokens) pairs, and the sequences in the batch's order; `freed`:
-        the requests whose blocks were freed since the last batch (finished, aborted, preempted)."""
+        the requests whose blocks were freed since the last batch (finished, aborted, preempted);
+        `block_copies`: the scheduler's copies on write (MemoryManager.take_copies)."""
         ordered = [x for x in scheduled if x[1] == 1] + [x for x in scheduled if x[1] > 1]
         starts = [s.num_computed_tokens for s, _ in ordered]
         counts = [n for _, n in ordered]
         ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
-        sample = [i for i, (s, n) in enumerate(ordered) if s.num_computed_tokens + n == s.num_tokens]
+        sample = [i for i, (s, n) in enumerate(ordered) if s.num_computed_tokens + n == s.num_tokens
+                  for _ in range(s.fork_into)]
         prompt_logits = []
         for i, ((s, n), st) in enumerate(zip(ordered, starts)):
             if s.prompt_logprobs_pending:  # the positions not yet done, up to the one before the prompt's last
@@ -77,7 +84,7 @@ class StepBatch:
         batch = cls(request_ids=[s.request_id for s, _ in ordered], starts=starts, num_new_tokens=counts,
                     token_ids=ids, num_decodes=sum(1 for n in counts if n == 1), sample_rows=sample,
                     prompt_logits=prompt_logits,
-                    new_blocks=new_blocks, freed=list(freed), images=images)
+                    new_blocks=new_blocks, freed=list(freed), block_copies=list(block_copies), images=images)
         return batch, [s for s, _ in ordered]
 
     @property

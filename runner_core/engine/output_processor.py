@@ -12,7 +12,7 @@ from itertools import chain
 import torch
 
 from runner_core.engine.clock import WallClock
-from runner_core.engine.sequence import RequestOutput, Sequence
+from runner_core.engine.sequence import CompletionOutput, RequestOutput, Sequence
 from runner_core.layers.sampler import token_logprobs
 
 
@@ -36,6 +36,7 @@ class OutputProcessor:
             if seq.logprobs is not None:
                 k = seq.params.logprobs + 1
                 seq.logprobs.append(dict(zip(lp_ids[i][:k], lp_vals[i][:k])))
+                seq.cumulative_logprob += lp_vals[i][0]  # the sampled token's
             prev_len = len(seq.detokenizer.text) if seq.detokenizer is not None else 0
             delta = seq.detokenizer.add([tok]) if seq.detokenizer is not None and self.tokenizer is not None else ""
             self.check_stop(seq, tok, now)
@@ -83,22 +84,31 @@ class OutputProcessor:
             return ""
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
-    def output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
+    def completion(self, seq: Sequence, index: int, delta_ids: list[int], delta_text: str) -> CompletionOutput:
+        """`seq`'s CompletionOutput as completion `index` (its final text decoded once it finished)."""
         finished = seq.is_finished
-        if finished and seq.metrics.finish_reason is None:  # every finished request's output passes here once
-            seq.metrics.finish(seq.metrics.finished_time, seq.finish_reason, seq.error)
         if finished and seq.text is None:
             seq.text = self._decode(seq)
-        text = seq.text if finished else seq.detokenizer.text
+        return CompletionOutput(
+            index=index, text=seq.text if finished else seq.detokenizer.text, token_ids=seq.output_token_ids,
+            delta_token_ids=delta_ids, delta_text=delta_text, finished=finished, finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason, logprobs=seq.logprobs,
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None)
+
+    def prompt_ids(self, seq: Sequence, finished: bool) -> list[int]:
+        """`seq`'s prompt ids, copied once for all of a streaming request's outputs."""
         rid = seq.request_id
         prompt_ids = self._prompt_ids.pop(rid, None) if finished else self._prompt_ids.get(rid)
         if prompt_ids is None:
             prompt_ids = seq.token_ids[:seq.num_prompt_tokens]
             if not finished:
                 self._prompt_ids[rid] = prompt_ids
-        return RequestOutput(
-            request_id=rid, prompt=seq.prompt, prompt_token_ids=prompt_ids,
-            token_ids=seq.output_token_ids, text=text, delta_token_ids=delta_ids, delta_text=delta_text,
-            finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            error=seq.error, logprobs=seq.logprobs,
-            metrics=seq.metrics.as_dict(seq.num_cached_tokens), prompt_logprobs=seq.prompt_logprobs)
+        return prompt_ids
+
+    def output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
+        finished = seq.is_finished
+        if finished and seq.metrics.finish_reason is None:  # every finished request's output passes here once
+            seq.metrics.finish(seq.metrics.finished_time, seq.finish_reason, seq.error)
+        return RequestOutput.of(seq.request_id, seq.prompt, self.prompt_ids(seq, finished),
+                                [self.completion(seq, 0, delta_ids, delta_text)], finished, seq.error,
+                                seq.metrics.as_dict(seq.num_cached_tokens), seq.prompt_logprobs)

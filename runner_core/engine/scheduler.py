@@ -3,7 +3,8 @@
 Each step first advances running sequences (a decode is one token, an unfinished
 prompt continues with a chunk), preempting the newest running sequence by recompute
 when the pool has no block left, then admits waiting sequences while the token budget,
-`max_num_seqs` and free blocks allow. Long prompts are split into chunks (chunked prefill); a
+`max_num_seqs` and free blocks allow (a parallel-sampling request counts as the sequences it forks into).
+Long prompts are split into chunks (chunked prefill); a
 chunk never ends inside an image's placeholder tokens unless the image's features are cached
 (`encoder_cached`), so an image is encoded once for the whole of it.
 """
@@ -55,6 +56,11 @@ class Scheduler:
             self.waiting.remove(seq)
         self.memory.free(seq)
 
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Run a parent's new children (engine/parallel_sampling.py) right after it: they are as old as it."""
+        i = self.running.index(parent) + 1
+        self.running[i:i] = children
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput, needed_by: Sequence) -> None:
         self.memory.free(seq)
         seq.num_computed_tokens = 0
@@ -98,6 +104,8 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
+            if len(self.running) + seq.fork_into > self.max_num_seqs:  # its forked sequences would not fit
+                break
             if self.memory.blocks_for(seq.num_tokens) > self.memory.num_blocks:  # can never fit
                 self.waiting.popleft()
                 out.rejected.append(seq)

@@ -122,6 +122,11 @@ class Sequence:
     stop_reason: int | str | None = None
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0  # of its sampled tokens (raw log-softmax), summed while logprobs are kept
+    # the sequences it becomes when its prompt completes (params.num_sequences until it forks, then 1), and
+    # its ParentRequest (engine/parallel_sampling.py) when it is one of several
+    fork_into: int = 1
+    group: object | None = None
     # with params.prompt_logprobs: one entry per prompt token computed so far, None for the first (no context)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     detokenizer: object | None = None
@@ -160,10 +165,30 @@ class Sequence:
         return (tokens, images) if images else tokens
 
     def finish(self, reason: str, now: float, stop_reason: int | str | None = None, error: str | None = None) -> None:
-        """End the request at `now` (the engine's clock)."""
+        """End the sequence at `now` (the engine's clock); a group's member leaves the request's end (its
+        shared RequestMetrics) to its group."""
         self.status = SequenceStatus.FINISHED
         self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
-        self.metrics.finished_time = now
+        if self.group is None:
+            self.metrics.finished_time = now
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's name): `index` 0..n-1, its tokens and text so far (final once
+    `finished`), what is new since the request's previous output (`delta_*`), its logprobs (with
+    SamplingParams.logprobs) and the sum of its sampled tokens' logprobs (None when none were computed)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    delta_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -172,9 +197,13 @@ class RequestOutput:
 
     `finish_reason` is "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
     max_model_len), "abort" (cancelled) or "error" (the request was refused or failed;
-    `error` says why). `text` is filled at the end, and during streaming. `logprobs` (with
-`SamplingParams.logprobs=k`): per output token {token id: logprob} of the sampled token and the k most likely
-ones (vLLM's shape; the log-softmax of the model's raw logits, before temperature and top-k/p/min-p).
+    `error` says why). `outputs`: its completions (CompletionOutput, each with its `index`); the fields
+    `text`, `token_ids`, `delta_*`, `finish_reason`, `stop_reason` and `logprobs` are those of `outputs[0]`.
+    With SamplingParams.n > 1 read `outputs`: a streamed output holds the completions that advanced in the
+    step, the final one all n, by index (with best_of, the n best by cumulative logprob, best first). `text`
+    is filled at the end, and during streaming. `logprobs` (with `SamplingParams.logprobs=k`): per output
+    token {token id: logprob} of the sampled token and the k most likely ones (vLLM's shape; the log-softmax
+    of the model's raw logits, before temperature and top-k/p/min-p).
     """
 
     request_id: str
@@ -192,6 +221,23 @@ ones (vLLM's shape; the log-softmax of the model's raw logits, before temperatur
     metrics: dict
     # per prompt token, {token id: logprob} of it and the top `prompt_logprobs`; None for the first token
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            self.outputs = [CompletionOutput(0, self.text, self.token_ids, self.delta_token_ids, self.delta_text,
+                                             self.finished, self.finish_reason, self.stop_reason, self.logprobs)]
+
+    @classmethod
+    def of(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], outputs: list[CompletionOutput],
+           finished: bool, error: str | None, metrics: dict, prompt_logprobs=None) -> RequestOutput:
+        """A request's output from its completions (the top-level fields are the first one's)."""
+        first = outputs[0]
+        return cls(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, token_ids=first.token_ids,
+                   text=first.text, delta_token_ids=first.delta_token_ids, delta_text=first.delta_text,
+                   finished=finished, finish_reason="error" if error is not None else first.finish_reason,
+                   stop_reason=first.stop_reason, error=error, logprobs=first.logprobs, metrics=metrics,
+                   prompt_logprobs=prompt_logprobs, outputs=outputs)
 
     @classmethod
     def failed(cls, request_id: str, prompt, error: str) -> RequestOutput:

@@ -162,6 +162,7 @@ class Worker:
         """(logits [sampling rows + prompt-logprob rows, vocab] float32, seconds spent preparing the inputs,
         and for an MoE model the step's tokens per expert [MoE layers, experts], pad rows excluded) on rank 0."""
         t = time.perf_counter()
+        self.memory.copy_blocks(batch.block_copies)  # copies on write, before the forward writes the blocks
         inp = self.forward_pass.prepare(faults.fire("forward", batch),
                                         self._image_features(batch) if batch.images else None)
         prepared = time.perf_counter() - t

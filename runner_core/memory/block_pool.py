@@ -59,7 +59,7 @@ class BlockPool:
         return block if block.key == key else None  # a hash collision is a miss
 
     def acquire(self, block: KVBlock) -> None:
-        """Share a cached block with one more sequence."""
+        """Share a block with one more sequence (a cached block, or a forked sequence's)."""
         if block.ref_count == 0:
             del self.free_queue[block.block_id]
             self.num_cached_free -= 1  # a lookup only finds cached blocks

@@ -1,7 +1,9 @@
 """MemoryManager: the KV pool tensor (the one owner: it allocates it, binds every attention layer
 to its slice, moves and shrinks it) and the blocks of every sequence — allocation, prefix caching
-(hash-chained full blocks shared by reference count, evicted least recently used), compaction,
-and the pool's utilization figures.
+(hash-chained full blocks shared by reference count, evicted least recently used), forks (a parallel
+sampling request's sequences share its prompt's blocks; a shared partial block is copied by the first
+sequence that writes into it: copy on write, the copies handed to the step's batch), compaction, and the
+pool's utilization figures.
 
 In a parallel runner every rank holds a MemoryManager for its KV shard; rank 0's block
 bookkeeping decides, and every rank moves its tensor the same way (`move_blocks`, `shrink`).
@@ -49,6 +51,7 @@ class MemoryManager:
         self._model: nn.Module | None = None  # whose attention layers view the tensor
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+        self.block_copies: list[tuple[int, int]] = []  # (source, destination) copies on write the next step makes
 
     # ---- the pool tensor --------------------------------------------------------------------
     def allocate_kv_cache(self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -98,15 +101,44 @@ class MemoryManager:
 
     # ---- allocation -------------------------------------------------------------------------
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+        grow = max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+        return grow + (self._shared_write_block(seq) is not None)
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.num_new_blocks(seq, num_tokens) <= self.pool.num_free
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow `seq.block_table` so that it covers `num_tokens` tokens."""
-        for _ in range(self.num_new_blocks(seq, num_tokens)):
+        """Grow `seq.block_table` so that it covers `num_tokens` tokens; first, if the block its next token
+        goes into is shared (a fork's partial block), give it a copy of its own (copy on write)."""
+        shared = self._shared_write_block(seq)
+        if shared is not None:
+            old, new = self.pool.blocks[seq.block_table[shared]], self.pool.allocate()
+            self.pool.release(old)  # others still hold it
+            seq.block_table[shared] = new.block_id
+            seq.num_sent_blocks = min(seq.num_sent_blocks, shared)  # the ranks take the new entry
+            self.block_copies.append((old.block_id, new.block_id))
+        for _ in range(max(0, self.blocks_for(num_tokens) - len(seq.block_table))):
             seq.block_table.append(self.pool.allocate().block_id)
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """The index of the block `seq`'s next token is written into when other sequences hold it too (only
+        a fork shares a partial block: a prefix-cache hit shares full blocks, never written again)."""
+        i = seq.num_computed_tokens // self.block_size
+        if i < len(seq.block_table) and self.pool.blocks[seq.block_table[i]].ref_count > 1:
+            return i
+        return None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` (no blocks yet) `parent`'s blocks, shared: one more reference to each."""
+        for block_id in parent.block_table:
+            self.pool.acquire(self.pool.blocks[block_id])
+        child.block_table, child.block_hashes = list(parent.block_table), list(parent.block_hashes)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copies on write since the last call, for the next step's batch (every rank makes them before
+        its forward writes)."""
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks, tail first: its cached tail is evicted before its head."""
@@ -187,12 +219,16 @@ class MemoryManager:
 
     def move_blocks(self, moves: dict[int, int]) -> None:
         """Copy the K/V of block `src` into block `dst` for every move (in this rank's tensor)."""
-        if not moves or self.kv_cache is None:
+        self.copy_blocks(list(moves.items()))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the K/V of block `src` into block `dst` for every (src, dst) pair, in one indexed copy (every
+        source is read before any destination is written); a block may be the source of several."""
+        if not pairs or self.kv_cache is None:
             return
         bs, device = self.block_size, self.kv_cache.device
-        offsets = torch.arange(bs)
-        src = (torch.tensor(list(moves)).unsqueeze(1) * bs + offsets).flatten().to(device)
-        dst = (torch.tensor(list(moves.values())).unsqueeze(1) * bs + offsets).flatten().to(device)
+        ids = torch.tensor(pairs).unsqueeze(2) * bs + torch.arange(bs)  # [pairs, 2, bs] slots
+        src, dst = ids[:, 0].flatten().to(device), ids[:, 1].flatten().to(device)
         self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
 
     @contextmanager
@@ -234,6 +270,20 @@ class MemoryManager:
         logger.info("shrank the KV pool to %d blocks", num_blocks)
 
     # ---- figures ----------------------------------------------------------------------------
+    def block_map(self, seqs: dict[str, Sequence]) -> dict:
+        """Which sequence (by request id) owns which block, each's in its table's order (a step detail keeps only
+        holders); the blocks several hold, {block id: their request ids} (a fork's, a prefix-cache hit's); the
+        free blocks that still hold a cached prefix."""
+        owners = {rid: list(seq.block_table) for rid, seq in seqs.items() if seq.block_table}
+        holders: dict[int, list[str]] = {}
+        for rid, ids in owners.items():
+            for block_id in ids:
+                holders.setdefault(block_id, []).append(rid)
+        pool = self.pool
+        return {"num_blocks": pool.num_blocks, "block_size": self.block_size, "owners": owners,
+                "shared": {b: rids for b, rids in holders.items() if len(rids) > 1},
+                "cached_block_ids": [i for i in pool.free_queue if pool.blocks[i].block_hash is not None]}
+
     def block_counts(self) -> dict:
         """Physical block counts and the prefix cache's hit rate: O(1), in every step's record."""
         return {

@@ -1,0 +1,43 @@
+"""Planning a live change of a loaded runner's settings (`LLMEngine.reconfigure`): which RECONFIGURABLE group
+each field is in, what a change rebuilds, the fields that need a reload refused, and a pool too small for one
+max_model_len sequence refused."""
+
+from __future__ import annotations
+
+from runner_core.config import RECONFIGURABLE, RunnerConfig
+from runner_core.errors import ConfigError
+
+_REBUILDS = ("none", "scheduler", "pool", "compile")  # what a change rebuilds, least to most
+
+
+def group_of(field: str) -> str | None:
+    """The RECONFIGURABLE group of a config field, None for one that needs a reload."""
+    return next((group for group, names in RECONFIGURABLE.items() if field in names), None)
+
+
+def plan_reconfigure(config: RunnerConfig, fields: dict) -> tuple[RunnerConfig, dict, str]:
+    """(the new validated config, the changed fields {name: [old, new]}, what they rebuild) for a live
+    change of `fields`. A field that needs a reload is refused unless its value stays the same."""
+    new = config.replace(**fields)  # unknown fields and bad values: ConfigError naming them
+    changed = {name: [getattr(config, name), getattr(new, name)] for name in fields
+               if getattr(config, name) != getattr(new, name)}
+    reload = [name for name in changed if group_of(name) is None]
+    if reload:
+        given = ", ".join(f"{name!r}: {fields[name]!r}" for name in reload)
+        live = ", ".join(name for names in RECONFIGURABLE.values() for name in names)
+        raise ConfigError(f"config field {reload[0]!r} cannot change on a loaded runner: it needs a reload: "
+                          f"ModelRunner({{..., {given}}}) and load_model() again. Fields that change live: {live}")
+    return new, changed, max((group_of(name) for name in changed), key=_REBUILDS.index, default="none")
+
+
+def check_pool_fits(config: RunnerConfig, bytes_per_token: int, max_model_len: int) -> None:
+    """Refuse a block size or KV budget whose pool holds less than one max_model_len sequence."""
+    if config.kv_cache_memory is None:
+        return
+    bs = config.block_size
+    tokens = config.kv_cache_memory // (bs * bytes_per_token) * bs
+    if tokens < max_model_len:
+        raise ConfigError(
+            f"config field 'kv_cache_memory' got {config.kv_cache_memory!r}: with block_size={bs} the KV pool "
+            f"holds {tokens} tokens, fewer than one max_model_len={max_model_len} sequence needs; allowed: "
+            f"at least {-(-max_model_len // bs) * bs * bytes_per_token} bytes")
