@@ -61,7 +61,7 @@ class _FakeHandle:
     def add_done_callback(self, fn):
         pass
 
-    def text_since(self, read: int):
+    def text_since(self, read: int, index: int = 0):
         return "hello", 1
 
 

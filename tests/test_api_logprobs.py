@@ -170,9 +170,3 @@ def test_bad_logprob_fields_are_a_400_naming_the_field_and_the_fix(client, chat_
     body = err.value.body
     assert err.value.status_code == 400 and body["param"] == param
     assert param in body["message"] and ("0 to 20" in body["message"] or "logprobs: true" in body["message"])
-
-
-def test_n_above_one_is_still_refused(client):
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2, n=2, logprobs=1)
-    assert err.value.body["param"] == "n"

@@ -49,7 +49,7 @@ GOOD = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}
     ({**GOOD, "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 1"),
     ({**GOOD, "temperature": "hot"}, 400, "temperature", "valid number"),
     ({**GOOD, "top_p": 0}, 400, "top_p", "greater than 0"),
-    ({**GOOD, "n": 2}, 400, "n", "only n=1"),
+    ({**GOOD, "n": 2, "best_of": 1}, 400, "best_of", "an int >= n=2"),
     ({**GOOD, "prompt": ["one", "two"]}, 400, "prompt", "one prompt per request"),
     ({**GOOD, "logprobs": 21}, 400, "logprobs", "from 0 to 20"),
     ({**GOOD, "model": "gpt-4"}, 404, "model", "loaded: tiny-llama"),
@@ -57,8 +57,8 @@ GOOD = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}
     ({**GOOD, "prompt": "word " * 400, "stream": True}, 400, "prompt", "max_model_len is 256"),
     ({**GOOD, "prompt": [1, 10**6]}, 400, "prompt", "outside the vocabulary"),
     ({**GOOD, "stop": [""]}, 400, "stop", "non-empty"),
-], ids=["missing-prompt", "negative-max-tokens", "text-temperature", "zero-top-p", "n-2", "two-prompts", "logprobs",
-        "unknown-model", "too-long-prompt", "too-long-prompt-streamed",
+], ids=["missing-prompt", "negative-max-tokens", "text-temperature", "zero-top-p", "best-of-below-n", "two-prompts",
+        "logprobs", "unknown-model", "too-long-prompt", "too-long-prompt-streamed",
         "token-out-of-vocab", "empty-stop"])
 def test_a_bad_completion_field_is_a_json_error_naming_it(url, body, status, param, words):
     resp = _post(url, "/v1/completions", body)

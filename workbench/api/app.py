@@ -102,11 +102,11 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request):
-        _refuse_unsupported(body)
         if body.suffix:
             raise bad("suffix", "suffix (insertion) is not supported; send the prompt alone")
-        if body.best_of not in (None, 1):
-            raise bad("best_of", "only best_of=1 is supported; send several requests and compare them")
+        if body.stream and body.best_of is not None and body.best_of > body.n:
+            raise bad("best_of", f"best_of={body.best_of} > n={body.n} cannot stream (the n best are known only at "
+                                 "the end); send stream=false, or best_of equal to n")
         prompt = _one_prompt(body.prompt)
         limits.check_stop(body.stop)
         entry = entry_for(body.model)
@@ -120,7 +120,6 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _refuse_unsupported(body)
         limits.check_stop(body.stop)
         limits.check_messages(body.messages)
         entry = entry_for(body.model)
@@ -137,7 +136,7 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
             handle = session.submit(ids, model=entry.name, sampling_params=params)
         except Exception as exc:  # the model went away, or the session closed
             raise request_error(exc) from exc
-        job = Job(handle, metrics, len(ids), stream=body.stream, model=model)
+        job = Job(handle, metrics, len(ids), stream=body.stream, model=model, n=params.n)
         jobs.add(job)
         try:
             first = await job.next(request)
@@ -159,31 +158,37 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
         if handle.exception is not None:
             return request_error(handle.exception).response()
         return fmt.final(new_id(fmt.prefix), model, handle,
-                         usage(job.usage_prompt_tokens(), len(handle.output.token_ids)))
+                         usage(job.usage_prompt_tokens(), sum(len(c.token_ids) for c in handle.output.outputs)))
 
     async def _events(job: Job, first: str, body, model: str, fmt):
-        rid, text = new_id(fmt.prefix), first
+        """The stream's chunks: each choice's text as it comes (a chunk per choice, by index), its finish reason
+        once it ended (with n=1, once the request did)."""
+        rid, texts, ended = new_id(fmt.prefix), [first, *map(job.new_text, range(1, job.n))], [False] * job.n
         try:
-            yield from_chunk(fmt.start(rid, model, job.handle))
+            for i in range(job.n):
+                yield from_chunk(fmt.start(rid, model, job.handle, i))
             while True:
-                if text or job.finished:
-                    reason = job.handle.finish_reason if job.finished else None
-                    ids, logprobs = job.new_tokens()
+                for i, text in enumerate(texts):
+                    reason = job.reasons[i] or (job.handle.finish_reason if job.finished else None)
+                    if ended[i] or not (text or reason):
+                        continue
+                    ended[i] = reason is not None
+                    ids, logprobs = job.new_tokens(i)
                     chunk = fmt.chunk(rid, model, text, None if reason == "error" else reason,
-                                      fmt.token_logprobs(ids, logprobs))
+                                      fmt.token_logprobs(ids, logprobs), i)
                     if body.continuous_usage:
                         chunk["usage"] = usage(job.usage_prompt_tokens(), job.sent_tokens)
                     if text or reason not in (None, "error") or ids:
                         yield from_chunk(chunk)
                 if job.finished:
                     break
-                text = await job.next()
+                texts = [await job.next(), *map(job.new_text, range(1, job.n))]
             if job.handle.exception is not None:
                 err = request_error(job.handle.exception)
                 yield from_chunk(error_body(err.message, type=err.type, param=err.param, code=err.code))
             elif body.include_usage:
                 yield from_chunk({**fmt.chunk(rid, model, "", None), "choices": [],
-                                  "usage": usage(job.usage_prompt_tokens(), len(job.handle.token_ids))})
+                                  "usage": usage(job.usage_prompt_tokens(), job.handle.num_tokens)})
             yield "data: [DONE]\n\n"
         finally:  # the client left (the task is cancelled) or the stream ended
             job.close()
@@ -201,11 +206,6 @@ def _ordered(session) -> dict[str, str]:
     served = served_names(session)
     active = session.active
     return {n: served[n] for n in ([active] if active in served else []) + [n for n in served if n != active]}
-
-
-def _refuse_unsupported(body) -> None:
-    if body.n != 1:
-        raise bad("n", f"only n=1 is supported (got n={body.n}); send {body.n} requests (with different seeds)")
 
 
 def _one_prompt(prompt):

@@ -8,20 +8,22 @@ import asyncio
 
 
 class Job:
-    """One served request (`stream`: its text pieces are wanted as they come). `next()` waits for new
-    text (every piece that arrived, joined; `finished` says whether the request ended); given the HTTP
-    request, a client gone while it waits cancels the generation. When the request ends it is counted in
-    the server's metrics under `model` (the served name; default the handle's); `close()` cancels it if it
-    still runs (the client left)."""
+    """One served request of `n` completions (`stream`: its text pieces are wanted as they come). `next()`
+    waits for new text (every piece of completion 0 that arrived, joined, the others' by `new_text(i)`;
+    `finished` says whether the request ended, `reasons` each completion's finish reason as of the wake, read
+    before its text, with n > 1); given the HTTP request, a client gone while it waits cancels the generation.
+    When the request ends it is counted in the server's metrics under `model` (the served name; default the
+    handle's); `close()` cancels it if it still runs (the client left)."""
 
     def __init__(self, handle, metrics, prompt_tokens: int | None = None, *, stream: bool = True,
-                 model: str | None = None):
+                 model: str | None = None, n: int = 1):
         self.handle, self.metrics, self.stream = handle, metrics, stream
-        self.model = model
+        self.model, self.n = model, n
         self.prompt_tokens = prompt_tokens  # known up front for token ids; else from the final output
-        self.sent_tokens = 0
+        self.sent = [0] * n  # tokens of each completion returned by new_tokens()
         self.finished = False
-        self._read = 0  # text pieces of the handle already returned by next()
+        self.reasons: list[str | None] = [None] * n
+        self._read = [0] * n  # text pieces of each completion already returned
         self._queue: asyncio.Queue = asyncio.Queue()  # wake-ups: True (new output) or None (the end)
         self._loop = asyncio.get_running_loop()
         if stream:  # only the end matters otherwise: no wake-up per token
@@ -46,7 +48,13 @@ class Job:
         while not self._queue.empty():
             wakes.append(self._queue.get_nowait())
         self.finished = self.finished or None in wakes
-        text, self._read = self.handle.text_since(self._read)
+        if self.n > 1:
+            self.reasons = self.handle.finish_reasons()
+        return self.new_text(0)
+
+    def new_text(self, index: int) -> str:
+        """Completion `index`'s text produced since the last call."""
+        text, self._read[index] = self.handle.text_since(self._read[index], index)
         return text
 
     async def _get_watching(self, request, poll_s: float):
@@ -58,11 +66,17 @@ class Job:
                 if await request.is_disconnected():
                     self.handle.cancel()
 
-    def new_tokens(self) -> tuple[list[int], list[dict[int, float]] | None]:
-        """The tokens produced since the previous call, and their logprobs (None when none were asked)."""
-        ids, logprobs = self.handle.tokens_since(self.sent_tokens)
-        self.sent_tokens += len(ids)
+    def new_tokens(self, index: int = 0) -> tuple[list[int], list[dict[int, float]] | None]:
+        """Completion `index`'s tokens produced since the previous call, and their logprobs (None when none were
+        asked)."""
+        ids, logprobs = self.handle.tokens_since(self.sent[index], index)
+        self.sent[index] += len(ids)
         return ids, logprobs
+
+    @property
+    def sent_tokens(self) -> int:
+        """The tokens returned by new_tokens(), every completion's."""
+        return sum(self.sent)
 
     def usage_prompt_tokens(self) -> int:
         out = self.handle.output

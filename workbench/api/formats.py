@@ -1,5 +1,6 @@
 """The response objects of the two generation endpoints, streamed (chunks) and not, in OpenAI's shapes: one
-format per request, which holds what its responses add to the text (the echoed prompt, the logprobs)."""
+format per request, which holds what its responses add to the text (the echoed prompt, the logprobs). With n > 1
+a response has a choice per completion (`index` 0..n-1), and each chunk carries one choice, by its index."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ class CompletionFormat:
         self.tokenizer, self.echo = tokenizer, echo
         self.logprobs = None if logprobs is None else TokenLogprobs(tokenizer, logprobs)
 
-    def start(self, rid, model, handle):
-        """The first chunk: the echoed prompt (with its logprobs) and the prompt logprobs asked, or nothing."""
+    def start(self, rid, model, handle, index=0):
+        """Choice `index`'s first chunk: the echoed prompt (with its logprobs) and the prompt logprobs asked, or
+        nothing."""
         if self.echo is None and handle.prompt_logprobs is None:
             return None
         text = self.echo[0] if self.echo is not None else ""
-        chunk = self.chunk(rid, model, text, None, self._prompt_logprobs(handle))
+        chunk = self.chunk(rid, model, text, None, self._prompt_logprobs(handle), index)
         self._add_prompt_logprobs(chunk["choices"][0], handle)
         return chunk
 
@@ -39,21 +41,23 @@ class CompletionFormat:
     def token_logprobs(self, ids, entries):
         return None if self.logprobs is None or entries is None else self.logprobs.completion(ids, entries)
 
-    def chunk(self, rid, model, text, finish_reason, logprobs=None):
+    def chunk(self, rid, model, text, finish_reason, logprobs=None, index=0):
         return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
     def final(self, rid, model, handle, use):
-        out = handle.output
+        return {"id": rid, "object": "text_completion", "created": now(), "model": model,
+                "choices": [self._choice(c, handle) for c in handle.output.outputs], "usage": use}
+
+    def _choice(self, c, handle) -> dict:
         prompt = self._prompt_logprobs(handle)  # first: the echoed prompt's text offsets come first
-        logprobs = self.token_logprobs(out.token_ids, out.logprobs)
-        text = out.text if self.echo is None else self.echo[0] + out.text
+        logprobs = self.token_logprobs(c.token_ids, c.logprobs)
+        text = c.text if self.echo is None else self.echo[0] + c.text
         if prompt is not None and logprobs is not None:
             logprobs = merge(prompt, logprobs)
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
         self._add_prompt_logprobs(choice, handle)
-        return {"id": rid, "object": "text_completion", "created": now(), "model": model, "choices": [choice],
-                "usage": use}
+        return choice
 
 
 class ChatFormat:
@@ -64,23 +68,22 @@ class ChatFormat:
     def __init__(self, tokenizer, logprobs: int | None = None):
         self.logprobs = None if logprobs is None else TokenLogprobs(tokenizer, logprobs)
 
-    def start(self, rid, model, handle):
+    def start(self, rid, model, handle, index=0):
         return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}]}
 
     def token_logprobs(self, ids, entries):
         return None if self.logprobs is None or entries is None else self.logprobs.chat(ids, entries)
 
-    def chunk(self, rid, model, text, finish_reason, logprobs=None):
+    def chunk(self, rid, model, text, finish_reason, logprobs=None, index=0):
         return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
-                "choices": [{"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                "choices": [{"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                              "finish_reason": finish_reason}]}
 
     def final(self, rid, model, handle, use):
-        out = handle.output
         return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                             "logprobs": self.token_logprobs(out.token_ids, out.logprobs),
-                             "finish_reason": out.finish_reason}],
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": self.token_logprobs(c.token_ids, c.logprobs),
+                             "finish_reason": c.finish_reason} for c in handle.output.outputs],
                 "usage": use}

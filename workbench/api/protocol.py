@@ -74,7 +74,7 @@ class _Sampling(BaseModel):
     def sampling_fields(self) -> dict:
         """SamplingParams fields (max_tokens is the endpoint's to decide)."""
         fields = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed,
-                  "stop": self.stop, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens}
+                  "stop": self.stop, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "n": self.n}
         if self.top_k is not None:
             fields["top_k"] = self.top_k
         return fields
@@ -116,8 +116,11 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1)  # the n of best_of completions with the highest cumulative logprob
     prompt_logprobs: int | None = None  # vLLM's extension: logprobs of the prompt's tokens
+
+    def sampling_fields(self) -> dict:
+        return {**super().sampling_fields(), "best_of": self.best_of}
 
 
 class ChatMessage(BaseModel):

@@ -30,12 +30,27 @@ class GenerationError(RunnerError):
 WAIT_SLICE_S = 0.1  # the longest a waiting reader goes without running pending signal handlers
 
 
+class CompletionStream:
+    """What a handle received of one completion (`SamplingParams.n` of them): text pieces, token ids, their
+    logprobs (with SamplingParams.logprobs) and its finish reason once it ended."""
+
+    __slots__ = ("pieces", "token_ids", "logprobs", "finish_reason")
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = None
+        self.finish_reason: str | None = None
+
+
 class RequestHandle:
     """One submitted generation. Filled by the engine thread; read from any thread.
 
     `stream()` yields text pieces as they are produced (several readers may stream the same
     handle, and a late reader gets the whole text); `result(timeout)` waits for the final
-    `RequestOutput`; `cancel()` aborts it. A request that failed raises from both. `metrics` is its
+    `RequestOutput`; `cancel()` aborts it. A request that failed raises from both. With SamplingParams.n > 1
+    `completions` holds each completion's pieces by index (`text_since`, `tokens_since` take an index; `stream`,
+    `token_ids`, `logprobs` are completion 0's). `metrics` is its
     RequestMetrics: arriving when submitted, then filled by the engine (its tokens' times, its end), or
     ended here when it never ran (refused, failed, cancelled before it reached the engine).
     """
@@ -45,9 +60,7 @@ class RequestHandle:
         self.request_id, self.model, self.prompt, self.params = request_id, model, prompt, params
         self._canceller = canceller
         self._cond = threading.Condition()
-        self._pieces: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, float]] | None = None  # per token, with SamplingParams.logprobs
+        self.completions = [CompletionStream() for _ in range(getattr(params, "n", 1))]
         self.prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
         self.output = None  # the final RequestOutput
         self.exception: BaseException | None = None
@@ -59,15 +72,18 @@ class RequestHandle:
     def deliver(self, out) -> None:
         """Take the engine's next RequestOutput of this request."""
         with self._cond:
-            if out.delta_token_ids:
-                self.token_ids.extend(out.delta_token_ids)
-            if out.logprobs is not None:  # the engine's list grows on: copy the tokens' entries delivered
-                self.logprobs = self.logprobs or []
-                self.logprobs.extend(out.logprobs[len(self.logprobs):len(self.token_ids)])
+            for c in out.outputs:
+                done = self.completions[c.index]
+                done.token_ids.extend(c.delta_token_ids)
+                if c.logprobs is not None:  # the engine's list grows on: copy the tokens' entries delivered
+                    done.logprobs = done.logprobs or []
+                    done.logprobs.extend(c.logprobs[len(done.logprobs):len(done.token_ids)])
+                if c.delta_text:
+                    done.pieces.append(c.delta_text)
+                if c.finished:
+                    done.finish_reason = c.finish_reason
             if out.prompt_logprobs is not None:  # complete before the first output
                 self.prompt_logprobs = out.prompt_logprobs
-            if out.delta_text:
-                self._pieces.append(out.delta_text)
             if out.finished:
                 self.output = out
                 if self.metrics.finished_time is None:  # an output the engine did not make (cancelled before it ran)
@@ -127,17 +143,33 @@ class RequestHandle:
         end): a reader woken this way needs no thread of its own. `fn` must be quick and must not raise."""
         self._update_callbacks.append(fn)
 
-    def text_since(self, start: int) -> tuple[str, int]:
-        """The text pieces from the `start`-th on, joined, and the index to read from next time."""
+    def text_since(self, start: int, index: int = 0) -> tuple[str, int]:
+        """Completion `index`'s text pieces from the `start`-th on, joined, and the index to read from next time."""
         with self._cond:
-            pieces = self._pieces[start:]
+            pieces = self.completions[index].pieces[start:]
         return "".join(pieces), start + len(pieces)
 
-    def tokens_since(self, start: int) -> tuple[list[int], list[dict[int, float]] | None]:
-        """The token ids from the `start`-th on and their logprobs (None when the request asked none)."""
+    def tokens_since(self, start: int, index: int = 0) -> tuple[list[int], list[dict[int, float]] | None]:
+        """Completion `index`'s token ids from the `start`-th on and their logprobs (None when none were asked)."""
         with self._cond:
-            ids = self.token_ids[start:]
-            return ids, None if self.logprobs is None else self.logprobs[start:start + len(ids)]
+            done = self.completions[index]
+            ids = done.token_ids[start:]
+            return ids, None if done.logprobs is None else done.logprobs[start:start + len(ids)]
+
+    def finish_reasons(self) -> list[str | None]:
+        """Each completion's finish reason, None while it runs."""
+        with self._cond:
+            return [c.finish_reason for c in self.completions]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Completion 0's token ids so far."""
+        return self.completions[0].token_ids
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        """Completion 0's tokens' logprobs (with SamplingParams.logprobs)."""
+        return self.completions[0].logprobs
 
     @property
     def text(self) -> str:
@@ -145,7 +177,7 @@ class RequestHandle:
         if self.output is not None and self.output.finish_reason != "error":
             return self.output.text
         with self._cond:
-            return "".join(self._pieces)
+            return "".join(self.completions[0].pieces)
 
     @property
     def finish_reason(self) -> str | None:
@@ -159,7 +191,8 @@ class RequestHandle:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens received, every completion's."""
+        return sum(len(c.token_ids) for c in self.completions)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -168,17 +201,17 @@ class RequestHandle:
         return 1 / tpot if tpot else None
 
     def stream(self, timeout: float | None = None) -> Iterator[str]:
-        """Yield text pieces until the request finishes; raises its error if it failed.
+        """Yield text pieces (completion 0's) until the request finishes; raises its error if it failed.
         `timeout` bounds the wait for each next piece (TimeoutError)."""
-        i = 0
+        i, all_pieces = 0, self.completions[0].pieces
         while True:
             with self._cond:
-                if not self._wait(lambda i=i: len(self._pieces) > i or self.done, timeout):
+                if not self._wait(lambda i=i: len(all_pieces) > i or self.done, timeout):
                     raise TimeoutError(f"no new text from {self.request_id} within {timeout} s")
-                pieces, finished = self._pieces[i:], self.done
+                pieces, finished = all_pieces[i:], self.done
             i += len(pieces)
             yield from pieces
-            if finished and i >= len(self._pieces):
+            if finished and i >= len(all_pieces):
                 break
         if self.exception is not None:
             raise self.exception
