@@ -103,6 +103,15 @@ def test_block_map_of_a_huge_pool_shows_its_low_end():
     assert "first" in fig.layout.title.text
 
 
+def test_block_map_marks_a_shared_block_and_names_its_holders():
+    snap = {"num_blocks": 64, "owners": {"req-0": [0, 1, 2], "req-0#1": [0, 1, 3]}}  # a fork: 0, 1 shared
+    fig = charts.kv_block_map(snap, columns=8)
+    heat = fig.data[0]
+    assert heat.z[0][0] == heat.z[0][1] == 2 and heat.z[0][2] != 2 and heat.z[0][3] != 2
+    assert heat.hovertext[0][0] == "block 0: shared by req-0, req-0#1"
+    assert "2 requests hold 4 of 64 blocks, 2 shared" in fig.layout.title.text
+
+
 def test_rolling_rate_averages_busy_time():
     rows = [{"t": 0.0, "dt": 0.1, "n": 10}, {"t": 0.1, "dt": 0.1, "n": 30}, {"t": 5.0, "dt": 0.05, "n": 5}]
     assert charts.rolling_rate(rows, "n", window=1.0) == pytest.approx([100.0, 200.0, 100.0])
@@ -197,7 +206,8 @@ def test_every_chart_takes_its_colours_from_the_shared_palette():
               {"kind": "compile", "t": 2.0, "enabled": True, "seconds": 0.0, "ok": False, "error": "x"}]
     figs = charts.all_figures(rows, events, {"num_blocks": 64, "owners": {"a": [0, 1]}, "cached_block_ids": [5]},
                               weights=INT4)
-    allowed = {c.lower() for c in (*charts.PALETTE, charts.FREE_COLOR, charts.CACHED_COLOR, "#FFFFFF")}
+    allowed = {c.lower() for c in (*charts.PALETTE, charts.FREE_COLOR, charts.CACHED_COLOR, charts.SHARED_COLOR,
+                                   "#FFFFFF")}
     for name, fig in figs.items():
         colors = {c.lower() for c in _colors(fig)}
         assert colors, f"{name} names its colours"

@@ -39,6 +39,7 @@ TEMPLATE = go.layout.Template(layout=dict(
     **{axis: dict(gridcolor="#EBF0F8", linecolor="#EBF0F8", zerolinecolor="#EBF0F8", ticks="", automargin=True)
        for axis in ("xaxis", "yaxis")}))
 FREE_COLOR, CACHED_COLOR = "#DCE3EA", "#A9B4C2"  # free and cached KV blocks, in every chart
+SHARED_COLOR = "#3D4B5C"  # a KV block several requests hold (a prefix-cache hit, a parallel-sampling fork)
 COLORS = {  # one colour per quantity, whichever chart shows it
     "weights": PALETTE[0], "activations": PALETTE[5], "kv_used": PALETTE[1], "kv_cached": CACHED_COLOR,
     "kv_free": FREE_COLOR, "prefill": PALETTE[0], "decode": PALETTE[1], "paged": PALETTE[2],
@@ -261,8 +262,9 @@ def rolling_rate(rows: Rows, key: str, window: float = 1.0) -> list[float]:
 
 def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_blocks: int = 4096,
                  when: str = "") -> go.Figure:
-    """Which request owns which KV block, one cell per block (a colour per request; cached
-    prefix blocks grey when the snapshot names them). Pools larger than `max_blocks` show
+    """Which request owns which KV block, one cell per block (a colour per request, a dark one for a block
+    several hold, its hover naming them; cached prefix blocks grey when the snapshot names them). Pools larger
+    than `max_blocks` show
     the low end, where the allocator places blocks first. `when` follows the title's "KV block map"."""
     fig = go.Figure(layout=base_layout("KV block map (who owns which block)", ""))
     fig.update_layout(xaxis=dict(title=dict(text=f"block id mod {columns} (one cell per block)"), showticklabels=False,
@@ -284,14 +286,17 @@ def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_bloc
         if b < shown:
             z[b // columns][b % columns] = 1
             text[b // columns][b % columns] = f"block {b}: cached prefix"
+    holders: dict[int, list[str]] = {}
     for i, (rid, blocks) in enumerate(sorted(owners.items(), key=lambda kv: _natural(kv[0]))):
         for b in blocks:
             if b < shown:
-                z[b // columns][b % columns] = 2 + i % len(PALETTE)
-                text[b // columns][b % columns] = f"block {b}: {rid}"
+                holders.setdefault(b, []).append(rid)
+                shared = len(holders[b]) > 1
+                z[b // columns][b % columns] = 2 if shared else 3 + i % len(PALETTE)
+                text[b // columns][b % columns] = f"block {b}: {'shared by ' * shared}{', '.join(holders[b])}"
     for c in range(shown, n_rows * columns):  # cells past the end of the pool
         z[c // columns][c % columns] = None
-    steps = [FREE_COLOR, CACHED_COLOR, *PALETTE]
+    steps = [FREE_COLOR, CACHED_COLOR, SHARED_COLOR, *PALETTE]
     n = len(steps)
     scale = []
     for k, color in enumerate(steps):
@@ -300,9 +305,10 @@ def kv_block_map(snapshot: Mapping[str, Any] | None, columns: int = 64, max_bloc
                              showscale=False, xgap=1, ygap=1))
     used = len({b for blocks in owners.values() for b in blocks})  # a shared block once
     note = f" (first {shown} of {total})" if shown < total else ""
-    n = len(owners)
+    n, num_shared = len(owners), sum(len(h) > 1 for h in holders.values())
     who = f"{n} request{'s' * (n != 1)} hold{'s' * (n == 1)}"
-    fig.update_layout(title=dict(text=f"KV block map{when}: {who} {used} of {total} blocks{note}"))
+    shared = f", {num_shared} shared" if num_shared else ""
+    fig.update_layout(title=dict(text=f"KV block map{when}: {who} {used} of {total} blocks{shared}{note}"))
     return fig
 
 
