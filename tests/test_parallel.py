@@ -140,6 +140,18 @@ def test_greedy_tokens_and_logits_equal_one_process(layout, reference):
     torch.testing.assert_close(fwd["hidden_states"], hidden, rtol=0, atol=2e-5)
 
 
+def test_parallel_sampling_children_share_and_copy_blocks_on_every_rank(layout, reference):
+    """n=2, greedy: the children share the prompt's blocks on every rank and copy its partial last block there
+    (StepBatch.block_copies) before writing; each gives one process's greedy tokens."""
+    name, model, runner = layout
+    prompt, expected = PROMPTS[1], reference[model][0][1]
+    assert len(prompt) % 16, "a partial last block, shared then copied"
+    out = runner.generate(prompt, SamplingParams(n=2, max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    assert [c.token_ids for c in out.outputs] == [expected, expected]
+    stats = runner.memory_stats()
+    assert stats["blocks_free"] == stats["blocks_total"]
+
+
 def test_each_rank_builds_and_reads_only_its_shard(layout, reference):
     name, model, runner = layout
     info = runner.parallel_info()
