@@ -55,6 +55,7 @@ SMOKE = {
     "benchmarks/ab_revisions.py": (None, ["HEAD", "HEAD", "--rounds", "1", "--model", TINY]),
     "benchmarks/structured_outputs.py": (None, ["--model", TINY, "--repeats", "1", "--max-tokens", "8", "--seeds", "1",
                                                 "--schema-max-tokens", "64"]),
+    "benchmarks/parallel_sampling.py": (None, ["--model", TINY, "--repeats", "1", "--max-tokens", "8"]),
 }
 # the same variables each target reads, pointed at the tiny preset and this run's folders
 MAKE_VARS = {"bench-quant": {"BENCH_MODELS": TINY}, "bench-serve": {"SWEEP_MODEL": TINY}}
