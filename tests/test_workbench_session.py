@@ -45,6 +45,16 @@ def test_stream_matches_result_and_greedy_is_deterministic(session):
     assert not session.inflight()
 
 
+def test_n_completions_stream_by_index_and_match_the_result(session):
+    h = session.submit("Once upon a time", n=3, max_tokens=12, seed=8, ignore_eos=True)
+    streams = [list(h.stream(timeout=60, index=i)) for i in range(3)]
+    out = h.result(timeout=60)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert ["".join(p) for p in streams] == [c.text for c in out.outputs]
+    assert [c.token_ids for c in h.completions] == [c.token_ids for c in out.outputs] and h.num_tokens == 36
+    assert h.metrics.num_output_tokens == 36 and h.metrics.ok
+
+
 def test_cancel_aborts_only_that_request(session):
     with slow_steps(session):
         long, short = _long(session), session.submit("hello", max_tokens=8)

@@ -200,10 +200,10 @@ class RequestHandle:
         tpot = self.metrics.tpot
         return 1 / tpot if tpot else None
 
-    def stream(self, timeout: float | None = None) -> Iterator[str]:
-        """Yield text pieces (completion 0's) until the request finishes; raises its error if it failed.
+    def stream(self, timeout: float | None = None, index: int = 0) -> Iterator[str]:
+        """Yield completion `index`'s text pieces until the request finishes; raises its error if it failed.
         `timeout` bounds the wait for each next piece (TimeoutError)."""
-        i, all_pieces = 0, self.completions[0].pieces
+        i, all_pieces = 0, self.completions[index].pieces
         while True:
             with self._cond:
                 if not self._wait(lambda i=i: len(all_pieces) > i or self.done, timeout):
