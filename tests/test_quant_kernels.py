@@ -19,6 +19,8 @@ from runner_core.layers.quantization import (
     packed_bytes,
     quant_linear,
     quantize,
+    quantize_packed,
+    rows_per_chunk,
     unpack,
 )
 
@@ -101,6 +103,45 @@ def test_pack_unpack_round_trip_and_packed_bytes(fmt, n, k):
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
     assert packed_bytes(n, k, fmt) == sum(t.nbytes for t in packed.values())
     assert packed_bytes(n, k, fmt) >= fmt.stored_bytes(n, k)  # the padding of the last panel only
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("n", [37, 2 * rows_per_chunk(256) + 40])
+def test_quantizing_by_chunks_gives_the_whole_layers_tensors(fmt, n):
+    """What a layer stores, quantized and packed a chunk of rows at a time, is the whole layer's pack(quantize()),
+    bit for bit."""
+    w = torch.randn(n, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    whole = _chunks_of(lambda: pack(quantize(w, fmt), fmt, n, 256))
+    for name, t in quantize_packed(w, fmt).items():
+        assert t.dtype == whole[name].dtype and torch.equal(t, whole[name]), name
+    rows = _chunks_of(lambda: quantize(w, fmt))
+    for name, t in quantize(w, fmt).items():  # the row-major form, chunk by chunk too
+        assert torch.equal(t, rows[name]), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_a_layers_panels_made_by_chunks_equal_the_whole_layers(dtype):
+    """The compute dtype's panels (PanelWeight), packed a chunk of rows at a time from a bfloat16 checkpoint
+    tensor, are pack_panels of the whole weight."""
+    from runner_core.kernels import pack_panels
+    from runner_core.layers.weight_storage import PanelWeight
+
+    n, k = 2 * rows_per_chunk(96) + 40, 96
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    storage = PanelWeight(n, k, dtype)
+    storage.store(w)
+    assert torch.equal(storage.panels, pack_panels(w.to(dtype)))
+
+
+def _chunks_of(fn):
+    """fn() with chunks larger than any layer: the whole layer at once."""
+    import runner_core.layers.quantization as quantization
+
+    saved, quantization.CHUNK_BYTES = quantization.CHUNK_BYTES, 1 << 40
+    try:
+        return fn()
+    finally:
+        quantization.CHUNK_BYTES = saved
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)

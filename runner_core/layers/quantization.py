@@ -65,21 +65,53 @@ class QuantFormat:
         return n * k // 2 + 8 * n * (k // self.group)
 
 
-ROWS_PER_CHUNK = 1024  # rows quantized at a time: the float32 temporaries stay a few MiB whatever the layer
+CHUNK_BYTES = 1 << 20  # a chunk's rows in float32 at most: its temporaries come from the heap, reused chunk after
+#                        chunk, below the mmap threshold a load sets (process_memory.heap_gives_back)
+
+
+def rows_per_chunk(k: int) -> int:
+    """Rows of a [n, k] weight converted at a time: CHUNK_BYTES of float32, whole panels, at least one panel."""
+    return max(PANEL_COLUMNS, CHUNK_BYTES // (4 * k) // PANEL_COLUMNS * PANEL_COLUMNS)
 
 
 def quantize(weight: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
     """Row-major quantized tensors of an [n, k] float weight: {"qweight", "scales"} for int8 (int8 [n, k],
-    float32 [n, 1]); {"qweight", "scales", "mins"} for int4 (uint8 [n, k / 2], float32 [n, k / group] twice).
-    Rows go ROWS_PER_CHUNK at a time (every format's scales are per row), so a large layer's float32
-    temporaries never add up to several copies of it."""
+    float32 [n, 1]); {"qweight", "scales", "mins"} for int4 (uint8 [n, k / 2], float32 [n, k / group] twice)."""
+    _check(weight, fmt)
+    return by_row_chunks(weight, weight.shape[0], lambda rows: _quantize_rows(rows, fmt))
+
+
+def quantize_packed(weight: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
+    """`pack(quantize(weight))`, what a layer holds, made without either whole: neither the row-major copy nor a
+    second one ever exists, only the packed tensors and one chunk's temporaries."""
+    _check(weight, fmt)
+    n, k = weight.shape
+    return by_row_chunks(weight, -(-n // PANEL_COLUMNS),
+                         lambda rows: pack(_quantize_rows(rows, fmt), fmt, rows.shape[0], k))
+
+
+def by_row_chunks(weight: torch.Tensor, total: int, convert) -> dict[str, torch.Tensor]:
+    """`convert` (rows -> {name: tensor}) over `rows_per_chunk` rows of `weight` at a time, each chunk's tensors
+    written into tensors of `total` leading rows allocated once (int8 and int4 scales are per row; a chunk is
+    whole panels): converting a layer holds its result and one chunk's temporaries, whatever its size, never a
+    whole float32 copy of it."""
+    out, at = {}, 0
+    n, k = weight.shape
+    step = rows_per_chunk(k)
+    for i in range(0, n, step):
+        part = convert(weight.narrow(0, i, min(step, n - i)))
+        if not out:
+            out = {name: t.new_empty((total, *t.shape[1:])) for name, t in part.items()}
+        for name, t in part.items():
+            out[name][at:at + t.shape[0]].copy_(t)
+        at += next(iter(part.values())).shape[0]
+    return out
+
+
+def _check(weight: torch.Tensor, fmt: QuantFormat) -> None:
     why = fmt.check(*weight.shape)
     if why is not None:
         raise ValueError(why)
-    parts = [_quantize_rows(weight[i:i + ROWS_PER_CHUNK], fmt) for i in range(0, weight.shape[0], ROWS_PER_CHUNK)]
-    if len(parts) == 1:
-        return parts[0]
-    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
 
 
 def _quantize_rows(weight: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:

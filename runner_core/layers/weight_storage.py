@@ -140,7 +140,8 @@ class PanelWeight(WeightStorage):
         self.register_buffer("panels", None, persistent=False)
 
     def _convert(self, weight):
-        return {"panels": pack_panels(weight.to(self.dtype))}
+        return quant.by_row_chunks(weight, panels_shape(self.n, self.k, self.dtype)[0],
+                                   lambda rows: {"panels": pack_panels(rows.to(self.dtype))})
 
     def _linear(self, flat, bias):
         return panel_linear(flat, self.panels, self.n, bias)
@@ -180,7 +181,7 @@ class QuantPanelWeight(_Quantized):
     _names = ("qpanels", "scales", "mins")
 
     def _convert(self, weight):
-        return quant.pack(quant.quantize(weight, self.fmt), self.fmt, self.n, self.k)
+        return quant.quantize_packed(weight, self.fmt)
 
     def _linear(self, flat, bias):
         return quant_linear(flat, self.qpanels, self.scales, self.mins, self.n, self.fmt.group, bias)

@@ -40,7 +40,7 @@ from runner_core.loader.tokenizer import Tokenizer, has_tokenizer_files, load_to
 from runner_core.loader.weight_utils import WINDOW_BYTES, SafetensorsWeights
 from runner_core.models import MODEL_REGISTRY, resolve_model
 from runner_core.models.registry import MODEL_ATTRIBUTES, ModelAdapter
-from runner_core.process_memory import trim_heap
+from runner_core.process_memory import heap_gives_back, trim_heap
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -91,25 +91,28 @@ class ModelLoader:
             )
         tokenizer = load_tokenizer(tokenizer_path, hf_config, cfg.trust_remote_code)
         processor = load_processor(path, cfg.trust_remote_code) if adapter.kind == "multimodal" else None
-        model = self._build(adapter.model_class, hf_config)
-        fmt, lm_head, saved = self._format(hf_config)
-        if fmt is not None and adapter.impl != "native":
-            raise ModelLoadError(
-                f"quantization={cfg.quantization!r} needs a native adapter; {adapter.architecture} runs on the "
-                f"{adapter.impl} path ({adapter.reason}). Load it without quantization, or register a native "
-                "adapter for it (runner_core.register_model)")
-        kept = plan_storage(model, cfg.torch_dtype, panels_apply(cfg.torch_device, cfg.torch_dtype, cfg.world_size),
-                            fmt, lm_head)
-        try:
-            bytes_read = self._load_weights(model, path, saved)
-            finish_storage(model)
-            if bytes_read >= WINDOW_BYTES:  # the staging and the quantizer's temporaries, back to the system
-                trim_heap()
-        except BaseException as exc:
-            # a notebook keeps the last traceback: its frames must not hold the half-loaded model
-            del model
-            traceback.clear_frames(exc.__traceback__)
-            raise
+        # from the build on: the parameters the build makes and the plan drops, the staging, the quantizer's
+        # temporaries, each on pages of its own, given back when freed
+        with heap_gives_back():
+            model = self._build(adapter.model_class, hf_config)
+            fmt, lm_head, saved = self._format(hf_config)
+            if fmt is not None and adapter.impl != "native":
+                raise ModelLoadError(
+                    f"quantization={cfg.quantization!r} needs a native adapter; {adapter.architecture} runs on the "
+                    f"{adapter.impl} path ({adapter.reason}). Load it without quantization, or register a native "
+                    "adapter for it (runner_core.register_model)")
+            kept = plan_storage(model, cfg.torch_dtype, panels_apply(cfg.torch_device, cfg.torch_dtype, cfg.world_size),
+                                fmt, lm_head)
+            try:
+                bytes_read = self._load_weights(model, path, saved)
+                finish_storage(model)
+                if bytes_read >= WINDOW_BYTES:  # the staging and the quantizer's temporaries, back to the system
+                    trim_heap()
+            except BaseException as exc:
+                # a notebook keeps the last traceback: its frames must not hold the half-loaded model
+                del model
+                traceback.clear_frames(exc.__traceback__)
+                raise
         stored = stored_bytes(model)
         weight_bytes = _nbytes(model.parameters()) + stored
         return LoadedModel(model=model, tokenizer=tokenizer, hf_config=hf_config, model_path=path,
