@@ -7,6 +7,7 @@ copies in the repository carry no outputs.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -253,6 +254,38 @@ def check_whatif(nb) -> None:
     assert re.search(r"What-if tab: done: .* \| [1-9]\d* points, 1 layout skipped", text)
 
 
+# ---- lesson 12 (parallel sampling, logprobs, structured outputs) --------------------------------------
+def check_parallel_logprobs_structured(nb) -> None:
+    text = _stream_text(nb)
+    # n=4 forks at the prompt's end: the four sequences hold the prompt's 32 blocks, all of them shared
+    assert "prompt: 500 tokens = 31 full blocks + 4 tokens" in text
+    assert "after the prompt: 4 sequences ['A', 'A#1', 'A#2', 'A#3'], 32 blocks shared by all four, 32 blocks " \
+           "in use" in text
+    # then the partial 32nd block is copied on first write: three copies, the last holder keeps the original
+    after = re.search(r"after \d+ decode steps: (\d+) blocks shared, last blocks (\{.*\}), (\d+) blocks in use", text)
+    last = ast.literal_eval(after.group(2))
+    assert int(after.group(1)) == 31 and len(set(last.values())) == 4 and 31 in last.values()
+    assert int(after.group(3)) == 35
+    assert "each completion equals an n=1 request with seed + index: True" in text
+    forked, alone, saved = re.search(r"at the most: n=4 (\d+) blocks, four requests (\d+): (\d+) blocks = [\d.]+ MiB "
+                                     r"saved", text).groups()
+    assert int(forked) == 35 and int(alone) == 4 * 32 and int(saved) == int(alone) - int(forked)
+    before = _figure_titled(nb, "KV block map after the prompt: 4 requests hold 32 of 160 blocks, 32 shared")
+    assert sum(v == 2 for row in before["data"][0]["z"] for v in row) == 32  # every held cell dark: shared
+    _figure_titled(nb, "decode steps: 4 requests hold 35 of 160 blocks, 31 shared")
+    # logprobs as a classifier: each candidate scored (sum and mean of its tokens' logprobs), the best chosen
+    rows = re.findall(r"^.{36} (.{20}) +(\d+) +(-[\d.]+) +(-[\d.]+)$", text, re.M)
+    assert len(rows) == 12 and all(abs(float(s) / int(n) - float(m)) < 0.01 for _, n, s, m in rows)
+    assert re.search(r"chosen by sum ' a directory', by mean ' a directory'", text)  # the clear case, by far
+    assert re.search(r"sensible answers chosen: by sum \d of 4, by mean \d of 4", text)
+    # the JSON answer parses and validates; the mask's cost measured
+    assert "finish_reason 'stop'" in text and "valid against the schema: True" in text
+    assert re.search(r"^json.loads: \{'name': .*'kind': '(function|class|module)'", text, re.M)
+    steps = re.findall(r"median step +([\d.]+) ms over 5 rounds", text)
+    assert len(steps) == 2 and all(float(x) > 0 for x in steps)
+    assert re.search(r"the mask costs [+-][\d.]+ ms per step at batch 8 \([\d.]+x\)", text)
+
+
 CHECKS = {
     "01-quickstart.ipynb": check_quickstart,
     "02-compile-tuning.ipynb": check_compile_tuning,
@@ -265,6 +298,7 @@ CHECKS = {
     "09-quantization.ipynb": check_quantization,
     "10-tuning.ipynb": check_tuning,
     "11-whatif.ipynb": check_whatif,
+    "12-parallel-sampling-logprobs-structured.ipynb": check_parallel_logprobs_structured,
 }
 
 
