@@ -35,7 +35,7 @@ SMOKE = {
     "benchmarks/session_poll.py": ("bench-poll", ["--rounds", "1", "--calls", "20", "--requests", "4"]),
     "benchmarks/contention.py": ("bench-contention", ["--models", "tiny-speaker", "--requests", "2", "--rounds", "1",
                                                       "--settings", "adaptive"]),
-    "benchmarks/profile_step.py": (None, ["--model", TINY, "--dtypes", "float32"]),
+    "benchmarks/profile_step.py": (None, ["--model", TINY, "--formats", "fp32", "int8"]),
     "benchmarks/load_memory.py": (None, ["--models", TINY, "--dtypes", "float32"]),
     "benchmarks/parallel.py": ("bench-parallel", ["--quick", "--model", TINY, "--requests", "2"]),
     "benchmarks/models.py": ("bench-models", ["--quick", "--sections", "fallback", "--model", TINY,
