@@ -1,6 +1,6 @@
 """Contention benchmark: throughput on the idle machine and beside one competing busy process.
 
-Four settings, each in a fresh process per round (OpenMP's wait policy is read when torch loads):
+Five settings, each in a fresh process per round (OpenMP's wait policy is read when torch loads):
   spinning           torch's default thread count, fixed, and libgomp's default wait (waiting threads
                      spin 300,000 iterations: GOMP_SPINCOUNT=300000): what ran before runner_core chose
   passive            torch's default thread count, fixed, OpenMP threads waiting passively
@@ -8,6 +8,8 @@ Four settings, each in a fresh process per round (OpenMP's wait policy is read w
   adaptive           runner_core's defaults: its wait policy (runner_core/openmp_env.py) and the thread
                      count adapted to load from the engine's own steps (runner_core/engine/threads.py)
   adaptive-spinning  the adaptive count with libgomp's default wait
+  adaptive-bounded   the adaptive count, waiting threads spinning BOUNDED_SPIN iterations (tens of µs, the gaps
+                     between a step's ops) before they sleep
 Each process loads the model, runs the workload once to warm up, then once idle and once beside a busy
 process (a Python loop it starts and kills after the run); the settings' order and idle/busy order
 alternate between rounds. The workload: benchmarks/workload.py make_workload (greedy, EOS ignored).
@@ -46,9 +48,10 @@ except ImportError:  # run as `python -m benchmarks.contention`
 
 BUSY_TARGET = 0.5  # busy throughput / idle throughput
 SPIN = {"GOMP_SPINCOUNT": "300000"}  # libgomp's default spin, stated so that runner_core leaves it
+BOUNDED_SPIN = {"GOMP_SPINCOUNT": "10000"}
 # setting -> (environment, adaptive thread count)
 SETTINGS = {"spinning": (SPIN, False), "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, False), "adaptive": ({}, True),
-            "adaptive-spinning": (SPIN, True)}
+            "adaptive-spinning": (SPIN, True), "adaptive-bounded": (BOUNDED_SPIN, True)}
 LOADS = ("idle", "busy")
 
 
