@@ -5,7 +5,8 @@ reuse: without a trim, a process that unloaded a model still shows tens of MiB m
 than before it loaded one. `release_freed_memory()` collects cycles, empties torch's CUDA cache and
 asks glibc to return free heap pages (a no-op where the C library is not glibc). While a model loads,
 `heap_gives_back()` puts every block of 8 MiB or more on pages of its own, so the staging a load frees goes
-back to the system at once instead of leaving holes in the heap. The figures of
+back to the system at once instead of leaving holes in the heap, and `page_out` drops a mapped checkpoint
+tensor's pages once they are read. The figures of
 what the process holds (`resident_bytes`, `process_memory`) live here too.
 """
 
@@ -64,6 +65,41 @@ def heap_gives_back() -> Iterator[None]:
         if mallopt is not None:
             mallopt(M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD)
             mallopt(M_TRIM_THRESHOLD, RUN_TRIM_THRESHOLD)
+
+
+MADV_PAGEOUT = 21  # madvise(2), Linux 5.4 on: reclaim these pages now (file pages are read again if touched)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def on_file_mapping(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s bytes lie in a mapped file (a checkpoint tensor that safetensors maps), per
+    /proc/self/maps; False where that cannot be read."""
+    start = tensor.data_ptr()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                if low <= start < high:
+                    return len(fields) >= 6 and fields[5].startswith("/") and fields[4] != "0"
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def page_out(tensor: torch.Tensor) -> None:
+    """Let the pages wholly under `tensor` leave this process's resident memory now (MADV_PAGEOUT). Only for a
+    tensor `on_file_mapping` that nothing writes: its clean pages are dropped and read again from the file if
+    touched. A load converting a large checkpoint tensor a chunk at a time pages out each chunk it has read, so
+    the tensor's mapped pages never all sit beside what it becomes. No-op where madvise is missing."""
+    madvise = _glibc("madvise")
+    if madvise is None or tensor.numel() == 0:
+        return
+    start = tensor.data_ptr()
+    low = -(-start // _PAGE) * _PAGE
+    high = (start + tensor.numel() * tensor.element_size()) // _PAGE * _PAGE
+    if high > low:
+        madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), MADV_PAGEOUT)
 
 
 def release_freed_memory() -> None:

@@ -332,3 +332,19 @@ def test_incremental_detokenizer_matches_full_decode(preset_tokenizer):
     assert not any("\ufffd" in d for d in deltas)
     assert "".join(deltas) == detok.text == preset_tokenizer.decode(ids)
     assert "" in deltas  # the emoji's bytes arrived over several tokens
+
+
+def test_a_mapped_checkpoint_tensor_paged_out_reads_the_same(tmp_path):
+    """A checkpoint tensor safetensors maps is seen as on a file mapping (an ordinary tensor is not); paging its
+    pages out (what a load does chunk by chunk once it has read them) loses nothing: it reads the same after."""
+    from safetensors import safe_open
+
+    from runner_core.process_memory import on_file_mapping, page_out
+
+    save_file({"w": torch.randn(512, 256)}, str(tmp_path / "m.safetensors"))
+    with safe_open(tmp_path / "m.safetensors", framework="pt", device="cpu") as handle:
+        mapped = handle.get_tensor("w")
+        before = mapped.clone()
+        assert on_file_mapping(mapped) and not on_file_mapping(before)
+        page_out(mapped)
+        assert torch.equal(mapped, before)

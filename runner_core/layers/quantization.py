@@ -26,6 +26,7 @@ import torch
 
 from runner_core import kernels
 from runner_core.kernels import PANEL_COLUMNS, cpu_kernels_available
+from runner_core.process_memory import on_file_mapping, page_out
 
 INT8_MAX = 127
 INT4_LEVELS = 15
@@ -94,12 +95,16 @@ def by_row_chunks(weight: torch.Tensor, total: int, convert) -> dict[str, torch.
     """`convert` (rows -> {name: tensor}) over `rows_per_chunk` rows of `weight` at a time, each chunk's tensors
     written into tensors of `total` leading rows allocated once (int8 and int4 scales are per row; a chunk is
     whole panels): converting a layer holds its result and one chunk's temporaries, whatever its size, never a
-    whole float32 copy of it."""
+    whole float32 copy of it; the mapped pages of a checkpoint tensor are dropped chunk by chunk once read."""
     out, at = {}, 0
     n, k = weight.shape
     step = rows_per_chunk(k)
+    mapped = weight.is_contiguous() and on_file_mapping(weight)  # a checkpoint tensor: its pages dropped once read
     for i in range(0, n, step):
-        part = convert(weight.narrow(0, i, min(step, n - i)))
+        rows = weight.narrow(0, i, min(step, n - i))
+        part = convert(rows)
+        if mapped:
+            page_out(rows)
         if not out:
             out = {name: t.new_empty((total, *t.shape[1:])) for name, t in part.items()}
         for name, t in part.items():
