@@ -37,6 +37,22 @@ COMPILED = {"dtype": "float32", "kv_cache_memory": 1 << 22, "compile": True, "co
             "compile_sizes": [1, 4], "max_model_len": 256}
 
 
+@pytest.fixture(scope="module")
+def api_session(tiny_llama_path):
+    """A Session with tiny-llama loaded, for one module's API tests (closed after)."""
+    from tests.sessions import tiny_session
+
+    yield from tiny_session()
+
+
+@pytest.fixture(scope="module")
+def api_client(api_session):
+    """The official openai client on api_session's API server."""
+    from tests.sessions import openai_client
+
+    yield from openai_client(api_session)
+
+
 @pytest.fixture(scope="session")
 def compiled_tiny_llama(tiny_llama_path):
     """One compiled tiny-llama runner for every module that only reads it or generates with it (a compile

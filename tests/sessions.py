@@ -19,6 +19,15 @@ def tiny_session():
     s.close()
 
 
+def openai_client(session):
+    """The official openai client on `session`'s API server, stopped after: `yield from openai_client(session)`."""
+    import openai
+
+    srv = session.serve_api()
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    srv.stop()
+
+
 @contextmanager
 def slow_steps(session, model: str = "tiny-llama", delay: float = 0.05):
     """Make every engine step of `model` take at least `delay` s, so a request stays busy for as long

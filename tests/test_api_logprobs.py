@@ -9,8 +9,6 @@ import math
 import openai
 import pytest
 
-from tests.sessions import tiny_session
-
 PROMPT = "Once upon a time"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -19,20 +17,8 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def session(tiny_llama_path):
-    yield from tiny_session()
-
-
-@pytest.fixture(scope="module")
-def client(session):
-    srv = session.serve_api()
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(session):
-    return session.models["tiny-llama"].runner.tokenizer
+def tokenizer(api_session):
+    return api_session.models["tiny-llama"].runner.tokenizer
 
 
 @pytest.fixture
@@ -72,9 +58,9 @@ def _assert_completion_logprobs(lp, tokenizer, ids, entries, k, offset=0):
     assert lp.text_offset == starts
 
 
-def test_completion_logprobs_equal_the_engines_streamed_and_not(session, client, tokenizer):
-    expected = session.generate(PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
-    got = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=10, logprobs=3, **GREEDY)
+def test_completion_logprobs_equal_the_engines_streamed_and_not(api_session, api_client, tokenizer):
+    expected = api_session.generate(PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    got = api_client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=10, logprobs=3, **GREEDY)
     choice = got.choices[0]
     assert choice.text == expected.text
     _assert_completion_logprobs(choice.logprobs, tokenizer, expected.token_ids, expected.logprobs, 3)
@@ -82,7 +68,7 @@ def test_completion_logprobs_equal_the_engines_streamed_and_not(session, client,
     assert all(math.isclose(lp, max(top.values()), abs_tol=1e-6)
                for lp, top in zip(choice.logprobs.token_logprobs, choice.logprobs.top_logprobs))
 
-    chunks = list(client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=10, logprobs=3,
+    chunks = list(api_client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=10, logprobs=3,
                                             stream=True, **GREEDY))
     pieces = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
     assert "".join(c.choices[0].text for c in chunks) == expected.text
@@ -92,10 +78,10 @@ def test_completion_logprobs_equal_the_engines_streamed_and_not(session, client,
     assert [v for p in pieces for v in p.text_offset] == choice.logprobs.text_offset
 
 
-def test_echo_returns_the_prompt_and_its_logprobs_before_the_output(session, client, tokenizer):
-    expected = session.generate(PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2,
+def test_echo_returns_the_prompt_and_its_logprobs_before_the_output(api_session, api_client, tokenizer):
+    expected = api_session.generate(PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2,
                                 prompt_logprobs=2)
-    got = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=6, logprobs=2, echo=True,
+    got = api_client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=6, logprobs=2, echo=True,
                                     **GREEDY)
     choice = got.choices[0]
     assert choice.text == PROMPT + expected.text
@@ -103,7 +89,7 @@ def test_echo_returns_the_prompt_and_its_logprobs_before_the_output(session, cli
     _assert_completion_logprobs(choice.logprobs, tokenizer, ids, expected.prompt_logprobs + expected.logprobs, 2)
     assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
 
-    chunks = list(client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=6, logprobs=2,
+    chunks = list(api_client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=6, logprobs=2,
                                             echo=True, stream=True, **GREEDY))
     assert chunks[0].choices[0].text == PROMPT
     assert "".join(c.choices[0].text for c in chunks) == choice.text
@@ -111,9 +97,9 @@ def test_echo_returns_the_prompt_and_its_logprobs_before_the_output(session, cli
     assert streamed == choice.logprobs.token_logprobs
 
 
-def test_prompt_logprobs_by_token_id(session, client, tokenizer):
-    expected = session.generate(PROMPT, max_tokens=2, temperature=0.0, prompt_logprobs=4)
-    got = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2, temperature=0,
+def test_prompt_logprobs_by_token_id(api_session, api_client, tokenizer):
+    expected = api_session.generate(PROMPT, max_tokens=2, temperature=0.0, prompt_logprobs=4)
+    got = api_client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2, temperature=0,
                                     extra_body={"prompt_logprobs": 4})
     choice = got.choices[0]
     assert choice.logprobs is None
@@ -126,9 +112,9 @@ def test_prompt_logprobs_by_token_id(session, client, tokenizer):
             assert value["decoded_token"] == _text(tokenizer, int(i))
 
 
-def test_chat_logprobs_with_20_top_tokens_streamed_and_not(session, client, tokenizer, chat_ids):
-    expected = session.generate(chat_ids, max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=20)
-    got = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=8, logprobs=True,
+def test_chat_logprobs_with_20_top_tokens_streamed_and_not(api_session, api_client, tokenizer, chat_ids):
+    expected = api_session.generate(chat_ids, max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=20)
+    got = api_client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=8, logprobs=True,
                                          top_logprobs=20, **GREEDY)
     content = got.choices[0].logprobs.content
     assert got.choices[0].message.content == expected.text and len(content) == 8
@@ -139,18 +125,18 @@ def test_chat_logprobs_with_20_top_tokens_streamed_and_not(session, client, toke
         assert math.isclose(item.top_logprobs[0].logprob, item.logprob, abs_tol=1e-6)  # greedy: the argmax
         assert all(a.logprob >= b.logprob for a, b in zip(item.top_logprobs, item.top_logprobs[1:]))
 
-    chunks = list(client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=8,
+    chunks = list(api_client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=8,
                                                  logprobs=True, top_logprobs=20, stream=True, **GREEDY))
     streamed = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
     assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
     assert all(len(i.top_logprobs) == 20 for i in streamed)
 
 
-def test_chat_logprobs_without_top_logprobs_give_the_chosen_token_alone(client, chat_ids):
-    got = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=3, logprobs=True,
+def test_chat_logprobs_without_top_logprobs_give_the_chosen_token_alone(api_client, chat_ids):
+    got = api_client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=3, logprobs=True,
                                          **GREEDY)
     assert [item.top_logprobs for item in got.choices[0].logprobs.content] == [[], [], []]
-    plain = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=3, **GREEDY)
+    plain = api_client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=3, **GREEDY)
     assert plain.choices[0].logprobs is None
 
 
@@ -160,13 +146,13 @@ def test_chat_logprobs_without_top_logprobs_give_the_chosen_token_alone(client, 
     ({"logprobs": 21}, "logprobs"),
     ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs"),
 ], ids=["top_logprobs-21", "top_logprobs-without-logprobs", "logprobs-21", "prompt_logprobs-negative"])
-def test_bad_logprob_fields_are_a_400_naming_the_field_and_the_fix(client, chat_ids, call, param):
+def test_bad_logprob_fields_are_a_400_naming_the_field_and_the_fix(api_client, chat_ids, call, param):
     call = dict(call)
     with pytest.raises(openai.BadRequestError) as err:
         if call.pop("chat", False):
-            client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2, **call)
+            api_client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2, **call)
         else:
-            client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2, **call)
+            api_client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2, **call)
     body = err.value.body
     assert err.value.status_code == 400 and body["param"] == param
     assert param in body["message"] and ("0 to 20" in body["message"] or "logprobs: true" in body["message"])

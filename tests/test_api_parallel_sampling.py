@@ -10,8 +10,6 @@ import math
 import openai
 import pytest
 
-from tests.sessions import tiny_session
-
 PROMPT = "Once upon a time"
 MESSAGES = [{"role": "user", "content": "tell me a story"}]
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -20,34 +18,22 @@ SAMPLED = {"max_tokens": 8, "seed": 17, "temperature": 1.0}
 IGNORE_EOS = {"extra_body": {"ignore_eos": True}}
 
 
-@pytest.fixture(scope="module")
-def session(tiny_llama_path):
-    yield from tiny_session()
-
-
-@pytest.fixture(scope="module")
-def client(session):
-    srv = session.serve_api()
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-    srv.stop()
-
-
 @pytest.fixture
-def chat_template(session):
-    hf = session.models["tiny-llama"].runner.tokenizer.hf
+def chat_template(api_session):
+    hf = api_session.models["tiny-llama"].runner.tokenizer.hf
     hf.chat_template = TEMPLATE
     yield
     hf.chat_template = None
 
 
-def _engine(session, prompt, **params):
+def _engine(api_session, prompt, **params):
     """The session's own generation of the same request (its completions by index)."""
-    return session.generate(prompt, ignore_eos=True, **params).outputs
+    return api_session.generate(prompt, ignore_eos=True, **params).outputs
 
 
-def test_completions_n_gives_the_engines_completions_by_index(client, session):
-    resp = client.completions.create(model="tiny-llama", prompt=PROMPT, n=3, **SAMPLED, **IGNORE_EOS)
-    engine = _engine(session, PROMPT, n=3, **SAMPLED)
+def test_completions_n_gives_the_engines_completions_by_index(api_client, api_session):
+    resp = api_client.completions.create(model="tiny-llama", prompt=PROMPT, n=3, **SAMPLED, **IGNORE_EOS)
+    engine = _engine(api_session, PROMPT, n=3, **SAMPLED)
     assert [c.index for c in resp.choices] == [0, 1, 2]
     assert [c.text for c in resp.choices] == [c.text for c in engine]
     assert len({c.text for c in resp.choices}) == 3
@@ -55,8 +41,8 @@ def test_completions_n_gives_the_engines_completions_by_index(client, session):
     assert all(c.finish_reason == "length" for c in resp.choices)
 
 
-def test_streamed_chunks_carry_their_choice_index(client, session):
-    stream = client.completions.create(model="tiny-llama", prompt=PROMPT, n=2, stream=True,
+def test_streamed_chunks_carry_their_choice_index(api_client, api_session):
+    stream = api_client.completions.create(model="tiny-llama", prompt=PROMPT, n=2, stream=True,
                                        stream_options={"include_usage": True}, **SAMPLED, **IGNORE_EOS)
     texts, reasons, usage = {0: "", 1: ""}, {}, None
     for chunk in stream:
@@ -66,18 +52,18 @@ def test_streamed_chunks_carry_their_choice_index(client, session):
             if c.finish_reason:
                 reasons[c.index] = c.finish_reason
         usage = chunk.usage or usage
-    engine = _engine(session, PROMPT, n=2, **SAMPLED)
+    engine = _engine(api_session, PROMPT, n=2, **SAMPLED)
     assert [texts[0], texts[1]] == [c.text for c in engine]
     assert reasons == {0: "length", 1: "length"} and usage.completion_tokens == 2 * SAMPLED["max_tokens"]
 
 
-def test_chat_n_streamed_and_not(client, session, chat_template):
-    resp = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, n=2, **SAMPLED, **IGNORE_EOS)
+def test_chat_n_streamed_and_not(api_client, api_session, chat_template):
+    resp = api_client.chat.completions.create(model="tiny-llama", messages=MESSAGES, n=2, **SAMPLED, **IGNORE_EOS)
     assert [c.index for c in resp.choices] == [0, 1]
     assert resp.usage.completion_tokens == 2 * SAMPLED["max_tokens"]
     streamed = {0: "", 1: ""}
     roles = set()
-    for chunk in client.chat.completions.create(model="tiny-llama", messages=MESSAGES, n=2, stream=True, **SAMPLED,
+    for chunk in api_client.chat.completions.create(model="tiny-llama", messages=MESSAGES, n=2, stream=True, **SAMPLED,
                                                 **IGNORE_EOS):
         for c in chunk.choices:
             streamed[c.index] += c.delta.content or ""
@@ -87,26 +73,26 @@ def test_chat_n_streamed_and_not(client, session, chat_template):
     assert [streamed[0], streamed[1]] == [c.message.content for c in resp.choices]
 
 
-def test_logprobs_per_choice(client, session):
-    resp = client.completions.create(model="tiny-llama", prompt=PROMPT, n=2, logprobs=2, **SAMPLED, **IGNORE_EOS)
-    engine = _engine(session, PROMPT, n=2, logprobs=2, **SAMPLED)
+def test_logprobs_per_choice(api_client, api_session):
+    resp = api_client.completions.create(model="tiny-llama", prompt=PROMPT, n=2, logprobs=2, **SAMPLED, **IGNORE_EOS)
+    engine = _engine(api_session, PROMPT, n=2, logprobs=2, **SAMPLED)
     for choice, done in zip(resp.choices, engine):
         expected = [e[t] for t, e in zip(done.token_ids, done.logprobs)]
         assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(choice.logprobs.token_logprobs, expected))
         assert len(choice.logprobs.top_logprobs) == SAMPLED["max_tokens"]
 
 
-def test_best_of_returns_the_n_best_and_does_not_stream(client, session):
-    resp = client.completions.create(model="tiny-llama", prompt=PROMPT, n=2, best_of=5, **SAMPLED, **IGNORE_EOS)
-    every = _engine(session, PROMPT, n=5, logprobs=0, **SAMPLED)
+def test_best_of_returns_the_n_best_and_does_not_stream(api_client, api_session):
+    resp = api_client.completions.create(model="tiny-llama", prompt=PROMPT, n=2, best_of=5, **SAMPLED, **IGNORE_EOS)
+    every = _engine(api_session, PROMPT, n=5, logprobs=0, **SAMPLED)
     ranked = sorted(every, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
     assert [c.text for c in resp.choices] == [c.text for c in ranked] and [c.index for c in resp.choices] == [0, 1]
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="tiny-llama", prompt=PROMPT, n=2, best_of=5, stream=True, **SAMPLED)
+        api_client.completions.create(model="tiny-llama", prompt=PROMPT, n=2, best_of=5, stream=True, **SAMPLED)
     assert err.value.body["param"] == "best_of" and "cannot stream" in err.value.body["message"]
 
 
-def test_n_beyond_max_num_seqs_is_a_400_naming_the_fix(client):
+def test_n_beyond_max_num_seqs_is_a_400_naming_the_fix(api_client):
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="tiny-llama", prompt=PROMPT, n=1000, max_tokens=2)
+        api_client.completions.create(model="tiny-llama", prompt=PROMPT, n=1000, max_tokens=2)
     assert "raise max_num_seqs" in err.value.body["message"]
