@@ -246,8 +246,10 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def _load(param: nn.Parameter, name: str, tensor: torch.Tensor, shard_id) -> None:
+        """`tensor` in the checkpoint's dtype: the loaders copy it into the parameter (copy_ converts as it goes)
+        or hand it whole to the layer's storage, which converts a chunk of rows at a time; a whole converted copy
+        first would be one more copy of the tensor (544 MiB for qwen2.5-0.5b's tied embedding in float32)."""
         loader = getattr(param, "weight_loader", None)
-        tensor = tensor.to(param.dtype)
         try:
             if loader is None:
                 default_weight_loader(param, tensor)
