@@ -67,8 +67,10 @@ def step_needs(shape: ModelShape, weights_bytes: int, kv_dtype_bytes: int, step,
     return read, flops
 
 
-def profile_case(runner: ModelRunner, shape: ModelShape, num: int, prompt_len: int, out_len: int,
-                 bandwidth: float, peak: float) -> dict:
+def profile_case(runner: ModelRunner, num: int, prompt_len: int, out_len: int, bandwidth: float | None = None,
+                 peak: float | None = None) -> dict:
+    """A case's figures: step ms, shares by kind of op, outside the forward, ms per layer; with the machine's
+    read `bandwidth` (bytes/s) and GEMM `peak` (FLOP/s), its floor and efficiency too."""
     prompts = [[7 + (i * 31 + j) % 500 for j in range(prompt_len)] for i in range(num)]
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     runner.generate(prompts, params)  # warm-up
@@ -77,20 +79,21 @@ def profile_case(runner: ModelRunner, shape: ModelShape, num: int, prompt_len: i
         runner.generate(prompts, params)
     steps = list(runner.engine.step_metrics)
     total, forward = sum(m.total_s for m in steps), sum(m.forward_s for m in steps)
-    stats = runner.memory_stats()
-    kv_bytes = torch.empty((), dtype=runner.config.torch_dtype).element_size()
-    floor = 0.0
-    for m in steps:
-        read, flops = step_needs(shape, stats["weights_bytes"], kv_bytes, m, prompt_len + out_len / 2)
-        floor += max(read / bandwidth, flops / peak)
+    shape = ModelShape.from_hf_config(runner.engine.worker.hf_config)
+    figures = {"step_ms": round(1e3 * total / len(steps), 2), "outside_forward": round(1 - forward / total, 3),
+               "layer_ms": round(1e3 * forward / len(steps) / shape.num_layers, 3)}
+    if bandwidth and peak:
+        weights = runner.memory_stats()["weights_bytes"]
+        kv_bytes = torch.empty((), dtype=runner.config.torch_dtype).element_size()
+        floor = sum(max(read / bandwidth, flops / peak) for read, flops in
+                    (step_needs(shape, weights, kv_bytes, m, prompt_len + out_len / 2) for m in steps))
+        figures.update(floor_ms=round(1e3 * floor / len(steps), 2), efficiency=round(floor / total, 3))
     by_kind: dict[str, float] = {}
     for event in prof.key_averages():
         by_kind[_kind(event.key)] = by_kind.get(_kind(event.key), 0.0) + event.self_cpu_time_total
     cpu = sum(by_kind.values())
     shares = {kind: round(by_kind.get(kind, 0.0) / cpu, 3) for kind, _ in KINDS + [("other", "")]}
-    return {**shares, "outside_forward": round(1 - forward / total, 3), "step_ms": round(1e3 * total / len(steps), 2),
-            "floor_ms": round(1e3 * floor / len(steps), 2), "efficiency": round(floor / total, 3),
-            "layer_ms": round(1e3 * forward / len(steps) / shape.num_layers, 3)}
+    return {**shares, **figures}
 
 
 def main() -> None:
@@ -117,9 +120,8 @@ def main() -> None:
         for mode in args.modes:
             runner = ModelRunner({"model": args.model, "dtype": dtype, "quantization": quantization,
                                   "max_num_seqs": 64, "compile": mode == "compiled"}).load_model()
-            shape = ModelShape.from_hf_config(runner.engine.worker.hf_config)
             for case in args.cases:
-                row = profile_case(runner, shape, *CASES[case], bandwidth, peak)
+                row = profile_case(runner, *CASES[case], bandwidth, peak)
                 figures[f"{case}/{fmt}/{mode}"] = row
                 print(f"{case:<15}{fmt:<7}{mode:<9}{row['step_ms']:>8.2f}{row['floor_ms']:>9.2f}"
                       f"{100 * row['efficiency']:>5.0f}%{row['layer_ms']:>9.3f}"

@@ -42,16 +42,19 @@ def engine_throughput(rows: Sequence[Mapping], title: str = "Useful tokens/s by 
     return fig
 
 
+# profile_case's figures beside the shares: the step's time, the part outside the forward, per layer, the floor
+NOT_SHARES = frozenset({"step_ms", "outside_forward", "layer_ms", "floor_ms", "efficiency"})
+
+
 def time_by_kind(cases: Mapping[str, Mapping[str, float]], title: str = "Where a step's time goes") -> go.Figure:
     """Stacked horizontal bars: per case (e.g. "decode 1"), the share of CPU time of each kind of
-    op ({case: {kind: share in 0..1}}, as `benchmarks/profile_step.profile_case` returns; keys
-    that are not shares of the op time, "step_ms" and "outside_forward", are left out of the
-    stack and the step time goes into the case's label)."""
+    op ({case: {kind: share in 0..1}}, as `benchmarks/profile_step.profile_case` returns; its keys
+    that are not shares of the op time, NOT_SHARES, are left out of the stack and the step time goes
+    into the case's label)."""
     fig = _figure(title, "share of the step's CPU time (%)", "", height=max(300, 170 + 60 * len(cases)))
     if not cases:
         return empty_note(fig, "no profiled case yet")
-    skip = {"step_ms", "outside_forward"}
-    kinds = list(dict.fromkeys(k for shares in cases.values() for k in shares if k not in skip))
+    kinds = list(dict.fromkeys(k for shares in cases.values() for k in shares if k not in NOT_SHARES))
     labels = [f"{case} ({shares['step_ms']:.1f} ms/step)" if "step_ms" in shares else case
               for case, shares in cases.items()]
     for i, kind in enumerate(kinds):
