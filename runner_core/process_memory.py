@@ -73,7 +73,10 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 def on_file_mapping(tensor: torch.Tensor) -> bool:
     """Whether `tensor`'s bytes lie in a mapped file (a checkpoint tensor that safetensors maps), per
-    /proc/self/maps; False where that cannot be read."""
+    /proc/self/maps; False for a tensor off the CPU (a device pointer may fall in a driver's mapping) and where
+    that cannot be read."""
+    if tensor.device.type != "cpu":
+        return False
     start = tensor.data_ptr()
     try:
         with open("/proc/self/maps") as f:
