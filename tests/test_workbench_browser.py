@@ -104,8 +104,11 @@ def test_dashboard_end_to_end(page):
     expect(error).to_contain_text("max_tokens got 0")
     expect(status).to_contain_text("idle")  # nothing hung
 
-    # a streamed generation: text shows up while it is still running; then cancel it
-    max_tokens.fill("2000")  # ~3 s or more: time to see it stream, and to cancel it
+    # a streamed generation, paced at 300 ms a step (2000 tokens: 10 minutes, so it is still running when the
+    # clicks below land, however far the page lags behind a busy machine): text shows up while it runs; then
+    # cancel it
+    page.locator(".wb-pace select").select_option("300 ms a step")
+    max_tokens.fill("2000")
     max_tokens.press("Enter")
     page.locator(".wb-ignore-eos input").check()
     temperature = page.locator(".wb-temperature input")
@@ -122,6 +125,7 @@ def test_dashboard_end_to_end(page):
     expect(error).to_contain_text("while 1 generation is running", timeout=SLOW)
     page.get_by_role("button", name="Cancel").click()
     expect(stats).to_contain_text("finished: abort", timeout=SLOW)
+    page.locator(".wb-pace select").select_option("full speed")
 
     # a chart gains points; the block map shows requests holding blocks while a workload runs
     expect(page.locator(".wb-chart-block-map")).to_contain_text("0 requests hold 0 of")  # the cancel freed them
