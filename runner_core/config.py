@@ -22,6 +22,7 @@ import torch
 
 from runner_core.errors import ConfigError
 from runner_core.layers.attention import ATTENTION_BACKENDS
+from runner_core.spec_decode.config import check_speculative_config
 
 logger = logging.getLogger("runner_core")
 
@@ -40,7 +41,7 @@ QUANT_GROUP_SIZES = (32, 64, 128)  # int4: weights along k sharing one scale and
 # how attention reads the KV pool; auto: flex on CUDA, the native kernel on the CPU when built, else gather
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # what a loaded runner changes without reloading a weight (ModelRunner.reconfigure), by what the change rebuilds
-RECONFIGURABLE = {"scheduler": ("max_num_seqs", "max_num_batched_tokens"),
+RECONFIGURABLE = {"scheduler": ("max_num_seqs", "max_num_batched_tokens", "speculative_config"),
                   "pool": ("block_size", "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching"),
                   "compile": ("compile", "compile_backend", "compile_mode", "compile_scope", "enforce_eager")}
 
@@ -213,9 +214,10 @@ def _check_backend(value: Any) -> str:
     return value
 
 
-def _check_memory_fraction(value: Any) -> float:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1):
-        raise _bad("gpu_memory_utilization", value, "a number in (0, 1]")
+def _check_number(name: str, value: Any, low: float, high: float, allowed: str) -> float:
+    """A number in (low, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
+        raise _bad(name, value, allowed)
     return float(value)
 
 
@@ -239,12 +241,6 @@ def _check_sizes(value: Any) -> list | None:
         raise _bad("compile_sizes", value, "None (the device's default), [] (none) or a list of ints >= 1, "
                                            "the decode batch sizes that get a static program")
     return sorted(set(value))
-
-
-def _check_timeout(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise _bad("parallel_timeout_s", value, "a number of seconds > 0")
-    return float(value)
 
 
 @dataclass(init=False)
@@ -289,6 +285,7 @@ class RunnerConfig:
     quantization: str | None = None
     quantization_group_size: int = 64
     quantize_lm_head: bool = False  # the LM head too (and a tied embedding reads its rows from it)
+    speculative_config: dict | None = None  # None (off) or vLLM's dict: runner_core/spec_decode/config.py
     seed: int = 0
 
     def __init__(self, config: RunnerConfig | Mapping[str, Any] | None = None, /, **kwargs: Any):
@@ -329,10 +326,12 @@ class RunnerConfig:
         self.tensor_parallel_size = _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         self.pipeline_parallel_size = _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         self.pipeline_stage_layers = _check_stage_layers(self.pipeline_stage_layers, self.pipeline_parallel_size)
-        self.parallel_timeout_s = _check_timeout(self.parallel_timeout_s)
+        self.parallel_timeout_s = _check_number("parallel_timeout_s", self.parallel_timeout_s, 0, float("inf"),
+                                               "a number of seconds > 0")
         self.trust_remote_code = _check_bool("trust_remote_code", self.trust_remote_code)
         self.model_impl = _check_choice("model_impl", self.model_impl, MODEL_IMPLS)
-        self.gpu_memory_utilization = _check_memory_fraction(self.gpu_memory_utilization)
+        self.gpu_memory_utilization = _check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1,
+                                                   "a number in (0, 1]")
         self.max_model_len = _check_int("max_model_len", self.max_model_len, 1, optional=True)
         self.max_num_seqs = _check_int("max_num_seqs", self.max_num_seqs, 1)
         self.max_num_batched_tokens = _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, True)
@@ -348,6 +347,7 @@ class RunnerConfig:
                                                      QUANT_GROUP_SIZES)
         self.quantize_lm_head = _check_bool("quantize_lm_head", self.quantize_lm_head)
         self.seed = _check_int("seed", self.seed, 0)
+        self.speculative_config = check_speculative_config(self)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"config field 'max_num_batched_tokens' got {self.max_num_batched_tokens!r}; allowed: "

@@ -47,6 +47,7 @@ DEFAULTS = {
     "quantization": None,
     "quantization_group_size": 64,
     "quantize_lm_head": False,
+    "speculative_config": None,
     "seed": 0,
 }
 

@@ -114,7 +114,7 @@ def test_an_unchanged_value_rebuilds_nothing(tiny_llama_path):
 
 def test_the_live_fields_are_the_contracts():
     assert RECONFIGURABLE == {
-        "scheduler": ("max_num_seqs", "max_num_batched_tokens"),
+        "scheduler": ("max_num_seqs", "max_num_batched_tokens", "speculative_config"),
         "pool": ("block_size", "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching"),
         "compile": ("compile", "compile_backend", "compile_mode", "compile_scope", "enforce_eager")}
 

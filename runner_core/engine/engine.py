@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 
 import torch
 
@@ -19,9 +18,10 @@ from runner_core.engine.input_processor import InputProcessor
 from runner_core.engine.multimodal import MultiModalItem, MultiModalProcessor
 from runner_core.engine.output_processor import OutputProcessor
 from runner_core.engine.parallel_sampling import ParentRequest, check_parallel_sampling, expand_forks
-from runner_core.engine.reconfigure import check_pool_fits, group_of, plan_reconfigure
+from runner_core.engine.reconfigure import reconfigure_engine
 from runner_core.engine.scheduler import Scheduler
 from runner_core.engine.sequence import RequestMetrics, RequestOutput, Sequence
+from runner_core.engine.spec_decode import SpecDecoder
 from runner_core.engine.step_metrics import StepObserver, StepTimes
 from runner_core.engine.structured_output import StructuredOutputs
 from runner_core.engine.threads import ThreadTuner
@@ -85,6 +85,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(tokenizer, self.vocab_size)
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len, clock)
         self.observer = StepObserver(self.memory, self.scheduler, self.max_model_len, moe_spec=moe_spec, clock=clock)
+        self.spec = SpecDecoder.create(config, self.max_model_len, self.vocab_size, cache is not None)  # None: off
         self.requests: dict[str, Sequence] = {}  # every sequence, a parallel-sampling request's children too
         self.groups: dict[str, ParentRequest] = {}  # the requests with n or best_of > 1, until their final output
         self._freed: list[str] = []  # requests freed since the last batch: their block-table rows go on every rank
@@ -156,7 +157,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _check_idle(self, what: str) -> None:
+    def check_idle(self, what: str) -> None:
         if self.has_unfinished_requests():
             raise EngineBusyError(f"cannot {what} while requests are running; wait for them to finish or abort them")
 
@@ -166,6 +167,8 @@ class LLMEngine:
         advanced and of every request that finished."""
         clock = self.clock
         start = clock.now()
+        if self.spec is not None:  # drafts for the running decodes (engine/spec_decode.py)
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         outputs = _present(self._fail(s, f"request needs {self.memory.blocks_for(s.num_tokens)} KV blocks but "
                                          f"the pool has {self.memory.num_blocks}; raise kv_cache_memory")
@@ -174,11 +177,11 @@ class LLMEngine:
             return outputs
         self.threads.before_step()
         freed, self._freed = self._freed + [s.request_id for s in sched.preempted], []
-        batch, ordered = StepBatch.build(sched.scheduled, freed, self.memory.take_copies())
+        batch, ordered = StepBatch.build(sched.scheduled, freed, self.memory.take_copies(), self.spec is not None)
         seqs = expand_forks([ordered[i] for i in batch.sample_rows], self._fork)
         scheduled = clock.now()
         try:
-            sampled, broken, prepare_s, expert_counts, executed = self._run_model(batch, seqs)
+            sampled, broken, prepare_s, expert_counts, executed = self._run_model(batch, seqs, ordered)
         except BaseException as e:
             self._freed[:0] = freed  # a rank may not have taken them: they go again with the next batch
             # a parallel runner lost a worker (the runner is over, tell the caller), or an interrupt
@@ -188,7 +191,7 @@ class LLMEngine:
             logger.exception("step failed; failing the %d scheduled requests", len(sched.scheduled))
             return outputs + _present(self._fail(s, f"{type(e).__name__}: {e}") for s, _ in sched.scheduled)
         for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted (SpecDecoder.settle)
             seq.num_sent_blocks = len(seq.block_table)  # every rank took the batch's entries
             self.memory.cache_blocks(seq)
         if broken:  # those requests fail; the rest of the batch goes on
@@ -197,27 +200,34 @@ class LLMEngine:
             seqs, sampled = _without_finished(seqs, sampled)
         if sampled is not None:
             outputs += self._append_tokens(seqs, sampled)
+        if batch.spec_rows:
+            self.spec.settle(self.memory)
         num_finished = sum(o.finished for o in outputs)  # a request's final output comes once
         end = clock.now()
         if self.threads.after_step(len(batch.token_ids), batch.num_prefill_tokens > 0, end - start):
             self.model_info["threads"] = self.threads.info()
         self.observer.on_step(sched, batch, len(seqs), num_finished,
                               StepTimes(start=start, scheduled=scheduled, executed=executed, end=end,
-                                        prepare_s=prepare_s), expert_counts, self.requests)
+                                        prepare_s=prepare_s), expert_counts, self.requests,
+                              self.spec.take_step_stats() if batch.spec_rows else None)
         return outputs
 
-    def _run_model(self, batch: StepBatch, seqs: list[Sequence]):
-        """Run the model on `batch` on every rank and sample a token for `seqs` (the batch's sampling rows):
-        (the SamplerOutput or None, rows whose logits were not finite, seconds preparing inputs, the MoE
-        expert counts or None, the clock when the model had run). A simulated engine replaces this."""
+    def _run_model(self, batch: StepBatch, seqs: list[Sequence], ordered: list[Sequence]):
+        """Run the model on `batch` (its sequences `ordered`) on every rank and sample a token for `seqs` (the
+        batch's sampling rows), verifying drafts where the batch has them: (the SamplerOutput or None, rows whose
+        logits were not finite, seconds preparing inputs, the MoE expert counts or None, the clock when the
+        model had run). A simulated engine replaces this."""
         constrained = self.structured.constrained_rows(seqs)
         masks = self.structured.start_fill(seqs, constrained) if constrained else None  # while the model runs
         logits, prepare_s, expert_counts = self.executor.call("execute_model", batch)
         executed = self.clock.now()
-        if batch.prompt_logits:  # the rows after the sampling ones: prompt positions
+        num_drafts = batch.num_spec_tokens
+        if batch.prompt_logits:  # the rows after the sampling ones (and the drafts'): prompt positions
             spans = [(self.requests[batch.request_ids[r]], p, c) for r, p, c in batch.prompt_logits]
-            self.output_processor.add_prompt_logprobs(spans, logits[len(seqs):])
-            logits = logits[:len(seqs)]
+            self.output_processor.add_prompt_logprobs(spans, logits[len(seqs) + num_drafts:])
+            logits = logits[:len(seqs) + num_drafts]
+        if num_drafts:
+            logits, draft_logits = logits[:len(seqs)], logits[len(seqs):]
         sampled, broken = None, []
         if seqs:
             logits, broken = nonfinite_rows(logits)
@@ -226,6 +236,8 @@ class LLMEngine:
             meta = SamplingMetadata.build([s.params for s in seqs], [s.generator for s in seqs],
                                           self.vocab_size, self.device)
             sampled = self.sampler(logits, meta)
+            if num_drafts:
+                sampled = self.spec.verify(seqs, sampled, draft_logits, [ordered[r] for r, _ in batch.spec_rows])
         return sampled, broken, prepare_s, expert_counts, executed
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -264,6 +276,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self._freed.append(seq.request_id)
         self.observer.on_release(seq.request_id)
+        if self.spec is not None:
+            self.spec.release(seq.request_id)
         self.structured.release(seq.request_id)
         self.requests.pop(seq.request_id, None)
         if seq.group is not None and not seq.group.live():  # its request's last sequence
@@ -286,7 +300,7 @@ class LLMEngine:
                          scope: str | None = None) -> dict:
         """Compile (or un-compile) on every rank without reloading weights; refused while requests
         are in flight. Options are validated here first (ConfigError naming the field)."""
-        self._check_idle("change the compile mode")
+        self.check_idle("change the compile mode")
         options = {"compile_backend": backend, "compile_mode": mode, "compile_scope": scope}
         RunnerConfig.coerce(self.config, **{k: v for k, v in options.items() if v is not None})
         return self.executor.call("set_compile_mode", enabled, backend, mode, scope)
@@ -295,31 +309,8 @@ class LLMEngine:
         """Change RECONFIGURABLE fields without reloading a weight, on every rank (`Worker.reconfigure`);
         refused while requests run. Returns {"changed": {field: [old, new]}, "rebuilt": "none",
         "scheduler", "pool" or "compile" (the largest part rebuilt), "seconds", "kv_tokens"}; a pool
-        rebuild drops the prefix cache's contents ("prefix_cache_dropped")."""
-        start = time.perf_counter()
-        new, changed, rebuilt = plan_reconfigure(self.config, fields)
-        result = {"changed": changed, "rebuilt": rebuilt, "prefix_cache_dropped": False}
-        if changed:
-            self._check_idle("reconfigure the runner")
-            if "block_size" in changed or "kv_cache_memory" in changed:
-                check_pool_fits(new, self.worker.pool_plan.bytes_per_token, self.max_model_len)
-            groups = tuple(sorted({group_of(name) for name in changed}))
-            done = self.executor.call("reconfigure", new, groups)
-            if "compile" in groups:  # its own call: a parallel runner does not time a compile as a hang
-                self.executor.call("set_compile_mode", new.compile and not new.enforce_eager, new.compile_backend,
-                                   new.compile_mode, new.compile_scope)
-            if done["pool"] and rebuilt == "scheduler":
-                result["rebuilt"] = "pool"  # the new limits plan a larger pool (or, on CUDA, a smaller one)
-            self.config, worker = new, self.worker
-            self.memory = self.scheduler.memory = self.observer.memory = worker.memory
-            self.scheduler.max_num_seqs = new.max_num_seqs
-            self.scheduler.max_num_batched_tokens = new.effective_max_num_batched_tokens
-            if worker.encoder_cache is not None:
-                self.scheduler.encoder_cached = worker.encoder_cache.__contains__
-            if done["pool"]:
-                self.observer.on_pool_resized()
-            result["prefix_cache_dropped"] = done["pool"]
-        return {**result, "seconds": time.perf_counter() - start, "kv_tokens": self.worker.pool_plan.num_tokens}
+        rebuild drops the prefix cache's contents ("prefix_cache_dropped"): engine/reconfigure.py."""
+        return reconfigure_engine(self, fields)
 
     def compile_stats(self) -> dict:
         return self.worker.compile_stats()
@@ -349,6 +340,8 @@ class LLMEngine:
     def memory_stats(self) -> dict:
         stats = {"device": str(self.device), **self.worker.memory_bytes(), "max_model_len": self.max_model_len,
                  **self.observer.memory_figures()}
+        if self.spec is not None:  # speculation's settings and figures since load (spec_decode/metrics.py)
+            stats["spec_decoding"] = self.spec.stats()
         if self.device.type == "cuda":
             cuda = torch.cuda.memory_stats(self.device)
             stats["cuda_reserved_bytes"] = cuda.get("reserved_bytes.all.current", 0)

@@ -1,7 +1,8 @@
 """ForwardPass: turns a step's batch into the model's input once per step and runs the model.
 
-Layout: decode sequences (one new token) first, then prefill chunks. A `StepBatch` says, per
-sequence, where its new tokens start, how many there are, those tokens and the entries its block
+Layout: decode sequences (one new token) first, then prefill chunks (and decodes carrying speculative drafts,
+which run as a chunk of their last token and drafts; never through the one-token decode programs). A
+`StepBatch` says, per sequence, where its new tokens start, how many there are, those tokens and the entries its block
 table gained; the rank's BlockTable takes those in, and `InputBuffers.fill` writes the step into
 buffers allocated once (ids, positions, slot mapping, block tables) and returns the step's
 `CommonAttentionMetadata`, from which the attention backend's builder
@@ -40,7 +41,7 @@ class ModelInput:
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
     meta: object  # the attention backend's metadata, on the device
-    logits_indices: torch.Tensor  # [S] flat index of the last token of each sampling sequence
+    logits_indices: torch.Tensor  # [S + D + P] flat index: each sampling row's last token, drafts, prompt
     num_prefill_tokens: int
     num_decode_tokens: int
     num_pad_tokens: int = 0  # rows added to reach a decode program's size (repeats of the first row)
@@ -102,6 +103,11 @@ class ForwardPass:
                                    decode_len=decode_len, num_pool_blocks=self._num_pool_blocks())
         ends = torch.cumsum(common.query_lens, 0) - 1
         logits_indices = ends[batch.sample_rows]
+        if batch.spec_rows:  # each verified row's positions before its last: its first token's on
+            rows, drafts = torch.tensor(batch.spec_rows).T
+            within = torch.arange(int(drafts.sum())) - torch.repeat_interleave(torch.cumsum(drafts, 0) - drafts, drafts)
+            firsts = torch.repeat_interleave((ends - common.query_lens + 1)[rows], drafts)
+            logits_indices = torch.cat([logits_indices, firsts + within])
         if batch.prompt_logits:  # flat index of a row's position p: the row's first token's, plus p - start
             firsts = ends - common.query_lens + 1
             logits_indices = torch.cat([logits_indices, *(torch.arange(c) + (firsts[r] + p - batch.starts[r])
@@ -111,7 +117,7 @@ class ForwardPass:
             positions=self.buffers.to_device("positions", common.positions),
             meta=self._metadata(common),
             logits_indices=logits_indices.to(self.device),
-            num_prefill_tokens=batch.num_prefill_tokens,
+            num_prefill_tokens=batch.num_prefill_tokens,  # a verified decode's tokens count: it runs as a chunk
             num_decode_tokens=d,
             num_pad_tokens=pad,
             multimodal=multimodal,

@@ -52,19 +52,27 @@ class StepBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # image tokens in the step: (flat index of the first, image hash, its first feature row, rows, pixels)
     images: list[tuple[int, str, int, int, torch.Tensor]] = field(default_factory=list)
+    # speculative decoding: (row, drafts) of each decode carrying drafts, whose logits rows follow the sampling
+    # rows' (one per draft: the positions before its last, which scores its bonus token) and precede prompt_logits
+    spec_rows: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def build(cls, scheduled: Seq[tuple[Sequence, int]], freed: Iterable[str] = (),
-              block_copies: Seq[tuple[int, int]] = ()) -> tuple[StepBatch, list[Sequence]]:
+              block_copies: Seq[tuple[int, int]] = (), spec: bool = False) -> tuple[StepBatch, list[Sequence]]:
         """The batch of (sequence, new tokens) pairs, and the sequences in the batch's order; `freed`:
         the requests whose blocks were freed since the last batch (finished, aborted, preempted);
-        `block_copies`: the scheduler's copies on write (MemoryManager.take_copies)."""
+        `block_copies`: the scheduler's copies on write (MemoryManager.take_copies); `spec`: speculation is
+        on, a decode's new tokens are its last token then its drafts (`Sequence.spec_token_ids`)."""
         ordered = [x for x in scheduled if x[1] == 1] + [x for x in scheduled if x[1] > 1]
         starts = [s.num_computed_tokens for s, _ in ordered]
         counts = [n for _, n in ordered]
-        ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
-        sample = [i for i, (s, n) in enumerate(ordered) if s.num_computed_tokens + n == s.num_tokens
-                  for _ in range(s.fork_into)]
+        spec_rows = []
+        if spec:
+            ids, sample, spec_rows = _with_drafts(ordered, starts)
+        else:
+            ids = list(chain.from_iterable(s.token_ids[st:st + n] for (s, n), st in zip(ordered, starts)))
+            sample = [i for i, (s, n) in enumerate(ordered) if s.num_computed_tokens + n == s.num_tokens
+                      for _ in range(s.fork_into)]
         prompt_logits = []
         for i, ((s, n), st) in enumerate(zip(ordered, starts)):
             if s.prompt_logprobs_pending:  # the positions not yet done, up to the one before the prompt's last
@@ -84,7 +92,8 @@ class StepBatch:
         batch = cls(request_ids=[s.request_id for s, _ in ordered], starts=starts, num_new_tokens=counts,
                     token_ids=ids, num_decodes=sum(1 for n in counts if n == 1), sample_rows=sample,
                     prompt_logits=prompt_logits,
-                    new_blocks=new_blocks, freed=list(freed), block_copies=list(block_copies), images=images)
+                    new_blocks=new_blocks, freed=list(freed), block_copies=list(block_copies), images=images,
+                    spec_rows=spec_rows)
         return batch, [s for s, _ in ordered]
 
     @property
@@ -92,9 +101,29 @@ class StepBatch:
         return len(self.token_ids) - self.num_decodes
 
     @property
+    def num_spec_tokens(self) -> int:
+        """The drafts the step verifies."""
+        return sum(d for _, d in self.spec_rows)
+
+    @property
     def num_logits(self) -> int:
-        """Rows of the step's logits: one per sampling sequence, then one per prompt-logprob position."""
-        return len(self.sample_rows) + sum(c for _, _, c in self.prompt_logits)
+        """Rows of the step's logits: one per sampling sequence, one per draft, one per prompt-logprob position."""
+        return len(self.sample_rows) + self.num_spec_tokens + sum(c for _, _, c in self.prompt_logits)
+
+
+def _with_drafts(ordered: list[tuple[Sequence, int]], starts: list[int]):
+    """(token ids, sampling rows, spec rows) of a batch whose decodes may carry drafts: such a row's tokens are
+    its last token then its drafts, and it samples (its drafts verified, its last position giving the bonus)."""
+    ids, sample, spec_rows = [], [], []
+    for i, ((s, n), st) in enumerate(zip(ordered, starts)):
+        drafts = s.spec_token_ids
+        ids += s.token_ids[st:st + n - len(drafts)]
+        ids += drafts
+        if drafts:
+            spec_rows.append((i, len(drafts)))
+        if s.num_computed_tokens + n - len(drafts) == s.num_tokens:
+            sample += [i] * s.fork_into
+    return ids, sample, spec_rows
 
 
 class BlockTable:

@@ -23,31 +23,47 @@ class OutputProcessor:
         self._prompt_ids: dict[str, list[int]] = {}
 
     def append(self, seqs: list[Sequence], sampled) -> list[tuple[Sequence, list[int], str]]:
-        """Append one sampled token per sequence; returns (sequence, new ids, new text) for the
-        sequences that finished or stream."""
-        updates = []
+        """Append one sampled token per sequence, or where `sampled.runs` gives a row's tokens (speculative
+        decoding's accepted drafts and the token after them: engine/spec_decode.py), those, in turn, up to a stop
+        (the tokens past it are dropped); returns (sequence, new ids, new text) for the sequences that finished or
+        stream."""
+        updates, runs = [], getattr(sampled, "runs", None)
         now = self.clock.now()
         token_ids = sampled.sampled_token_ids.tolist()
         lp_ids = sampled.logprob_token_ids.tolist() if sampled.logprob_token_ids is not None else None
         lp_vals = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         for i, (seq, tok) in enumerate(zip(seqs, token_ids)):
-            seq.token_ids.append(tok)
-            seq.metrics.token_times.append(now)  # the step's one clock read, for each of its tokens
-            if seq.logprobs is not None:
-                k = seq.params.logprobs + 1
-                seq.logprobs.append(dict(zip(lp_ids[i][:k], lp_vals[i][:k])))
-                seq.cumulative_logprob += lp_vals[i][0]  # the sampled token's
             prev_len = len(seq.detokenizer.text) if seq.detokenizer is not None else 0
-            delta = seq.detokenizer.add([tok]) if seq.detokenizer is not None and self.tokenizer is not None else ""
-            self.check_stop(seq, tok, now)
+            run = runs[i] if runs is not None else None
+            if run is None:
+                new, delta = [tok], self._add(seq, tok, now, lp_ids and lp_ids[i], lp_vals and lp_vals[i])
+            else:  # no logprobs: a request asking for them gets no drafts
+                new, delta = [], ""
+                for tok in run:
+                    new.append(tok)
+                    delta += self._add(seq, tok, now, None, None)
+                    if seq.is_finished:
+                        break
             if seq.is_finished and seq.detokenizer is not None:
                 # final text: cut at a stop string, else the full decode (flushes held-back bytes)
                 if seq.text is None:
                     seq.text = self._decode(seq)
                 delta = seq.text[prev_len:]
             if seq.is_finished or seq.detokenizer is not None:
-                updates.append((seq, [tok], delta))
+                updates.append((seq, new, delta))
         return updates
+
+    def _add(self, seq: Sequence, tok: int, now: float, lp_ids: list[int] | None, lp_vals: list[float] | None) -> str:
+        """Append one token (its logprobs, from the sampler's row), check the stop conditions: the new text."""
+        seq.token_ids.append(tok)
+        seq.metrics.token_times.append(now)  # the step's one clock read, for each of its tokens
+        if seq.logprobs is not None:
+            k = seq.params.logprobs + 1
+            seq.logprobs.append(dict(zip(lp_ids[:k], lp_vals[:k])))
+            seq.cumulative_logprob += lp_vals[0]  # the sampled token's
+        delta = seq.detokenizer.add([tok]) if seq.detokenizer is not None and self.tokenizer is not None else ""
+        self.check_stop(seq, tok, now)
+        return delta
 
     def add_prompt_logprobs(self, spans: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
         """Record prompt logprobs from `logits` [rows, V], the rows of each (sequence, first position, count)

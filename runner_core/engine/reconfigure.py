@@ -1,10 +1,13 @@
-"""Planning a live change of a loaded runner's settings (`LLMEngine.reconfigure`): which RECONFIGURABLE group
-each field is in, what a change rebuilds, the fields that need a reload refused, and a pool too small for one
-max_model_len sequence refused."""
+"""A live change of a loaded runner's settings (`LLMEngine.reconfigure`): which RECONFIGURABLE group
+each field is in, what a change rebuilds, the fields that need a reload refused, a pool too small for one
+max_model_len sequence refused, and the change made on the engine and every rank (`reconfigure_engine`)."""
 
 from __future__ import annotations
 
+import time
+
 from runner_core.config import RECONFIGURABLE, RunnerConfig
+from runner_core.engine.spec_decode import SpecDecoder
 from runner_core.errors import ConfigError
 
 _REBUILDS = ("none", "scheduler", "pool", "compile")  # what a change rebuilds, least to most
@@ -41,3 +44,36 @@ def check_pool_fits(config: RunnerConfig, bytes_per_token: int, max_model_len: i
             f"config field 'kv_cache_memory' got {config.kv_cache_memory!r}: with block_size={bs} the KV pool "
             f"holds {tokens} tokens, fewer than one max_model_len={max_model_len} sequence needs; allowed: "
             f"at least {-(-max_model_len // bs) * bs * bytes_per_token} bytes")
+
+
+def reconfigure_engine(engine, fields: dict) -> dict:
+    """Make the change of `fields` on an idle `engine` (LLMEngine.reconfigure says what it returns)."""
+    start = time.perf_counter()
+    new, changed, rebuilt = plan_reconfigure(engine.config, fields)
+    result = {"changed": changed, "rebuilt": rebuilt, "prefix_cache_dropped": False}
+    if changed:
+        engine.check_idle("reconfigure the runner")
+        if "block_size" in changed or "kv_cache_memory" in changed:
+            check_pool_fits(new, engine.worker.pool_plan.bytes_per_token, engine.max_model_len)
+        if "speculative_config" in changed:  # refused here, before any rank changes, for a model it cannot run
+            spec = SpecDecoder.create(new, engine.max_model_len, engine.vocab_size,
+                                      engine.worker.encoder_cache is not None)
+        groups = tuple(sorted({group_of(name) for name in changed}))
+        done = engine.executor.call("reconfigure", new, groups)
+        if "compile" in groups:  # its own call: a parallel runner does not time a compile as a hang
+            engine.executor.call("set_compile_mode", new.compile and not new.enforce_eager, new.compile_backend,
+                                 new.compile_mode, new.compile_scope)
+        if done["pool"] and rebuilt == "scheduler":
+            result["rebuilt"] = "pool"  # the new limits plan a larger pool (or, on CUDA, a smaller one)
+        engine.config, worker = new, engine.worker
+        engine.memory = engine.scheduler.memory = engine.observer.memory = worker.memory
+        engine.scheduler.max_num_seqs = new.max_num_seqs
+        engine.scheduler.max_num_batched_tokens = new.effective_max_num_batched_tokens
+        if "speculative_config" in changed:
+            engine.spec = spec
+        if worker.encoder_cache is not None:
+            engine.scheduler.encoder_cached = worker.encoder_cache.__contains__
+        if done["pool"]:
+            engine.observer.on_pool_resized()
+        result["prefix_cache_dropped"] = done["pool"]
+    return {**result, "seconds": time.perf_counter() - start, "kv_tokens": engine.worker.pool_plan.num_tokens}

@@ -4,7 +4,9 @@ Each step first advances running sequences (a decode is one token, an unfinished
 prompt continues with a chunk), preempting the newest running sequence by recompute
 when the pool has no block left, then admits waiting sequences while the token budget,
 `max_num_seqs` and free blocks allow (a parallel-sampling request counts as the sequences it forks into).
-Long prompts are split into chunks (chunked prefill); a
+With speculative decoding a decode carries its drafts (`Sequence.spec_token_ids`): they count in the token
+budget, are cut to what the budget leaves, and are dropped (a plain decode) before a sequence is preempted for
+their blocks. Long prompts are split into chunks (chunked prefill); a
 chunk never ends inside an image's placeholder tokens unless the image's features are cached
 (`encoder_cached`), so an image is encoded once for the whole of it.
 """
@@ -64,6 +66,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput, needed_by: Sequence) -> None:
         self.memory.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -90,8 +93,15 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            if seq.spec_token_ids:  # a decode's drafts (engine/spec_decode.py), as many as the budget leaves room for
+                del seq.spec_token_ids[budget - 1:]
+                n += len(seq.spec_token_ids)
             target = seq.num_computed_tokens + n
             while not self.memory.can_allocate(seq, target):
+                if seq.spec_token_ids:  # the drafts go before any sequence is preempted: a plain decode
+                    n, target = 1, seq.num_computed_tokens + 1
+                    seq.spec_token_ids.clear()
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, out, seq)
                 if victim is seq:

@@ -10,6 +10,7 @@ import torch
 
 from runner_core.engine.multimodal import MultiModalItem
 from runner_core.sampling_params import SamplingParams
+from runner_core.spec_decode.metrics import SpecDecodingStats
 
 
 class SequenceStatus(enum.Enum):
@@ -45,6 +46,7 @@ class RequestMetrics:
     error: str | None = None
     num_preemptions: int = 0
     side: str = "engine"  # or "client"
+    spec_decoding: SpecDecodingStats | None = None  # its drafts and how many were accepted (speculation on)
 
     def finish(self, now: float, reason: str | None, error: str | None = None) -> None:
         """End the record at `now`; "error" and "abort" are errors (`error` says why, or the reason does)."""
@@ -91,12 +93,14 @@ class RequestMetrics:
         """A finished or streaming RequestOutput's `metrics`: TTFT, the decode rate (1 / TPOT, once
         finished) and E2E in seconds, preemptions and prompt tokens found in the prefix cache."""
         tpot = self.tpot if self.finished_time is not None else None
+        spec = {} if self.spec_decoding is None else {"spec_decoding": self.spec_decoding.as_dict()}
         return {
             "time_to_first_token_s": self.ttft,
             "tokens_per_s": 1 / tpot if tpot else None,
             "latency_s": self.e2e,
             "num_preemptions": self.num_preemptions,
             "num_cached_prompt_tokens": num_cached_tokens,
+            **spec,
         }
 
 
@@ -132,6 +136,7 @@ class Sequence:
     detokenizer: object | None = None
     text: str | None = None  # final text, set when the request finishes
     mm_items: tuple[MultiModalItem, ...] = ()  # its images, by placeholder position
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts the next step verifies (engine/spec_decode.py)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property

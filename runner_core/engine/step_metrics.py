@@ -34,6 +34,7 @@ from runner_core.engine.step_detail import StepDetailRecorder
 from runner_core.errors import InvalidRequestError
 from runner_core.memory import FragmentationTracker, MemoryManager
 from runner_core.memory.fragmentation import static_reservation_waste
+from runner_core.spec_decode.metrics import SpecDecodingStats
 
 PENDING_LIMIT = 4096  # admissions and releases the first-fit simulation is left behind by, at most
 
@@ -77,6 +78,10 @@ class StepMetrics:
     firstfit_external_fragmentation: float | None = None  # ... and the holes between those reservations
     # the step's shape, decodes first: tokens already in the pool and tokens run, per sequence (the cost model's input)
     batch_shape: tuple[list[int], list[int]] = ((), ())
+    # speculative decoding: the drafts the step verified and what was accepted (None: it verified none); a verified
+    # decode counts in num_decode_tokens for its last token, its drafts in num_spec_tokens, not as prefill
+    num_spec_tokens: int = 0
+    spec_decoding: SpecDecodingStats | None = None
 
 
 @dataclass(slots=True)
@@ -110,8 +115,10 @@ class StepObserver:
         self.seconds = 0.0  # spent in on_step, in all
 
     def on_step(self, sched: SchedulerOutput, batch: StepBatch, num_sampled: int, num_finished: int,
-                times: StepTimes, expert_counts: torch.Tensor | None = None, requests: dict | None = None) -> None:
-        """Record the step just run; `requests` (the engine's live ones) feed the step detail, when it is on."""
+                times: StepTimes, expert_counts: torch.Tensor | None = None, requests: dict | None = None,
+                spec_decoding: SpecDecodingStats | None = None) -> None:
+        """Record the step just run; `requests` (the engine's live ones) feed the step detail, when it is on;
+        `spec_decoding`: the drafts the step verified (engine/spec_decode.py)."""
         t = self.clock.now()
         if expert_counts is not None:
             expert_counts = expert_counts.cpu()
@@ -122,17 +129,20 @@ class StepObserver:
                                       min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)))
         running = self.scheduler.running
         blocks = self.memory.block_counts()
+        num_spec = batch.num_spec_tokens
         self.num_steps += 1
         record = StepMetrics(
             step=self.num_steps, time=times.end, num_seqs=len(sched.scheduled),
-            num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decodes, num_sampled=num_sampled,
+            num_prefill_tokens=batch.num_prefill_tokens - num_spec - len(batch.spec_rows),
+            num_decode_tokens=batch.num_decodes + len(batch.spec_rows), num_sampled=num_sampled,
             num_preempted=len(sched.preempted), num_admitted=len(sched.admitted), num_finished=num_finished,
             num_waiting=len(self.scheduler.waiting), num_running=len(running),
             schedule_s=times.scheduled - times.start, prepare_s=times.prepare_s,
             forward_s=times.executed - times.scheduled - times.prepare_s, sample_s=times.end - times.executed,
             observe_s=0.0, total_s=0.0, blocks_used=blocks["blocks_used"], blocks_free=blocks["blocks_free"],
             blocks_cached=blocks["blocks_cached"], prefix_cache_hit_rate=blocks["prefix_cache_hit_rate"],
-            expert_counts=expert_counts, batch_shape=(batch.starts, batch.num_new_tokens))
+            expert_counts=expert_counts, batch_shape=(batch.starts, batch.num_new_tokens), num_spec_tokens=num_spec,
+            spec_decoding=spec_decoding)
         if self.detail is not None:
             self.detail.record(self.num_steps, sched, self.scheduler.waiting, requests or {}, self.memory.pool)
         if self.waste_per_step:

@@ -111,6 +111,18 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, T
     return torch.cat([col, top.indices], dim=1), torch.cat([logprobs.gather(1, col), top.values], dim=1)
 
 
+def processed_probs(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """The distribution each random row samples from: softmax(logits / temperature) over the tokens its top-k,
+    top-p and min-p filters keep (a greedy row's, where the batch has random ones, at temperature 1)."""
+    temperature = meta.temperature
+    if not meta.all_random:
+        temperature = torch.where(temperature == 0, 1.0, temperature)
+    logits = logits / temperature.unsqueeze(1)
+    if not meta.no_top_p_top_k_min_p:
+        logits = apply_top_k_top_p_min_p(logits, meta.top_k, meta.top_p, meta.min_p)
+    return logits.softmax(dim=-1)
+
+
 def greedy(logits: Tensor) -> Tensor:
     """logits.argmax(dim=-1) of float32 [B, V] logits; on the CPU through the native kernel."""
     if logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0 and cpu_kernels_available():
@@ -136,13 +148,7 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample_random(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-        temperature = meta.temperature
-        if not meta.all_random:
-            temperature = torch.where(temperature == 0, 1.0, temperature)
-        logits = logits / temperature.unsqueeze(1)
-        if not meta.no_top_p_top_k_min_p:
-            logits = apply_top_k_top_p_min_p(logits, meta.top_k, meta.top_p, meta.min_p)
-        probs = logits.softmax(dim=-1)
+        probs = processed_probs(logits, meta)
         q = torch.empty_like(probs)
         if len(meta.generators) < q.shape[0]:
             q.exponential_()  # one draw for every unseeded row

@@ -148,6 +148,18 @@ class MemoryManager:
         seq.block_hashes = []
         seq.num_sent_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens' (speculative decoding's rejected drafts: the
+        slots they wrote in a kept block are simply written again later). They were never full of final tokens,
+        so never cached. The ranks take the whole table again with the next batch (a write from index 0 cuts
+        their row where it ends)."""
+        keep = self.blocks_for(num_tokens)
+        if len(seq.block_table) > keep:
+            for block_id in reversed(seq.block_table[keep:]):
+                self.pool.release(self.pool.blocks[block_id])
+            del seq.block_table[keep:]
+            seq.num_sent_blocks = 0
+
     # ---- prefix caching ---------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
         """For a sequence with no blocks yet: take the cached full blocks of its longest cached

@@ -20,7 +20,7 @@ from runner_core.engine.engine import LLMEngine
 from runner_core.engine.input_processor import InputProcessor
 from runner_core.engine.threads import ThreadTuner, usable_cores
 from runner_core.engine.worker import LocalExecutor
-from runner_core.errors import InvalidRequestError
+from runner_core.errors import ConfigError, InvalidRequestError
 from runner_core.layers.sampler import SamplerOutput
 from runner_core.loader.model_loader import read_hf_config
 from runner_core.loader.tokenizer import has_tokenizer_files, load_tokenizer
@@ -81,6 +81,7 @@ class SimulatedWorker:
         follows the scheduler's limits), rebuilt when its settings changed or the plan's size did (as the
         real worker: larger, or on a GPU smaller too; or the simulated blocks' cap did). Raises ConfigError with
         nothing changed."""
+        check_not_speculative(config)
         estimate, plan = self._plan(config)
         planned, blocks = self.planned_blocks, simulated_blocks(plan, config)
         rebuild = ("pool" in groups or plan.num_blocks > planned or blocks != self.memory.num_blocks
@@ -144,6 +145,7 @@ class SimulatedEngine(LLMEngine):
 
     def __init__(self, config: RunnerConfig, worker: SimulatedWorker, hf_config, adapter, tokenizer,
                  eos_token_ids, cost_model: CostModel, simulation: Simulation, info: dict, dtype_reason: str):
+        check_not_speculative(config)
         self._setup(config, worker, LocalExecutor(worker), tokenizer, hf_config, VirtualClock(), None)
         self.inputs = SimulatedInputs(tokenizer, self.vocab_size, adapter.architecture)
         self.cost_model, self.simulation = cost_model, simulation
@@ -171,7 +173,7 @@ class SimulatedEngine(LLMEngine):
         seq.logprobs = None  # no logits: logprobs give None
         return seq
 
-    def _run_model(self, batch, seqs):
+    def _run_model(self, batch, seqs, ordered=None):
         self.clock.advance(self.cost_model.step_time(batch.starts, batch.num_new_tokens, len(seqs)))
         sampled = SamplerOutput(self._draw(len(seqs)), None, None) if seqs else None
         return sampled, [], 0.0, None, self.clock.now()
@@ -230,3 +232,10 @@ def build_simulated_engine(config: RunnerConfig, simulation: Simulation) -> Simu
     return SimulatedEngine(config, worker, hf_config, adapter, tokenizer if has_tokenizer_files(path) else None,
                            tokenizer.eos_token_ids, cost_model, simulation,
                            simulation.info(hardware, coefficients, config), dtype_reason)
+
+
+def check_not_speculative(config: RunnerConfig) -> None:
+    """Refuse speculative decoding: the cost model prices no verification step yet."""
+    if config.speculative_config is not None:
+        raise ConfigError("config field 'speculative_config' is set for a simulated runner: the what-if cost model "
+                          "does not price verification steps yet; simulate with speculative_config=None")
