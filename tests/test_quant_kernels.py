@@ -76,6 +76,24 @@ def test_int8_with_an_odd_k_equals_linear(tier, m, dtype):
     torch.testing.assert_close(got.float(), want, atol=tol * k ** 0.5, rtol=tol)
 
 
+# int4 groups whose k pairs are no multiple of the one-row tiles' unroll (group 12: 6 pairs, 20: 10), n past a
+# panel's edge, and large off-centre weights and activations: the bfloat16 tier adds 128 x to each product
+# (its nibbles are read as the bfloat16 128 + q) and takes it off once per group, which must not cost accuracy
+@pytest.mark.parametrize("m", [1, 3, 14])
+@pytest.mark.parametrize("group", [12, 20, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_int4_edge_groups_and_large_values_equal_linear(tier, m, group, dtype):
+    fmt, n, k = QuantFormat.of("int4", group), 19, 3 * 320 // group * group
+    g = torch.Generator().manual_seed(group + m)
+    tensors = quantize(50 * torch.randn(n, k, generator=g) + 200 * torch.rand(n, 1, generator=g), fmt)
+    x = (30 * torch.randn(m, k, generator=g) + 5).to(dtype)
+    got = quant_linear(x, pack(tensors, fmt, n, k), fmt, n, None)
+    want = F.linear(x.float(), dequantize(tensors, fmt))
+    scale = F.linear(x.float().abs(), dequantize(tensors, fmt).abs())  # sum of |products|: what rounding scales with
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    assert ((got.float() - want).abs() <= tol * scale + 1e-3).all()
+
+
 @pytest.mark.parametrize("fmt", FORMATS[:2], ids=IDS[:2])
 def test_quant_linear_with_several_threads_equals_one(tier, fmt):
     n, k = 1000, 256

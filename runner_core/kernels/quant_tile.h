@@ -241,9 +241,9 @@ inline void row_i4(const float* x, const float* xsum, const uint8_t* q, const fl
 }
 
 #if defined(__AVX512BF16__)
-// bfloat16 x on AVX512-BF16, two rows or more: a k pair of 16 columns in one vdpbf16ps per row. The
-// stored integers (|q| <= 127) are exact in bfloat16 and x is bfloat16 already, so every product is
-// exact and the sums are float32, as in the widened path (which one row takes: it is bound by memory).
+// bfloat16 x on AVX512-BF16: a k pair of 16 columns in one vdpbf16ps per row. The stored integers are
+// exact in bfloat16 and x is bfloat16 already, so every product is exact and the sums are float32, as in
+// the widened path. int8 takes it from two rows (one row is faster widened: see tile_i8_dp), int4 from one.
 constexpr int MR_DP = 12;
 
 // two vectors of integer-valued floats -> bfloat16 pairs (even k in the low half of each 32-bit lane):
@@ -251,6 +251,22 @@ constexpr int MR_DP = 12;
 inline __m512bh qpairs(__m512 even, __m512 odd) {
   return (__m512bh)_mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(_mm512_castps_si512(even), 16),
                                            _mm512_castps_si512(odd));
+}
+
+// int4: 16 bytes (16 columns' k pair) -> the bfloat16 pairs (128 + even nibble, 128 + odd nibble), with no
+// conversion: 0x4300 | n is the bfloat16 of 128 + n (n < 128: [128, 256) has a step of 1). Four integer ops
+// where widening through float32 takes seven; the 128 x added per k is taken off once per group (I4_OFFSET).
+constexpr float I4_OFFSET = 128.f;
+inline __m512bh u4_pairs(const uint8_t* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  // (b | b << 12) & 0x000F000F: the even nibble in bits 0-3, the odd one in bits 16-19
+  const __m512i n = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+  return (__m512bh)_mm512_or_si512(n, _mm512_set1_epi32(0x43004300));
+}
+
+// a group's sum over (128 + q) x -> its share of y: scale (acc - 128 xsum) + min xsum
+inline QF i4_group(QF acc, QF scale, QF min, float xsum, QF c) {
+  return QV::fma(_mm512_fnmadd_ps(QV::bcast(I4_OFFSET), scale, min), QV::bcast(xsum), QV::fma(scale, acc, c));
 }
 
 template <class O, int MR>
@@ -275,16 +291,34 @@ inline void tile_i4_dp(const uint16_t* x, int64_t ldx, const float* xsum, int64_
     QF a[MR];
     for (int r = 0; r < MR; ++r) a[r] = QV::zero();
     for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) {
-      QF even, odd;
-      QV::u4(q + j * NR, even, odd);
-      const __m512bh w = qpairs(even, odd);
+      const __m512bh w = u4_pairs(q + j * NR);
       for (int r = 0; r < MR; ++r) a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)pair_bits(x + r * ldx + 2 * j), w);
     }
     const QF s = QV::load(scales + g * NR), mn = QV::load(mins + g * NR);
-    for (int r = 0; r < MR; ++r)
-      c[r][0] = QV::fma(mn, QV::bcast(xsum[r * ldxs + g]), QV::fma(s, a[r], c[r][0]));
+    for (int r = 0; r < MR; ++r) c[r][0] = i4_group(a[r], s, mn, xsum[r * ldxs + g], c[r][0]);
   }
   qstore<O, MR>(c, nullptr, bias, y, ldy, ncols);
+}
+
+// int4, one row: four chains (four k pairs) per group, prefetching ahead
+template <class O>
+inline void row_i4_dp(const uint16_t* x, const float* xsum, const uint8_t* q, const float* scales, const float* mins,
+                      int64_t k, int64_t group, const float* bias, O* y, int64_t ncols) {
+  QF c[1][1] = {{QV::zero()}};
+  for (int64_t g = 0; g * group < k; ++g) {
+    QF a[4] = {QV::zero(), QV::zero(), QV::zero(), QV::zero()};
+    const int64_t end = (g + 1) * group / 2;
+    int64_t j = g * group / 2;
+    for (; j + 4 <= end; j += 4) {
+      qprefetch(q + j * NR);
+      for (int u = 0; u < 4; ++u)
+        a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)pair_bits(x + 2 * (j + u)), u4_pairs(q + (j + u) * NR));
+    }
+    for (; j < end; ++j) a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)pair_bits(x + 2 * j), u4_pairs(q + j * NR));
+    const QF acc = QV::add(QV::add(a[0], a[1]), QV::add(a[2], a[3]));
+    c[0][0] = i4_group(acc, QV::load(scales + g * NR), QV::load(mins + g * NR), xsum[g], c[0][0]);
+  }
+  qstore<O, 1>(c, nullptr, bias, y, 0, ncols);
 }
 #endif
 
@@ -315,7 +349,7 @@ inline void quant_panel_rows(const QuantArgs& a, const float* xsum, int64_t r0, 
   const float* x = a.x + r0 * k;
   O* y = static_cast<O*>(a.y) + r0 * ldy + p * NR;
 #if defined(__AVX512BF16__)
-  const bool dp = a.x_bf16 != nullptr && k % 2 == 0 && m > 1;
+  const bool dp = a.x_bf16 != nullptr && k % 2 == 0;
   const uint16_t* x16 = a.x_bf16 + r0 * k;
 #endif
   if (a.group == 0) {
@@ -333,7 +367,7 @@ inline void quant_panel_rows(const QuantArgs& a, const float* xsum, int64_t r0, 
       }
     };
 #if defined(__AVX512BF16__)
-    if (dp) return over_rows<MR_DP>(m, tile);
+    if (dp && m > 1) return over_rows<MR_DP>(m, tile);
 #endif
     return over_rows<QV::MR8>(m, tile);
   }
@@ -345,6 +379,9 @@ inline void quant_panel_rows(const QuantArgs& a, const float* xsum, int64_t r0, 
   const auto tile = [&](auto rows, int64_t r) {
     constexpr int R = decltype(rows)::value;
     if constexpr (R == 1) {
+#if defined(__AVX512BF16__)
+      if (dp) return row_i4_dp<O>(x16 + r * k, xs + r * groups, q, scales, mins, k, a.group, bias, y + r * ldy, ncols);
+#endif
       row_i4<O>(x + r * k, xs + r * groups, q, scales, mins, k, a.group, bias, y + r * ldy, ncols);
     } else {
 #if defined(__AVX512BF16__)
