@@ -15,18 +15,19 @@ MKL), so an AVX2 row compares AVX2 code with AVX2 code; the micro-architecture s
              torch's weight-only ops (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) and
              our panels of the dtype, in the same rounds; us per call and GB/s of each one's stored
              bytes read (the panels: the dtype's), at m = 1 also the share of the bandwidth. torch's
-             ops take a scalar path for float32 x (seconds per call at m > 1): there m = 1 only.
+             ops take a scalar path for float32 x (seconds per call at m > 1): there m = 1 only. `--hot`:
+             one copy of each weight, read from the caches (where it fits): each kernel's compute ceiling.
   attention  decode (one query per sequence, 8 sequences, block size 16, the blocks shuffled in the
              pool) at a few context lengths: the kernel reading K/V in place against the torch path
              (gather the sequences' K/V, then runner_core.layers.gather_attention.decode_attention); GB/s of K/V read.
-The two engines take turns in each of `--repeats` rounds (after one untimed pass); the median and
-range over the rounds. The bandwidth is benchmarks/machine.py's probe (sum and copy past the
-last-level cache) in each tier's process, with its threads, before and after its rows, pooled. Every row names the
-CPU and the tier; the last stdout line is one JSON object with every figure.
+The engines take turns in each of `--repeats` rounds (after one untimed pass); the median and range over the
+rounds. The bandwidth is benchmarks/machine.py's probe (sum and copy past the last-level cache) in each tier's
+process, with its threads, before and after its rows, pooled. Every row names the CPU and the tier; the last
+stdout line is one JSON object with every figure.
 
 Run:  make bench-kernels    or    .venv/bin/python benchmarks/native_kernels.py [--tiers avx2] [--dtypes bfloat16]
                                       [--models qwen2.5-0.5b] [--rows 1,16] [--repeats 5]
-                                      [--sections quant] [--quant-group 64]
+                                      [--sections quant] [--quant-group 64] [--hot]
 """
 
 from __future__ import annotations
@@ -133,8 +134,7 @@ def gemm_rows(dtype: torch.dtype, models: list[str], rows: list[int], repeats: i
             for row in _gemm_layer(dtype, k, n, rows, repeats, llc)]
 
 
-def _quant_layer(dtype: torch.dtype, k: int, n: int, rows: list[int], repeats: int, llc: int,
-                 group: int) -> list[dict]:
+def _quant_layer(dtype: torch.dtype, k: int, n: int, rows: list[int], repeats: int, llc: int, group: int) -> list[dict]:
     from runner_core.kernels import pack_panels, panel_linear
     from runner_core.layers.quantization import QuantFormat, pack, quant_linear, quantize
 
@@ -174,8 +174,7 @@ def _quant_layer(dtype: torch.dtype, k: int, n: int, rows: list[int], repeats: i
     return out
 
 
-def quant_rows(dtype: torch.dtype, models: list[str], rows: list[int], repeats: int, llc: int,
-               group: int) -> list[dict]:
+def quant_rows(dtype: torch.dtype, models: list[str], rows: list[int], repeats: int, llc: int, group: int) -> list:
     return [{"model": model, "layer": layer, **row} for model in models for layer, (k, n) in LAYERS[model].items()
             for row in _quant_layer(dtype, k, n, rows, repeats, llc, group)]
 
@@ -215,8 +214,7 @@ def _attention_case(dtype: torch.dtype, model: str, ctx: int, repeats: int, llc:
     return row
 
 
-def attention_rows(dtype: torch.dtype, models: list[str], contexts: list[int], repeats: int,
-                   llc: int) -> list[dict]:
+def attention_rows(dtype: torch.dtype, models: list[str], contexts: list[int], repeats: int, llc: int) -> list[dict]:
     return [_attention_case(dtype, model, ctx, repeats, llc) for model in models for ctx in contexts]
 
 
@@ -238,7 +236,8 @@ def worker(args) -> None:
         if "gemm" in args.sections:
             result["gemm"][name] = gemm_rows(dtype, args.models, args.rows, args.repeats, llc)
         if "quant" in args.sections:
-            result["quant"][name] = quant_rows(dtype, args.models, args.rows, args.repeats, llc, args.quant_group)
+            result["quant"][name] = quant_rows(dtype, args.models, args.rows, args.repeats, 0 if args.hot else llc,
+                                               args.quant_group)
         if "attention" in args.sections:
             result["attention"][name] = attention_rows(dtype, args.models, args.contexts, args.repeats, llc)
     probes.append(machine.bandwidth_probes("cpu", calls=3))
@@ -354,6 +353,7 @@ def main() -> None:
                    help="comma-separated: " + ", ".join(SECTIONS))
     p.add_argument("--quant-group", type=int, default=64, choices=(32, 64, 128), help="int4 group size (quant)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the tiers' processes (default: torch's)")
+    p.add_argument("--hot", action="store_true", help="quant: one copy of each weight, reused from the caches")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     for what, given, known in (("dtype", args.dtypes, DTYPES), ("model", args.models, LAYERS),
@@ -385,7 +385,7 @@ def main() -> None:
                    "--models", ",".join(args.models), "--rows", ",".join(map(str, args.rows)),
                    "--contexts", ",".join(map(str, args.contexts)), "--repeats", str(args.repeats),
                    "--threads", str(args.threads), "--sections", ",".join(args.sections),
-                   "--quant-group", str(args.quant_group)]
+                   "--quant-group", str(args.quant_group), *(["--hot"] if args.hot else [])]
         print(f"tier {tier}: {' '.join(f'{k}={v}' for k, v in TIER_ENV[tier].items())} ...", flush=True)
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
         if done.returncode != 0:

@@ -7,8 +7,9 @@
 //   the group computed once per row and group (tier.cpp) and shared by every column.
 // A tile of MR rows widens each panel step once and multiplies it into all its rows (what makes m > 1
 // fast); one row takes a tile unrolled over k (independent accumulator chains), prefetching ahead.
-// x comes widened to float32 (once per call, dispatch.cpp); on AVX512-BF16 a bfloat16 x of two rows or
-// more is multiplied as it is, a k pair per vdpbf16ps (exact products: see tile_i8_dp).
+// x comes widened to float32 (once per call, dispatch.cpp); on AVX512-BF16 a bfloat16 x is multiplied as
+// it is, a k pair per vdpbf16ps (exact products): int8 from two rows (one row is faster widened), int4 from
+// one (its nibbles become the bfloat16 128 + q by integer ops alone, u4_pairs; 128 sum(x) taken off per group).
 // The arithmetic is float32 x float32: VNNI's int8 dot products would need the activations quantized to
 // int8 too (W8A8), which is another numeric result than these weight-only formats give, so none is used.
 // QV is the tier's vector: AVX512 (16 floats), AVX2 (8), plain (16, vectorised by the compiler).
