@@ -160,3 +160,44 @@ def test_a_refused_reconfigure_leaves_speculation_off(tiny_llama_path):
         assert runner.config.speculative_config is None and runner.engine.spec is None
     finally:
         runner.shutdown()
+
+
+def _chi_square_critical(df: int, z: float = 3.090) -> float:
+    """The chi-square critical value at alpha = 0.001 (z: the normal's 0.999 quantile), Wilson-Hilferty's
+    approximation (within 1% for df >= 3)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_sampled_output_through_the_engine_follows_the_same_distribution(tmp_path):
+    """Two-sample chi-square (homogeneity) test of the sixth output token of 1,000 seeded requests at temperature
+    0.6 with speculation (k = 3, prompt lookup from 1-grams, so most steps verify drafts: accepted ones, the
+    residual's draws and bonus tokens all reach that position) against 1,000 without, on a 32-token random model;
+    tokens with fewer than 5 expected per side are pooled, alpha = 0.001 (Wilson-Hilferty's critical value). Each
+    request has its own seed (i), so the test is deterministic. Power (noncentral chi-square, about 20 bins): a
+    shift of 0.06 of probability between two tokens of p = 0.1 (noncentrality about 36) is found with probability
+    about 0.75; a wrong residual (the rejected draft kept: shifts of 0.1 and more) with about 1. The exact rule
+    itself is tested against p with more samples above."""
+    from tests.helpers import make_tiny_hf_model
+
+    path = make_tiny_hf_model(tmp_path, vocab_size=32, seed=0)
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]
+    base = {"model": str(path), "dtype": "float32", "kv_cache_memory": 1 << 24, "max_num_seqs": 256,
+            "max_num_batched_tokens": 2048}
+    samples = {}
+    for name, spec in (("plain", None), ("spec", {"num_speculative_tokens": 3, "prompt_lookup_min": 1})):
+        runner = ModelRunner({**base, "speculative_config": spec}).load_model()
+        try:
+            params = [SamplingParams(temperature=0.6, max_tokens=8, seed=i, ignore_eos=True) for i in range(1000)]
+            samples[name] = torch.tensor([o.token_ids[5] for o in runner.generate([prompt] * 1000, params)])
+            if spec is not None:
+                assert runner.memory_stats()["spec_decoding"]["num_accepted_tokens"] > 50
+        finally:
+            runner.shutdown()
+    counts = torch.stack([torch.bincount(samples[k], minlength=32) for k in ("plain", "spec")]).double()
+    total = counts.sum(0)
+    small = total / 2 < 5
+    table = torch.cat([counts[:, ~small], counts[:, small].sum(1, keepdim=True)], 1) if small.any() else counts
+    table = table[:, table.sum(0) > 0]
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    assert stat < _chi_square_critical(table.shape[1] - 1), (stat, table)

@@ -1,0 +1,162 @@
+"""Speculative decoding benchmark: batch-1 greedy decoding of copy-heavy prompts with the n-gram (prompt-lookup)
+proposer at k = 1..8 draft tokens, against the same runner without speculation.
+
+Models: tiny-speaker (the trained preset, whose continuations copy spans of code and docstrings) and small-llama
+(random weights: it copies only where greedy decoding falls into a loop), float32, eager, one process, one runner
+per model switched between the settings with `reconfigure(speculative_config=...)` (no weight changes, nothing
+recompiled). Workload: `PROMPTS`, code and text whose continuations repeat spans of the prompt, each one request
+at a time (batch 1), greedy, EOS ignored, `--max-tokens` output tokens.
+  a run     every prompt in turn under one setting: output tokens / seconds of the whole run (prefill included),
+            and the acceptance rate (accepted / proposed draft tokens) and mean acceptance length (tokens a
+            verified step gains) of the run's requests.
+  rounds    `--repeats` (>= 3) rounds, each running every setting once, the order rotating each round, after one
+            warm-up of each. Reported: each setting's median tokens/s and range over the rounds, its speed-up
+            over "off" (of the medians, and round by round), and the acceptance figures (the same every round:
+            greedy output does not vary).
+The speed-up target (issue 42: >= 2x on a copy-heavy workload) is refused as a verdict on a busy machine
+(benchmarks/verdicts.py): the figures are then indicative. Every figure names the CPU and kernel tier. The last
+stdout line is one JSON object of every figure.
+
+Run:  .venv/bin/python benchmarks/spec_decode.py [--models tiny-speaker small-llama] [--ks 1 2 3 4 5 6 7 8]
+          [--repeats 3] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import runner_core  # noqa: F401  (before torch: runner_core sets OpenMP's wait policy as torch loads)
+
+try:  # run as a script: benchmarks/ is on sys.path
+    import machine
+    import verdicts
+except ImportError:  # run as `python -m benchmarks.spec_decode`
+    from benchmarks import machine, verdicts
+
+SPEEDUP_TARGET = 2.0  # speculative / plain tokens per second at batch 1, at least (issue 42)
+PROMPTS = [
+    "def get_name(self):\n    return self.name\n\ndef get_path(self):\n    return self.path\n\n"
+    "def get_size(self):\n    return self.size\n\ndef get_mode(self):\n    return self.",
+    "Return the list of the names of the files in the directory. Return the list of the names of the",
+    "class Reader:\n    def read(self, size):\n        return self.stream.read(size)\n\n"
+    "class Writer:\n    def write(self, data):\n        return self.stream.",
+]
+
+
+def timed_run(runner, max_tokens: int) -> dict:
+    """Every prompt, one request at a time, greedy: tokens/s and the acceptance figures of these requests."""
+    from runner_core import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    busy, own, start = machine.busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    outs = [runner.generate(prompt, params)[0] for prompt in PROMPTS]
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    spec = [o.metrics["spec_decoding"] for o in outs if "spec_decoding" in o.metrics]
+    drafts, proposed = sum(s["num_drafts"] for s in spec), sum(s["num_draft_tokens"] for s in spec)
+    accepted = sum(s["num_accepted_tokens"] for s in spec)
+    out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+           "acceptance_rate": accepted / proposed if proposed else None,
+           "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+           "token_ids": [o.token_ids for o in outs]}
+    if busy is not None:
+        others = machine.busy_cpu_seconds() - busy - (time.process_time() - own)
+        out["others_cores"] = max(0.0, others) / seconds
+    return out
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def bench_model(model: str, settings: dict, args, start) -> dict:
+    from runner_core import ModelRunner
+
+    runner = ModelRunner(model=model, dtype="float32", compile=False, max_num_seqs=4,
+                         max_model_len=512).load_model()
+    runs = {name: [] for name in settings}
+    try:
+        names = list(settings)
+        for name in names:  # warm-up
+            runner.reconfigure(speculative_config=settings[name])
+            timed_run(runner, args.max_tokens)
+        for r in range(args.repeats):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                runner.reconfigure(speculative_config=settings[name])
+                res = timed_run(runner, args.max_tokens)
+                runs[name].append(res)
+                rate = res["acceptance_rate"]
+                print(f"  {model} round {r + 1} {name}: {res['tokens']} tokens in {res['seconds']:.2f} s = "
+                      f"{res['tokens_per_s']:.1f} tokens/s" + (f", acceptance {rate:.2f}" if rate is not None else "")
+                      + f"; cores others kept busy {res.get('others_cores', float('nan')):.2f}", flush=True)
+    finally:
+        runner.shutdown()
+    same = all(x["token_ids"] == runs["off"][0]["token_ids"] for rs in runs.values() for x in rs)
+    rates = {name: spread([x["tokens_per_s"] for x in rs]) for name, rs in runs.items()}
+    out = {"greedy_output_identical": same, "settings": {}}
+    for name, rs in runs.items():
+        speedup = rates[name]["median"] / rates["off"]["median"]
+        per_round = spread([a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rs, runs["off"])])
+        out["settings"][name] = {"tokens_per_s": rates[name], "speedup": speedup, "speedup_per_round": per_round,
+                                 "acceptance_rate": rs[0]["acceptance_rate"],
+                                 "mean_acceptance_length": rs[0]["mean_acceptance_length"],
+                                 "others_cores": [x.get("others_cores") for x in rs]}
+    best = max((n for n in settings if n != "off"), key=lambda n: out["settings"][n]["speedup"])
+    during = [verdicts.Quiet(x["others_cores"], start.cores, f"{model} round {i + 1}'s {name} run")
+              for name, rs in runs.items() for i, x in enumerate(rs) if "others_cores" in x]
+    out["best"] = best
+    out["verdict"] = verdicts.outcome(out["settings"][best]["speedup"] >= SPEEDUP_TARGET, start, *during)
+    print(f"  {model}: greedy output identical in every setting: {same}")
+    print(f"  {'setting':>8} {'tokens/s median [range]':>28} {'speed-up':>9} {'acceptance':>10} {'mean length':>11}")
+    for name, f in out["settings"].items():
+        acc, length = f["acceptance_rate"], f["mean_acceptance_length"]
+        print(f"  {name:>8} {f['tokens_per_s']['median']:>10.1f} [{f['tokens_per_s']['min']:.1f}-"
+              f"{f['tokens_per_s']['max']:.1f}]{'':>6} {f['speedup']:>8.2f}x "
+              f"{'-' if acc is None else f'{acc:.2f}':>10} {'-' if length is None else f'{length:.2f}':>11}")
+    print(f"  {model}: best {best}, {out['settings'][best]['speedup']:.2f}x; target >= {SPEEDUP_TARGET}x: "
+          f"{out['verdict']}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["tiny-speaker", "small-llama"], help="presets or model directories")
+    ap.add_argument("--ks", nargs="+", type=int, default=list(range(1, 9)), help="num_speculative_tokens values")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128, help="output tokens of each request")
+    ap.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
+    ap.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or args.max_tokens < 1 or any(k < 1 for k in args.ks):
+        ap.error("--repeats, --max-tokens and every --ks value must be >= 1 (3 or more repeats for a median with "
+                 "a range)")
+    start = verdicts.quiet_at_start()  # before this benchmark runs anything of its own
+    from runner_core.host import machine_name
+
+    name = machine_name()
+    print(f"CPU and tier: {name}")
+    print(f"load average at the start: {start.load:.2f} on {start.cores} cores (quiet up to {start.limit:.2f}: "
+          f"{'quiet' if start.ok else 'NOT quiet, the speed verdict refused'})", flush=True)
+    settings = {"off": None, **{f"k={k}": {"method": "ngram", "num_speculative_tokens": k,
+                                           "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
+                                for k in args.ks}}
+    models = {}
+    for model in args.models:
+        print(f"{model}: {len(PROMPTS)} copy-heavy prompts at batch 1, {args.max_tokens} tokens each, "
+              f"{args.repeats} rounds of {len(settings)} settings", flush=True)
+        models[model] = bench_model(model, settings, args, start)
+    end_load = os.getloadavg()[0]
+    print(f"load average after: {end_load:.2f}; CPU and tier: {name}")
+    figures = {"machine": name, "models": models, "ks": args.ks, "max_tokens": args.max_tokens,
+               "repeats": args.repeats, "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min,
+               "speedup_target": SPEEDUP_TARGET, "quiet_at_start": start.as_dict(), "load_average_after": end_load}
+    print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
