@@ -90,5 +90,5 @@ def check_speculative_config(config) -> dict | None:
     if value is not None and config.pipeline_parallel_size > 1:
         raise ConfigError(f"config field {FIELD!r} is set with pipeline_parallel_size="
                           f"{config.pipeline_parallel_size}: speculative decoding does not run over pipeline stages "
-                          "yet; use pipeline_parallel_size=1 (tensor parallelism works) or speculative_config=None")
+                          "yet; use pipeline_parallel_size=1 or speculative_config=None")
     return value
