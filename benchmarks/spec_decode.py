@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import runner_core  # noqa: F401  (before torch: runner_core sets OpenMP's wait policy as torch loads)
@@ -63,14 +62,9 @@ def timed_run(runner, max_tokens: int) -> dict:
            "acceptance_rate": accepted / proposed if proposed else None,
            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
            "token_ids": [o.token_ids for o in outs]}
-    if busy is not None:
-        others = machine.busy_cpu_seconds() - busy - (time.process_time() - own)
-        out["others_cores"] = max(0.0, others) / seconds
+    if busy is not None:  # the cores other processes kept busy meanwhile
+        out["others_cores"] = max(0.0, machine.busy_cpu_seconds() - busy - time.process_time() + own) / seconds
     return out
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def bench_model(model: str, settings: dict, args, start) -> dict:
@@ -96,11 +90,11 @@ def bench_model(model: str, settings: dict, args, start) -> dict:
     finally:
         runner.shutdown()
     same = all(x["token_ids"] == runs["off"][0]["token_ids"] for rs in runs.values() for x in rs)
-    rates = {name: spread([x["tokens_per_s"] for x in rs]) for name, rs in runs.items()}
+    rates = {name: verdicts.spread([x["tokens_per_s"] for x in rs]) for name, rs in runs.items()}
     out = {"greedy_output_identical": same, "settings": {}}
     for name, rs in runs.items():
         speedup = rates[name]["median"] / rates["off"]["median"]
-        per_round = spread([a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rs, runs["off"])])
+        per_round = verdicts.spread([a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rs, runs["off"])])
         out["settings"][name] = {"tokens_per_s": rates[name], "speedup": speedup, "speedup_per_round": per_round,
                                  "acceptance_rate": rs[0]["acceptance_rate"],
                                  "mean_acceptance_length": rs[0]["mean_acceptance_length"],
@@ -134,13 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.repeats < 1 or args.max_tokens < 1 or any(k < 1 for k in args.ks):
         ap.error("--repeats, --max-tokens and every --ks value must be >= 1 (3 or more repeats for a median with "
                  "a range)")
-    start = verdicts.quiet_at_start()  # before this benchmark runs anything of its own
-    from runner_core.host import machine_name
-
-    name = machine_name()
-    print(f"CPU and tier: {name}")
-    print(f"load average at the start: {start.load:.2f} on {start.cores} cores (quiet up to {start.limit:.2f}: "
-          f"{'quiet' if start.ok else 'NOT quiet, the speed verdict refused'})", flush=True)
+    start, name = verdicts.announce_start()  # before this benchmark runs anything of its own
     settings = {"off": None, **{f"k={k}": {"method": "ngram", "num_speculative_tokens": k,
                                            "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
                                 for k in args.ks}}

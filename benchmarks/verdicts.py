@@ -16,6 +16,7 @@ X on N cores)" instead of met or not met; the figures are still printed.
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass
 
 # A quiet machine: at most half a runnable process per core from others (the kernel's 1-minute load average,
@@ -53,6 +54,23 @@ class Quiet:
 def quiet_at_start() -> Quiet:
     """The 1-minute load average (os.getloadavg) against os.cpu_count(): call it first thing."""
     return Quiet(os.getloadavg()[0], os.cpu_count() or 1)
+
+
+def spread(values: list[float]) -> dict:
+    """The median and range of a figure over rounds."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def announce_start() -> tuple[Quiet, str]:
+    """`quiet_at_start()` (call it first thing) and the CPU's name and kernel tier, both printed."""
+    start = quiet_at_start()
+    from runner_core.host import machine_name
+
+    name = machine_name()
+    print(f"CPU and tier: {name}")
+    print(f"load average at the start: {start.load:.2f} on {start.cores} cores (quiet up to {start.limit:.2f}: "
+          f"{'quiet' if start.ok else 'NOT quiet, the speed verdict refused'})", flush=True)
+    return start, name
 
 
 def outcome(met: bool, *quiet: Quiet | None, words: tuple[str, str] = ("met", "NOT met")) -> str:
