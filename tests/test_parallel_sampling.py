@@ -52,6 +52,8 @@ def test_n4_shares_the_prompt_blocks_copies_the_partial_one_and_frees_them(runne
     assert all(t == tables[0] for t in tables)
     assert all(engine.memory.ref_counts[b] == 4 for b in tables[0])
     assert len(engine.kv_block_map()["shared"]) == prompt_blocks
+    # the shared partial block's empty slots count once: the pool holds the prompt once
+    assert runner.memory_stats()["kv_utilization"] == pytest.approx(len(prompt) / (prompt_blocks * bs))
     engine.step()  # each child writes its first token into the partial block: three copy it, the last keeps it
     tables = [engine.requests[rid].block_table for rid in ("g", "g#1", "g#2", "g#3")]
     assert _used(engine) == prompt_blocks + 3

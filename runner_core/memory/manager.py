@@ -309,12 +309,14 @@ class MemoryManager:
 
     def stats(self, live: Iterable[Sequence]) -> dict:
         """`block_counts` with the KV utilization and internal fragmentation of the `live` sequences.
-        Every block of a live sequence is full except its last (shared blocks are full), so the
-        figures cost O(live sequences)."""
+        Every block of a live sequence is full except its last, so the figures cost O(live sequences).
+        A last block that forked sequences still share (until the first of them writes to it) holds
+        their common tokens: its empty slots count once, keyed by the block."""
         counts = self.block_counts()
         hit_rate = counts.pop("prefix_cache_hit_rate")
         allocated = counts["blocks_used"] * self.block_size
-        empty = sum(len(s.block_table) * self.block_size - s.num_computed_tokens for s in live if s.block_table)
+        empty = sum({s.block_table[-1]: len(s.block_table) * self.block_size - s.num_computed_tokens
+                     for s in live if s.block_table}.values())
         return {
             **counts,
             "kv_utilization": (allocated - empty) / allocated if allocated else 0.0,
