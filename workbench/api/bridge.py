@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from workbench.api.protocol import spec_of
+
 
 class Job:
     """One served request of `n` completions (`stream`: its text pieces are wanted as they come). `next()`
@@ -38,7 +40,7 @@ class Job:
             pass
 
     def _done(self, handle) -> None:
-        self.metrics.observe(handle.metrics, self.model or handle.model)
+        self.metrics.observe(handle.metrics, self.model or handle.model, spec_of(handle))
         self._wake(None)
 
     async def next(self, request=None, poll_s: float = 0.5) -> str:

@@ -1,7 +1,9 @@
 """The API's /metrics: Prometheus text from a registry of its own (one per server, not prometheus_client's
 global one), with vLLM-like names under `runner_workbench:`, each model labelled by the name the API serves it
 under (names.py: a directory's name, never its path). Gauges are read from the session when scraped; counters
-and histograms count the requests this server answered."""
+and histograms count the requests this server answered, speculative decoding's too (vLLM's spec_decode_* names:
+drafts, draft tokens, accepted tokens, and accepted tokens by draft position, labelled `position`; acceptance
+rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts)."""
 
 from __future__ import annotations
 
@@ -45,12 +47,27 @@ class ApiMetrics:
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
                               "Mean time per output token after the first, per served request.", label,
                               buckets=TPOT_BUCKETS, registry=reg)
+        self.spec_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Speculative drafts verified.", label,
+                                   registry=reg)
+        self.spec_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed.", label,
+                                         registry=reg)
+        self.spec_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", label,
+                                     registry=reg)
+        self.spec_accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by their position in the draft.",
+                                             label + ["position"], registry=reg)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end latency of served requests.",
                              label, buckets=E2E_BUCKETS, registry=reg)
 
-    def observe(self, metrics: RequestMetrics, model: str) -> None:
+    def observe(self, metrics: RequestMetrics, model: str, spec: dict | None = None) -> None:
         """Count a finished request by its RequestMetrics (the engine's times from the session's submit) under
-        `model`, the name it was served under."""
+        `model`, the name it was served under; `spec`: its speculation figures (SpecDecodingStats.as_dict)."""
+        if spec:
+            self.spec_drafts.labels(model).inc(spec["num_drafts"])
+            self.spec_draft_tokens.labels(model).inc(spec["num_draft_tokens"])
+            self.spec_accepted.labels(model).inc(spec["num_accepted_tokens"])
+            for position, accepted in enumerate(spec["num_accepted_tokens_per_pos"]):
+                self.spec_accepted_per_pos.labels(model, str(position)).inc(accepted)
         n = metrics.num_output_tokens
         self.prompt_tokens.labels(model).inc(metrics.num_prompt_tokens)
         self.generation_tokens.labels(model).inc(n)

@@ -148,9 +148,30 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, spec: dict | None = None) -> dict:
+    """OpenAI's usage object. With `spec` (a request's SpecDecodingStats as a dict: speculation verified drafts
+    for it) two additions a client that does not know them ignores: OpenAI's `completion_tokens_details` with
+    the draft tokens accepted and rejected (its names for predicted outputs, the same idea), and the extension
+    `spec_decoding` with the drafts, the draft tokens, the accepted ones in all and by position, and the mean
+    acceptance length (the tokens a verified step gave, the bonus one included)."""
+    use = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if spec:
+        drafted, accepted = spec["num_draft_tokens"], spec["num_accepted_tokens"]
+        use["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafted - accepted}
+        use["spec_decoding"] = {key: spec[key] for key in SPEC_USAGE_KEYS}
+    return use
+
+
+SPEC_USAGE_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
+                   "mean_acceptance_length")
+
+
+def spec_of(handle) -> dict | None:
+    """A finished request's speculation figures (its RequestOutput's metrics["spec_decoding"]), None without."""
+    output = handle.output
+    return None if output is None else (output.metrics or {}).get("spec_decoding")
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,

@@ -12,7 +12,7 @@ from typing import Any
 
 MIB = 2**20
 # keys whose value is a fraction of something (0..1), shown in percent
-FRACTION_WORDS = ("utilization", "fragmentation", "waste", "hit_rate")
+FRACTION_WORDS = ("utilization", "fragmentation", "waste", "hit_rate", "acceptance_rate")
 
 
 def format_value(key: str, value: Any) -> str:

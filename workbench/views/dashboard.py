@@ -18,13 +18,14 @@ from workbench.runtime.model_roots import ModelRoots
 from workbench.session import Session
 from workbench.views import layout
 from workbench.views.controller import ViewController, default_device
+from workbench.views.spec_view import SpecControls
 from workbench.views.step_view import StepControls
 from workbench.views.whatif_view import WhatifControls
 
 logger = logging.getLogger("workbench")
 
 
-class Dashboard(ViewController, WhatifControls, StepControls):
+class Dashboard(ViewController, WhatifControls, StepControls, SpecControls):
     """The layout and its refresh over `session`, made with `toolkit` (see workbench.views.panel_app.PanelToolkit
     for what a toolkit does); `live_charts`: the Live tab's charts shown (layout.CHART_NAMES: all)."""
 
@@ -45,6 +46,7 @@ class Dashboard(ViewController, WhatifControls, StepControls):
         self.wire_buttons()
         self.wire_whatif()
         self.wire_steps()
+        self.wire_spec()
         toolkit.on_change(self.active_select, self.on_active)
         toolkit.on_change(self.image_input, self.on_image)
         toolkit.on_change(self.window_select, self.on_chart_window)

@@ -1,7 +1,7 @@
 """Every form of the dashboards, defined once for both views (workbench.views.fields): the Live tab's model,
-compile, generation and workload forms, its chart window and its step view (the x axis, the pace, pause / step /
-resume and the replay slider), the Tuning tab's sweep and the What-if tab's layouts. A control is added here, in
-one place; the views lay the rows out and `fields.Field.check` bounds what they send."""
+compile, speculative decoding, generation and workload forms, its chart window and its step view (the x axis, the
+pace, pause / step / resume and the replay slider), the Tuning tab's sweep and the What-if tab's layouts. A control
+is added here, in one place; the views lay the rows out and `fields.Field.check` bounds what they send."""
 
 from __future__ import annotations
 
@@ -54,6 +54,15 @@ COMPILE_FORM = (
            help="auto: inductor default on CUDA (the runner captures CUDA graphs), max-autotune on the CPU")),
     (Field("compile_scope", "scope", "choice", "model", options=tuple(COMPILE_SCOPES), width=SIDE),),
     (Action("compile_button", "Apply compile mode", icon="bolt", css_name="wb-apply-compile"),),
+)
+
+# ---- Live: speculative decoding (n-gram prompt lookup), switched by reconfigure (no reload) ------------------------
+SPEC_FORM = (
+    (Field("spec_on", "n-gram speculation", "check", False, width=None, css_name="wb-spec",
+           help="draft tokens copied from the prompt and output so far, verified in one forward pass"),),
+    (Field("spec_k", "k (draft tokens)", "int", 4, low=1, high=16, width=SIDE,
+           help="num_speculative_tokens: the drafts proposed per sequence per step"),
+     Action("spec_button", "Apply speculation", icon="forward", css_name="wb-apply-spec")),
 )
 
 # ---- Live: a generation and a workload ----------------------------------------------------------------

@@ -15,8 +15,8 @@ from workbench.views import forms
 from workbench.views.fields import Action, Field
 
 CHART_CSS = {"charts": "wb-chart-", "tune_charts": "wb-tune-", "whatif_charts": "wb-whatif-"}  # group -> css prefix
-CHART_NAMES = ("throughput", "blocks", "block_map", "batch", "waste", "step_times", "memory", "weights", "compile",
-               "expert_load")
+CHART_NAMES = ("throughput", "blocks", "block_map", "batch", "waste", "step_times", "spec_decoding", "memory",
+               "weights", "compile", "expert_load")
 TUNE_CHARTS = ("pareto", "latency", "pass_fail")
 WHATIF_CHARTS = ("pareto", "memory", "latency")
 
@@ -83,7 +83,8 @@ def _grid(group: str, names) -> Box:
 
 
 SIDE = Box("side", (Note("<h3>Model</h3>"), *_rows(forms.LOAD_FORM), Text("models_text", "wb-models"),
-                    Element("divider", "divider"), Note("<h3>Compile</h3>"), *_rows(forms.COMPILE_FORM)))
+                    Element("divider", "divider"), Note("<h3>Compile</h3>"), *_rows(forms.COMPILE_FORM),
+                    Note("<h3>Speculative decoding</h3>"), *_rows(forms.SPEC_FORM)))
 GENERATION = Box("column", (
     *_rows(forms.GENERATE_FORM, Note("image (multimodal models):"), Element("image_input", "image_input", "wb-image")),
     Box("row", (Text("answer", "wb-answer", pre=True), Element("image_view", "image_view", "wb-image-preview"))),

@@ -2,11 +2,12 @@
 requests, KV blocks, waste, each step's time), a step's batch and block map replayed with a slider, and the engine's
 pace (a wait between steps; pause / step / resume). Its controls are forms.STEP_FORM; while the x axis is "engine
 step" its figures take the wall-clock charts' slots (throughput, blocks, waste, block map), whose time series stay
-for long runs ("wall clock"); "auto" draws steps for a last run of up to STEP_VIEW_STEPS."""
+for long runs ("wall clock"); "auto" draws steps for a last run of up to STEP_VIEW_STEPS. Speculative decoding's
+chart (spec_charts.py: draft tokens proposed and accepted per step, acceptance by position) draws the last run too."""
 
 from __future__ import annotations
 
-from workbench.views import charts, timeline
+from workbench.views import charts, spec_charts, timeline
 from workbench.views.forms import PACE_CHOICES
 
 STEP_VIEW_STEPS = 5000  # "auto": a last run of up to this many steps is drawn by step
@@ -53,7 +54,8 @@ class StepControls:
         before = next((d for d in reversed(shown) if d.step < detail.step), None) if detail is not None else None
         points, per = timeline.thin(run, STEP_POINTS)
         figures = {"batch": timeline.step_batch(detail, before),
-                   "step_times": per_point(timeline.step_times(points), per)}
+                   "step_times": per_point(timeline.step_times(points), per),
+                   "spec_decoding": spec_charts.spec_decoding(run, STEP_POINTS)}
         if self.by_step(run):
             entry = self.session.active_model
             budget = entry.runner.config.effective_max_num_batched_tokens if entry and entry.runner else None

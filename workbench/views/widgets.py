@@ -25,7 +25,7 @@ from workbench.views import charts
 from workbench.views.dashboard import Dashboard
 from workbench.views.fields import widgets_control
 
-FIGURES = ("throughput", "blocks", "block_map", "batch", "memory", "weights", "expert_load")
+FIGURES = ("throughput", "blocks", "block_map", "batch", "spec_decoding", "memory", "weights", "expert_load")
 # the charts two by two, each column half of the cell's width (plotly autosizes into it)
 GRID = dict(grid_template_columns="repeat(2, minmax(0, 1fr))", grid_gap="4px 12px", width="100%")
 
