@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-root", type=Path, default=None, help="Python standard library to read "
                    "(default: this interpreter's)")
+    p.add_argument("--tokenizer-from", type=Path, default=None, help="a trained preset's directory whose tokenizer "
+                   "is reused instead of training one (a draft model for speculative decoding must share its "
+                   "target's vocabulary: --tokenizer-from runner_core/models/preset_data/tiny-speaker)")
     p.add_argument("--vocab-size", type=_positive(int), default=2048)
     p.add_argument("--hidden-size", type=_positive(int), default=128)
     p.add_argument("--layers", type=_positive(int), default=4)
@@ -131,7 +134,11 @@ def _train(args: argparse.Namespace) -> dict:
     if not paragraphs:
         raise SystemExit(f"error: no prose found under {args.corpus_root or stdlib_dir()}: point --corpus-root "
                          "at a Python standard library")
-    tokenizer = train_tokenizer(paragraphs, args.vocab_size, 512)
+    if args.tokenizer_from is not None:
+        from transformers import PreTrainedTokenizerFast
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.tokenizer_from)
+    else:
+        tokenizer = train_tokenizer(paragraphs, args.vocab_size, 512)
     stream = token_stream(tokenizer, paragraphs)
     if len(stream) <= args.seq_len + 1:
         raise SystemExit(f"error: the corpus has {len(stream)} tokens, fewer than --seq-len {args.seq_len}: "
@@ -156,7 +163,7 @@ def _train(args: argparse.Namespace) -> dict:
     setup_s = time.perf_counter() - start
     losses: list[float] = []
     total = args.steps
-    with tqdm(desc="Training tiny-speaker", unit="step", total=total) as bar:
+    with tqdm(desc=f"Training {args.out.name}", unit="step", total=total) as bar:
         if total is None:  # time a few steps (at the warm-up rate of a long run) to fit the budget
             t0 = time.perf_counter()
             for i in range(_TIMING_STEPS):
@@ -187,7 +194,9 @@ def _train(args: argparse.Namespace) -> dict:
     summary = {
         "corpus": {"source": "Python standard library docstrings", "licence": LICENCE,
                    "paragraphs": len(paragraphs), "tokens": len(stream)},
-        "seed": args.seed, "steps": total, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "seed": args.seed, "steps": total, "hidden_size": args.hidden_size, "layers": args.layers,
+        "heads": args.heads, "tokenizer_from": None if args.tokenizer_from is None else args.tokenizer_from.name,
+        "batch_size": args.batch_size, "seq_len": args.seq_len,
         "parameters": sum(p.numel() for p in model.parameters()),
         "first_loss": losses[0], "final_loss": sum(tail) / len(tail), "train_seconds": round(train_s, 1),
         "losses": [round(x, 4) for x in losses], "samples": samples,

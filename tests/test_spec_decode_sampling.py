@@ -117,8 +117,12 @@ def test_the_proposer_keeps_each_history_and_respects_limits():
 
 
 REFUSED = [
-    ({"method": "draft_model", "num_speculative_tokens": 2}, r"method 'draft_model' \(a draft model\) is not "
-                                                              r"implemented yet; allowed: method \"ngram\""),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, r"method 'draft_model' with 'model' None; allowed: a "
+                                                              r"draft model's preset name or directory"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, r"method 'eagle' is not implemented yet; allowed: method "
+                                                       r"\"ngram\""),
+    ({"method": "ngram", "model": "tiny-speaker-draft", "num_speculative_tokens": 2}, r"method 'ngram' with a "
+                                                                                       r"draft 'model'"),
     ({"method": "medusa2", "num_speculative_tokens": 2}, r"method 'medusa2' is unknown; allowed: one of 'ngram'"),
     ({"method": "ngram"}, r"'num_speculative_tokens' is required"),
     ({"num_speculative_tokens": 0}, r"'num_speculative_tokens' got 0; allowed: an int from 1 to 16"),

@@ -85,7 +85,8 @@ class LLMEngine:
         self.structured = StructuredOutputs(tokenizer, self.vocab_size)
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len, clock)
         self.observer = StepObserver(self.memory, self.scheduler, self.max_model_len, moe_spec=moe_spec, clock=clock)
-        self.spec = SpecDecoder.create(config, self.max_model_len, self.vocab_size, cache is not None)  # None: off
+        self.spec = SpecDecoder.create(config, self.max_model_len, self.vocab_size, cache is not None, worker,
+                                       tokenizer)  # None: off
         self.requests: dict[str, Sequence] = {}  # every sequence, a parallel-sampling request's children too
         self.groups: dict[str, ParentRequest] = {}  # the requests with n or best_of > 1, until their final output
         self._freed: list[str] = []  # requests freed since the last batch: their block-table rows go on every rank

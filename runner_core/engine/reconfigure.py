@@ -30,6 +30,11 @@ def plan_reconfigure(config: RunnerConfig, fields: dict) -> tuple[RunnerConfig, 
         live = ", ".join(name for names in RECONFIGURABLE.values() for name in names)
         raise ConfigError(f"config field {reload[0]!r} cannot change on a loaded runner: it needs a reload: "
                           f"ModelRunner({{..., {given}}}) and load_model() again. Fields that change live: {live}")
+    spec = changed.get("speculative_config", [None, None])
+    if any(value is not None and value.get("model") is not None for value in spec):
+        raise ConfigError("config field 'speculative_config' cannot add, change or drop a draft model on a loaded "
+                          "runner: its weights and KV pool load with the target; ModelRunner({..., "
+                          "'speculative_config': ...}) and load_model() again")
     return new, changed, max((group_of(name) for name in changed), key=_REBUILDS.index, default="none")
 
 

@@ -2,7 +2,8 @@
 draft, verify in the step's one forward pass, accept, roll back.
 
 1. Draft (`propose`, before the scheduler runs): each running decode gets up to k draft tokens from the proposer
-   (runner_core/spec_decode: prompt lookup), into `Sequence.spec_token_ids`, never more than its max_tokens and
+   (runner_core/spec_decode: prompt lookup; engine/draft_model.py: a draft model, which also rolls its own KV
+   back to the accepted tokens at its next step), into `Sequence.spec_token_ids`, never more than its max_tokens and
    max_model_len leave room for. Sequences with a grammar (structured outputs) or asking for logprobs get none:
    they decode one token a step, beside the others.
 2. Schedule (`Scheduler.schedule`): a decode with drafts is 1 + k' tokens of the step's budget (its last sampled
@@ -52,25 +53,37 @@ class SpeculativeSamplerOutput(SamplerOutput):
 class SpecDecoder:
     """The engine's speculative decoding: its proposer, its rejection sampler and its figures."""
 
-    def __init__(self, spec: SpeculativeConfig, max_model_len: int, vocab_size: int):
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int, vocab_size: int, proposer: Proposer | None = None):
         self.spec, self.max_model_len, self.vocab_size = spec, max_model_len, vocab_size
-        self.proposer: Proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
-                                                spec.prompt_lookup_min)
+        self.proposer: Proposer = proposer or NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
+                                                            spec.prompt_lookup_min)
         self.rejection_sampler = RejectionSampler()
         self.totals = SpecDecodingStats()  # since load (or the last reconfigure)
         self._verified: list[tuple[Sequence, int]] = []  # the step's verified sequences and their accepted drafts
         self._step: SpecDecodingStats | None = None
 
     @classmethod
-    def create(cls, config, max_model_len: int, vocab_size: int, multimodal: bool) -> SpecDecoder | None:
-        """The engine's SpecDecoder for `config` (None when speculation is off); a model it cannot run refused."""
+    def create(cls, config, max_model_len: int, vocab_size: int, multimodal: bool, worker=None,
+               tokenizer=None) -> SpecDecoder | None:
+        """The engine's SpecDecoder for `config` (None when speculation is off); a model it cannot run refused.
+        With a draft model, `worker` (the target's, whose pool's block count the draft's pool takes) and
+        `tokenizer` (the target's, compared with the draft's) are needed: the draft is loaded here."""
         spec = SpeculativeConfig.of(config)
         if spec is None:
             return None
         if multimodal:
             raise ConfigError("config field 'speculative_config' is set for a multimodal model: speculative decoding "
                               "does not run with image inputs yet; load the model with speculative_config=None")
-        return cls(spec, max_model_len, vocab_size)
+        if spec.model is None:
+            return cls(spec, max_model_len, vocab_size)
+        from runner_core.engine.draft_model import DraftModelProposer  # loads weights: only with a draft
+
+        if worker is None:
+            raise ConfigError("config field 'speculative_config' names a draft model, which needs a loaded target "
+                              "(ModelRunner); use method 'ngram' here")
+        proposer = DraftModelProposer.load(config, spec.model, spec.num_speculative_tokens, vocab_size, tokenizer,
+                                           worker.memory.num_blocks, max_model_len)
+        return cls(spec, max_model_len, vocab_size, proposer)
 
     def propose(self, running: list[Sequence]) -> None:
         """Draft tokens for every running decode (into `spec_token_ids`), within its max_tokens and max_model_len."""
@@ -81,7 +94,7 @@ class SpecDecoder:
                     and p.structured_outputs is None):
                 seqs.append(s)
                 limits.append(min(p.max_tokens - s.num_output_tokens - 1, self.max_model_len - s.num_tokens))
-        for s, drafts in zip(seqs, self.proposer.propose(seqs, limits)):
+        for s, drafts in zip(seqs, self.proposer.propose(seqs, limits, running)):
             s.spec_token_ids = drafts
 
     def verify(self, seqs: list[Sequence], sampled: SamplerOutput, draft_logits: torch.Tensor,
@@ -93,8 +106,8 @@ class SpecDecoder:
         meta = SamplingMetadata.build([s.params for s in spec_seqs], [s.generator for s in spec_seqs],
                                       self.vocab_size, device)
         flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int64, device=device)
-        out = self.rejection_sampler(draft_logits, flat, [len(d) for d in drafts], meta,
-                                     self.proposer.draft_probs)
+        counts = [len(d) for d in drafts]
+        out = self.rejection_sampler(draft_logits, flat, counts, meta, self.proposer.draft_probs(spec_seqs, counts))
         index = {id(s): i for i, s in enumerate(seqs)}
         rows = [index[id(s)] for s in spec_seqs]
         bonus = sampled.sampled_token_ids[torch.tensor(rows, device=sampled.sampled_token_ids.device)].tolist()
@@ -133,5 +146,6 @@ class SpecDecoder:
 
     def stats(self) -> dict:
         """The settings and the totals since load (memory_stats()["spec_decoding"])."""
+        extra = self.proposer.stats() if hasattr(self.proposer, "stats") else {}
         return {"method": self.spec.method, "num_speculative_tokens": self.spec.num_speculative_tokens,
-                **self.totals.as_dict()}
+                "model": self.spec.model, **extra, **self.totals.as_dict()}

@@ -40,6 +40,7 @@ from runner_core.memory import (
     plan_kv_pool,
     profile_activation_peak,
 )
+from runner_core.memory.draft import draft_share
 
 logger = logging.getLogger("runner_core")
 
@@ -97,11 +98,14 @@ class Worker:
                 torch.cuda.empty_cache()  # hand the profile's cached blocks back before measuring what is left
             total = torch.cuda.mem_get_info(self.device)[1]
             reserve = cuda_capture_plan(config, self.hf_config, self.max_model_len, total)[1]
+        per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.dtype)
+        draft = draft_share(config, self.max_model_len) or (0, 0)  # a draft model's pool holds as many tokens
         plan = plan_kv_pool(config, ModelShape.from_hf_config(self.hf_config), self.max_model_len,
-                            bytes_per_token=kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
-                                                               self.dtype),
-                            weights_bytes=model_bytes, attention_backend=self.forward_pass.attention_backend,
+                            bytes_per_token=per_token + draft[0], weights_bytes=model_bytes + draft[1],
+                            attention_backend=self.forward_pass.attention_backend,
                             measured_peak_bytes=measured, reserved_bytes=reserve)
+        if draft[0]:
+            plan = dataclasses.replace(plan, bytes_per_token=per_token)
         num_blocks = min_over_ranks(plan.num_blocks)
         if num_blocks != plan.num_blocks:
             plan = dataclasses.replace(plan, num_blocks=num_blocks)

@@ -140,6 +140,8 @@ class MemoryEstimate:
     quantization_group_size: int = 64  # int4: weights per scale along k
     quantize_lm_head: bool = False
     encoder_cache_bytes: int = 0  # a multimodal model's cached image features (encoder_cache_tokens rows)
+    draft_weights_bytes: int = 0  # a speculative draft model's weights and buffers (in weights_bytes too)
+    draft_kv_bytes_per_token: int = 0  # its pool's per token (in kv_bytes_per_token too: both pools hold a token)
     min_kv_pool_bytes: int = 0  # one max_model_len sequence, rounded up to whole blocks
     block_size: int = 16
     max_num_seqs: int = 256
@@ -214,7 +216,8 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
                     trust_remote_code: bool = False, packed_decode_weights: bool = False,
                     encoder_cache_tokens: int | None = None, model_impl: str = "auto",
                     quantization: str | None = None, quantization_group_size: int = 64,
-                    quantize_lm_head: bool = False, attention_backend: str = "auto") -> MemoryEstimate:
+                    quantize_lm_head: bool = False, attention_backend: str = "auto",
+                    draft_model: str | None = None) -> MemoryEstimate:
     """Predict the memory a configuration needs per device, before loading anything.
 
     `model` is resolved like the loader does (a directory, a preset built on first use, a hub id
@@ -237,7 +240,8 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
     that layout only, padded to whole panels: `weights_bytes` is then what memory_stats() reports
     after load, and `dense_weights_bytes` what the same weights take in the compute dtype.
     `attention_backend` (RunnerConfig's choices) says how attention reads the pool: gathering
-    copies of the keys, or in place ("auto" on CUDA: flex).
+    copies of the keys, or in place ("auto" on CUDA: flex). `draft_model` (speculative decoding) adds its
+    weights and a KV pool holding as many tokens as the target's (memory/draft.py: the budget is split).
     """
     from runner_core.loader.model_loader import read_hf_config, resolve_model_path
     from runner_core.models import MODEL_REGISTRY
@@ -266,6 +270,11 @@ def estimate_memory(model: str | Path, *, dtype: str | torch.dtype = "auto", ten
                 quantize_lm_head=bool(quantize_lm_head), attention_backend=attention_backend,
                 encoder_cache_tokens=(encoder_cache_tokens if encoder_cache_tokens is not None else
                                       max_num_batched_tokens) if multimodal else 0)
+    args["draft"] = (0, 0)
+    if draft_model is not None:
+        d = estimate_memory(draft_model, dtype=args["dtype"], max_model_len=resolve_max_model_len(
+            max_model_len, shape.max_position_embeddings), kv_cache_memory=0, device=device, max_num_seqs=1)
+        args["draft"] = (d.weights_bytes + d.buffers_bytes, d.kv_bytes_per_token)
     return estimate_from(EstimateInputs(shape, tuple(tensors), args))
 
 
@@ -291,7 +300,9 @@ def estimate_from(inputs: EstimateInputs, **overrides) -> MemoryEstimate:
                 for d, r in zip(dense, stages)] if a["native_linears"] else dense)
     layers = [len(r) for r in stages]
     kv_heads = shape.kv_heads_per_device(tp)
-    per_token = [kv_bytes_per_token(n, kv_heads, shape.head_dim, dtype) for n in layers]
+    draft_weights, draft_bpt = a.get("draft", (0, 0))
+    per_token = [kv_bytes_per_token(n, kv_heads, shape.head_dim, dtype) + draft_bpt for n in layers]
+    weights = [w + draft_weights for w in weights]
     bpt = max(per_token)
     if a["kv_cache_memory"] is not None:
         pool_tokens = a["kv_cache_memory"] // (bpt * bs) * bs
@@ -314,7 +325,7 @@ def estimate_from(inputs: EstimateInputs, **overrides) -> MemoryEstimate:
         num_devices=tp * pp, max_model_len=max_len, dtype=dtype, buffers_bytes=max(buffers),
         decode_programs_bytes=packed, dense_weights_bytes=max(dense), quantization=a["quantization"],
         quantization_group_size=a["quantization_group_size"], quantize_lm_head=a["quantize_lm_head"],
-        encoder_cache_bytes=encoder,
+        encoder_cache_bytes=encoder, draft_weights_bytes=draft_weights, draft_kv_bytes_per_token=draft_bpt,
         min_kv_pool_bytes=-(-max_len // bs) * bs * bpt, block_size=bs, max_num_seqs=a["max_num_seqs"],
         max_num_batched_tokens=tokens, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         kv_cache_memory=a["kv_cache_memory"], device=device, model=a["model"],

@@ -188,7 +188,8 @@ def check_config_fits(config, available_bytes: int | None = None, *,
         kv_cache_memory=config.kv_cache_memory, device=str(device), trust_remote_code=config.trust_remote_code,
         packed_decode_weights=packed_decode_weights, encoder_cache_tokens=config.effective_encoder_cache_tokens,
         model_impl=config.model_impl, quantization=config.quantization,
-        quantization_group_size=config.quantization_group_size, quantize_lm_head=config.quantize_lm_head)
+        quantization_group_size=config.quantization_group_size, quantize_lm_head=config.quantize_lm_head,
+        draft_model=(config.speculative_config or {}).get("model"))
     if available_bytes is None:
         available_bytes = usable_memory_bytes(device, config.gpu_memory_utilization)
     if estimate.decode_programs_bytes > available_bytes // 2:  # the runner will not pack them (plan_sizes)

@@ -146,6 +146,8 @@ def scaled_down(spec: PresetSpec) -> PresetSpec:
 # Trained presets shipped under preset_data/<name>/ (package data): loaded as they are, never built here.
 SHIPPED_PRESETS: dict[str, str] = {
     "tiny-speaker": "~1M-parameter Llama trained on the Python standard library's docstrings: its text is words",
+    "tiny-speaker-draft": "~0.23M-parameter Llama (2 layers, hidden 64) trained like tiny-speaker with its tokenizer: "
+                          "its speculative-decoding draft",
 }
 SHIPPED_DIR = Path(__file__).parent / "preset_data"
 

@@ -7,6 +7,8 @@ that is not here.
   communication, the pipeline bubble, fixed costs per step, layer and sequence) and the least-squares fit;
 * `runner`, `engine`, `simulation`: the simulated runner (`SimulatedRunner(config, simulate)`, a ModelRunner);
 * `calibrate`, `validate`: fitting this CPU's coefficients on measured steps, and the errors against real runs;
+* `speculation`: what speculative decoding buys, a verification step priced against a decode step at an
+  acceptance rate;
 * `published`, `backend`: published GPU figures, what-if sweeps; the models they plan are the catalogue's
   (runner_core.models.catalogue: `catalogue_names`, `resolve_model`, config-only models included).
 """
@@ -21,10 +23,11 @@ from runner_core.simulator.published import PUBLISHED, compare_published
 from runner_core.simulator.run import simulate_workload
 from runner_core.simulator.runner import SimulatedRunner
 from runner_core.simulator.simulation import Simulation
+from runner_core.simulator.speculation import expected_tokens_per_step, price_speculation, speculation_sweep
 from runner_core.simulator.validate import validate_steps, validate_workloads
 
 __all__ = ["HARDWARE", "PUBLISHED", "Calibration", "Coefficients", "CostModel", "HardwareSpec",
            "SimulatedRunner", "Simulation",
-           "SimulatorBackend", "calibrate", "catalogue_names", "compare_published", "fit_coefficients",
-           "get_hardware", "load_calibration", "measure_cpu", "resolve_model", "simulate_workload",
-           "validate_steps", "validate_workloads", "whatif"]
+           "SimulatorBackend", "calibrate", "catalogue_names", "compare_published", "expected_tokens_per_step",
+           "fit_coefficients", "get_hardware", "load_calibration", "measure_cpu", "price_speculation", "resolve_model",
+           "simulate_workload", "speculation_sweep", "validate_steps", "validate_workloads", "whatif"]

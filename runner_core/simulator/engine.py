@@ -235,7 +235,9 @@ def build_simulated_engine(config: RunnerConfig, simulation: Simulation) -> Simu
 
 
 def check_not_speculative(config: RunnerConfig) -> None:
-    """Refuse speculative decoding: the cost model prices no verification step yet."""
+    """Refuse speculative decoding: the simulated steps draw tokens, so no draft would be accepted; speculation is
+    priced in expectation, from an acceptance rate, by runner_core.simulator.speculation."""
     if config.speculative_config is not None:
-        raise ConfigError("config field 'speculative_config' is set for a simulated runner: the what-if cost model "
-                          "does not price verification steps yet; simulate with speculative_config=None")
+        raise ConfigError("config field 'speculative_config' is set for a simulated runner: its steps draw tokens, "
+                          "which no draft matches; simulate with speculative_config=None and price speculation with "
+                          "runner_core.simulator.speculation_sweep(config, hardware, ks=..., acceptance_rates=...)")

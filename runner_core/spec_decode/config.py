@@ -13,11 +13,11 @@ from typing import Any
 
 from runner_core.errors import ConfigError
 
-METHODS = ("ngram",)  # a draft model ("draft_model", vLLM's) plugs in as a Proposer later
-LATER_METHODS = ("draft_model", "model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+METHODS = ("ngram", "draft_model")
+LATER_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN = 4, 2  # this project's defaults when the keys are left out
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
 FIELD = "speculative_config"
 
 
@@ -34,14 +34,16 @@ def _int(raw: Mapping, key: str, default: int | None, lo: int, hi: int) -> int:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding's settings: `method` (only "ngram", prompt lookup, so far), `num_speculative_tokens`
-    (k, the drafts proposed per sequence per step, 1..16), and for ngram the n-gram lengths looked up,
-    `prompt_lookup_max` down to `prompt_lookup_min` (left out: 4 and 2; one given alone bounds the other)."""
+    """Speculative decoding's settings: `method` ("ngram", prompt lookup, or "draft_model", implied by `model`),
+    `num_speculative_tokens` (k, the drafts proposed per sequence per step, 1..16), for ngram the n-gram lengths
+    looked up, `prompt_lookup_max` down to `prompt_lookup_min` (left out: 4 and 2; one given alone bounds the
+    other), for draft_model the draft's `model` (a preset name or a directory, the target's vocabulary)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    model: str | None = None
 
     @classmethod
     def check(cls, value: Any) -> dict | None:
@@ -57,10 +59,13 @@ class SpeculativeConfig:
         unknown = [k for k in value if k not in KEYS]
         if unknown:
             raise _bad(f"unknown key {unknown[0]!r}", "the keys " + ", ".join(map(repr, KEYS)))
-        method = value.get("method", "ngram")
+        model = value.get("model")
+        method = value.get("method", "ngram" if model is None else "draft_model")
+        if method == "model":  # vLLM's older spelling
+            method = "draft_model"
         if method in LATER_METHODS:
-            raise _bad(f"method {method!r} (a draft model) is not implemented yet", 'method "ngram" (prompt '
-                       "lookup: drafts copied from the prompt and output so far, no second model)")
+            raise _bad(f"method {method!r} is not implemented yet", 'method "ngram" (prompt lookup: drafts '
+                       'copied from the prompt and output so far) or "draft_model" with a draft "model"')
         if method not in METHODS:
             raise _bad(f"method {method!r} is unknown", "one of " + ", ".join(map(repr, METHODS)))
         if "num_speculative_tokens" not in value:
@@ -74,7 +79,16 @@ class SpeculativeConfig:
         if lookup_min > lookup_max:
             raise _bad(f"prompt_lookup_min={lookup_min} exceeds prompt_lookup_max={lookup_max}",
                        "prompt_lookup_min <= prompt_lookup_max (the n-gram lengths looked up, longest first)")
-        return asdict(cls(method, k, lookup_max, lookup_min))
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise _bad(f"method 'draft_model' with 'model' {model!r}", "a draft model's preset name or directory "
+                       'as "model", e.g. {"model": "tiny-speaker-draft", "num_speculative_tokens": 4}')
+        if method == "ngram" and model is not None:
+            raise _bad(f"method 'ngram' with a draft 'model' {model!r}", 'method "draft_model" (or no method) '
+                       "with a model, or method \"ngram\" without one")
+        normalised = asdict(cls(method, k, lookup_max, lookup_min, model))
+        if model is None:  # an n-gram config keeps its four keys
+            del normalised["model"]
+        return normalised
 
     @classmethod
     def of(cls, config) -> SpeculativeConfig | None:
@@ -87,6 +101,11 @@ def check_speculative_config(config) -> dict | None:
     """A RunnerConfig's `speculative_config` checked (`SpeculativeConfig.check`) and normalised; the other settings
     speculation cannot run with yet refused (ConfigError naming them)."""
     value = SpeculativeConfig.check(config.speculative_config)
+    if value is not None and value.get("model") is not None and config.world_size > 1:
+        raise ConfigError(f"config field {FIELD!r} has a draft model with tensor_parallel_size="
+                          f"{config.tensor_parallel_size}, pipeline_parallel_size={config.pipeline_parallel_size}: "
+                          "a draft model runs in one process only; use tensor_parallel_size=1 and "
+                          "pipeline_parallel_size=1, or method 'ngram'")
     if value is not None and config.pipeline_parallel_size > 1:
         raise ConfigError(f"config field {FIELD!r} is set with pipeline_parallel_size="
                           f"{config.pipeline_parallel_size}: speculative decoding does not run over pipeline stages "

@@ -1,7 +1,7 @@
 """Proposers: what drafts the tokens a step verifies. `Proposer` is the interface (vLLM's name for the role):
-`propose(seqs, limits)` gives each sequence's draft token ids, at most its limit, with `draft_probs` the
-distribution each draft was drawn from (None: a point mass, q(x) = 1, as for every proposer here). A draft
-model plugs in as another Proposer (its own KV pool and forward; not yet written).
+`propose(seqs, limits)` gives each sequence's draft token ids, at most its limit, and `draft_probs` the
+distribution each draft was drawn from (None: a point mass, q(x) = 1, as for prompt lookup). The draft model
+is the other Proposer (runner_core/engine/draft_model.py: its own weights, KV pool and forward passes).
 
 `NgramProposer` is prompt lookup (vLLM's "ngram" method, transformers' prompt_lookup_num_tokens, llama.cpp's
 lookup decoding): the sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min, are looked
@@ -30,13 +30,17 @@ class ProposalSequence(Protocol):
 
 
 class Proposer(Protocol):
-    """Drafts tokens for running sequences. `draft_probs`: None when every draft is a point mass (q(x) = 1);
-    a draft model would return its distributions [drafts, vocab] too (RejectionSampler takes either)."""
+    """Drafts tokens for running sequences (RejectionSampler takes either kind of draft distribution)."""
 
-    draft_probs: None
+    def propose(self, seqs: Sequence[ProposalSequence], limits: Sequence[int],
+                running: Sequence[ProposalSequence] = ()) -> list[list[int]]:
+        """Each sequence's draft token ids (at most its limit; [] for none), following its token_ids; `running`:
+        every running sequence (what a proposer keeps of the others may go)."""
+        ...
 
-    def propose(self, seqs: Sequence[ProposalSequence], limits: Sequence[int]) -> list[list[int]]:
-        """Each sequence's draft token ids (at most its limit; [] for none), following its token_ids."""
+    def draft_probs(self, seqs: Sequence[ProposalSequence], num_drafts: Sequence[int]):
+        """The distributions [sum(num_drafts), vocab] the first num_drafts drafts of each of `seqs` were drawn
+        from, in turn; None when every draft is a point mass (q(x) = 1)."""
         ...
 
     def release(self, request_id: str) -> None:
@@ -67,13 +71,12 @@ def ngram_lookup(tokens: np.ndarray, n_max: int, n_min: int, k: int) -> np.ndarr
 class NgramProposer:
     """Prompt-lookup drafts of up to `k` tokens from n-grams of `n_max` down to `n_min` tokens."""
 
-    draft_probs = None  # every draft is a point mass
-
     def __init__(self, k: int, n_max: int, n_min: int):
         self.k, self.n_max, self.n_min = k, n_max, n_min
         self._history: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, tokens in it)
 
-    def propose(self, seqs: Sequence[ProposalSequence], limits: Sequence[int]) -> list[list[int]]:
+    def propose(self, seqs: Sequence[ProposalSequence], limits: Sequence[int],
+                running: Sequence[ProposalSequence] = ()) -> list[list[int]]:
         return [ngram_lookup(self._tokens(s), self.n_max, self.n_min, min(self.k, limit)).tolist() if limit > 0
                 else [] for s, limit in zip(seqs, limits)]
 
@@ -88,6 +91,9 @@ class NgramProposer:
         buf[filled:len(ids)] = ids[filled:]
         self._history[seq.request_id] = (buf, len(ids))
         return buf[:len(ids)]
+
+    def draft_probs(self, seqs: Sequence[ProposalSequence], num_drafts: Sequence[int]) -> None:
+        return None  # every draft is a point mass
 
     def release(self, request_id: str) -> None:
         self._history.pop(request_id, None)
