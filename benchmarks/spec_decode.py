@@ -46,13 +46,17 @@ PROMPTS = [
 ]
 
 
-def timed_run(runner, max_tokens: int) -> dict:
-    """Every prompt, one request at a time, greedy: tokens/s and the acceptance figures of these requests."""
+def timed_run(runner, max_tokens: int, batch: int = 1) -> dict:
+    """Every prompt, one request at a time (batch 1), or `batch` requests at once (the prompts in turn), greedy:
+    tokens/s and the acceptance figures of these requests."""
     from runner_core import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     busy, own, start = machine.busy_cpu_seconds(), time.process_time(), time.perf_counter()
-    outs = [runner.generate(prompt, params)[0] for prompt in PROMPTS]
+    if batch == 1:
+        outs = [runner.generate(prompt, params)[0] for prompt in PROMPTS]
+    else:
+        outs = runner.generate([PROMPTS[i % len(PROMPTS)] for i in range(batch)], params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     spec = [o.metrics["spec_decoding"] for o in outs if "spec_decoding" in o.metrics]
@@ -67,28 +71,43 @@ def timed_run(runner, max_tokens: int) -> dict:
     return out
 
 
-def bench_model(model: str, settings: dict, args, start) -> dict:
+def runners_for(model: str, settings: dict):
+    """(a function giving the runner of a setting, every runner loaded): one runner switched between the n-gram
+    settings with `reconfigure`, and one per draft-model setting (a draft loads with its target)."""
     from runner_core import ModelRunner
 
-    runner = ModelRunner(model=model, dtype="float32", compile=False, max_num_seqs=4,
-                         max_model_len=512).load_model()
+    base = dict(model=model, dtype="float32", compile=False, max_num_seqs=8, max_model_len=512)
+    shared = ModelRunner(**base).load_model()
+    own = {name: ModelRunner(**base, speculative_config=spec).load_model() for name, spec in settings.items()
+           if spec is not None and spec.get("model")}
+
+    def use(name: str):
+        if name in own:
+            return own[name]
+        shared.reconfigure(speculative_config=settings[name])
+        return shared
+    return use, [shared, *own.values()]
+
+
+def bench_model(model: str, settings: dict, args, start, batch: int = 1) -> dict:
+    use, loaded = runners_for(model, settings)
     runs = {name: [] for name in settings}
     try:
         names = list(settings)
         for name in names:  # warm-up
-            runner.reconfigure(speculative_config=settings[name])
-            timed_run(runner, args.max_tokens)
+            timed_run(use(name), args.max_tokens, batch)
         for r in range(args.repeats):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                runner.reconfigure(speculative_config=settings[name])
-                res = timed_run(runner, args.max_tokens)
+                res = timed_run(use(name), args.max_tokens, batch)
                 runs[name].append(res)
                 rate = res["acceptance_rate"]
-                print(f"  {model} round {r + 1} {name}: {res['tokens']} tokens in {res['seconds']:.2f} s = "
+                print(f"  {model} batch {batch} round {r + 1} {name}: {res['tokens']} tokens in "
+                      f"{res['seconds']:.2f} s = "
                       f"{res['tokens_per_s']:.1f} tokens/s" + (f", acceptance {rate:.2f}" if rate is not None else "")
                       + f"; cores others kept busy {res.get('others_cores', float('nan')):.2f}", flush=True)
     finally:
-        runner.shutdown()
+        for runner in loaded:
+            runner.shutdown()
     same = all(x["token_ids"] == runs["off"][0]["token_ids"] for rs in runs.values() for x in rs)
     rates = {name: verdicts.spread([x["tokens_per_s"] for x in rs]) for name, rs in runs.items()}
     out = {"greedy_output_identical": same, "settings": {}}
@@ -104,6 +123,7 @@ def bench_model(model: str, settings: dict, args, start) -> dict:
               for name, rs in runs.items() for i, x in enumerate(rs) if "others_cores" in x]
     out["best"] = best
     out["verdict"] = verdicts.outcome(out["settings"][best]["speedup"] >= SPEEDUP_TARGET, start, *during)
+    out["batch"] = batch
     print(f"  {model}: greedy output identical in every setting: {same}")
     print(f"  {'setting':>8} {'tokens/s median [range]':>28} {'speed-up':>9} {'acceptance':>10} {'mean length':>11}")
     for name, f in out["settings"].items():
@@ -124,6 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens of each request")
     ap.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     ap.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
+    ap.add_argument("--draft", nargs=2, metavar=("TARGET", "DRAFT"), default=["tiny-speaker", "tiny-speaker-draft"],
+                    help="the draft-model pair, measured at batch 1 and --draft-batch ('' '' skips it)")
+    ap.add_argument("--draft-batch", type=int, default=8)
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.max_tokens < 1 or any(k < 1 for k in args.ks):
         ap.error("--repeats, --max-tokens and every --ks value must be >= 1 (3 or more repeats for a median with "
@@ -137,6 +160,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{model}: {len(PROMPTS)} copy-heavy prompts at batch 1, {args.max_tokens} tokens each, "
               f"{args.repeats} rounds of {len(settings)} settings", flush=True)
         models[model] = bench_model(model, settings, args, start)
+    target, draft = args.draft
+    if draft:
+        drafts = {"off": None, **{f"draft k={k}": {"model": draft, "num_speculative_tokens": k} for k in args.ks}}
+        for batch in sorted({1, args.draft_batch}):
+            print(f"{target} with the draft {draft}: batch {batch}, {args.max_tokens} tokens each, {args.repeats} "
+                  f"rounds of {len(drafts)} settings", flush=True)
+            models[f"{target} + {draft}, batch {batch}"] = bench_model(target, drafts, args, start, batch)
     end_load = os.getloadavg()[0]
     print(f"load average after: {end_load:.2f}; CPU and tier: {name}")
     figures = {"machine": name, "models": models, "ks": args.ks, "max_tokens": args.max_tokens,

@@ -56,7 +56,8 @@ SMOKE = {
     "benchmarks/structured_outputs.py": (None, ["--model", TINY, "--repeats", "1", "--max-tokens", "8", "--seeds", "1",
                                                 "--schema-max-tokens", "64"]),
     "benchmarks/parallel_sampling.py": (None, ["--model", TINY, "--repeats", "1", "--max-tokens", "8"]),
-    "benchmarks/spec_decode.py": (None, ["--models", TINY, "--ks", "1", "2", "--repeats", "1", "--max-tokens", "8"]),
+    "benchmarks/spec_decode.py": (None, ["--models", TINY, "--ks", "1", "2", "--repeats", "1", "--max-tokens", "8",
+                                         "--draft", TINY, TINY, "--draft-batch", "2"]),
 }
 # the same variables each target reads, pointed at the tiny preset and this run's folders
 MAKE_VARS = {"bench-quant": {"BENCH_MODELS": TINY}, "bench-serve": {"SWEEP_MODEL": TINY}}
