@@ -21,8 +21,15 @@ PROVENANCE = ("machine", "commit")  # what a stored row was measured on (runner_
 
 
 def settings_label(settings: dict) -> str:
-    """A point's settings as a short label: "concurrency=8 max_num_seqs=16" ("loaded" when empty)."""
-    return " ".join(f"{k}={v}" for k, v in settings.items()) or "loaded"
+    """A point's settings as a short label: "concurrency=8 max_num_seqs=16" ("loaded" when empty; a
+    speculative_config as "ngram/k=4", or "off")."""
+    return " ".join(f"{k}={_short(k, v)}" for k, v in settings.items()) or "loaded"
+
+
+def _short(key: str, value) -> str:
+    if key != "speculative_config":
+        return str(value)
+    return "off" if value is None else f"{value.get('method', 'ngram')}/k={value.get('num_speculative_tokens')}"
 
 
 def target_dict(target) -> dict:

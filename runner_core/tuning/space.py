@@ -1,5 +1,6 @@
 """What a sweep tries: the four stages' candidate settings (`SweepSpace`), the default proposed from
-the KV capacity before any run (`propose_space`), and how a stage's knobs expand into points."""
+the KV capacity before any run (`propose_space`), how a stage's knobs expand into points, and the values of
+the speculative decoding knob (`speculation_values`: off, then n-gram speculation at each k)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
+from runner_core.spec_decode.config import SpeculativeConfig
 from runner_core.tuning.workload import Arrivals, Workload
 
 GRID_LIMIT = 8  # a stage whose knobs' value product is at most this runs as a grid, else one knob at a time
@@ -18,8 +20,8 @@ class SweepSpace:
     """The staged search: `layout` (reload-level settings, one dict per layout, e.g.
     {"tensor_parallel_size": 2}), `concurrency` (requests kept in flight; None: proposed from the KV
     capacity), `scheduler` (knob -> values: max_num_seqs, max_num_batched_tokens, block_size,
-    kv_cache_memory, ...) and `engine` (compile, dtype, quantization). Each stage keeps the best point
-    and the next builds on it."""
+    kv_cache_memory, speculative_config (`speculation_values`), ...) and `engine` (compile, dtype,
+    quantization). Each stage keeps the best point and the next builds on it."""
 
     layout: list[dict] = field(default_factory=lambda: [{}])
     concurrency: list[int] | None = None
@@ -140,3 +142,15 @@ def propose_space(capacity: dict, workload: Workload) -> SweepSpace:
     return SweepSpace(layout=[{}], concurrency=_powers_of_two_upto(c_max),
                       scheduler={"max_num_seqs": seqs, "max_num_batched_tokens": budgets, "block_size": [16, 32]},
                       engine={"compile": [False, True]})
+
+
+def speculation_values(ks=(2, 4), *, prompt_lookup_max: int | None = None,
+                       prompt_lookup_min: int | None = None) -> list[dict | None]:
+    """The `speculative_config` knob's values: None (off), then n-gram speculation (prompt lookup) at each k,
+    normalised as RunnerConfig keeps them (so a value equal to the loaded one is not applied again). It is
+    switched live (runner.reconfigure, no reload): `SweepSpace(scheduler={"speculative_config":
+    speculation_values([2, 4])})`."""
+    lookup = {key: value for key, value in (("prompt_lookup_max", prompt_lookup_max),
+                                            ("prompt_lookup_min", prompt_lookup_min)) if value is not None}
+    return [None, *(SpeculativeConfig.check({"method": "ngram", "num_speculative_tokens": k, **lookup})
+                    for k in ks)]
