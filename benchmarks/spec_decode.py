@@ -1,5 +1,6 @@
 """Speculative decoding benchmark: batch-1 greedy decoding of copy-heavy prompts with the n-gram (prompt-lookup)
-proposer at k = 1..8 draft tokens, against the same runner without speculation.
+proposer at k = 1..8 draft tokens, against the same runner without speculation; the draft-model pair at k = 1..8,
+batch 1 and batch 8; and at a real size, the cost of a verification pass against a decode step.
 
 Models: tiny-speaker (the trained preset, whose continuations copy spans of code and docstrings) and small-llama
 (random weights: it copies only where greedy decoding falls into a loop), float32, eager, one process, one runner
@@ -13,12 +14,20 @@ at a time (batch 1), greedy, EOS ignored, `--max-tokens` output tokens.
             warm-up of each. Reported: each setting's median tokens/s and range over the rounds, its speed-up
             over "off" (of the medians, and round by round), and the acceptance figures (the same every round:
             greedy output does not vary).
+  draft     `--draft TARGET DRAFT` (tiny-speaker with tiny-speaker-draft): the same rounds with one runner per
+            setting (a draft model loads with its target, never by reconfigure), at batch 1 (the prompts one at a
+            time) and `--draft-batch` (the prompts in turn, that many requests at once).
+  verify    `--verify-model` (qwen2.5-0.5b's shape, random weights, bfloat16): the forward pass of one sequence
+            scoring k+1 tokens against a one-token decode step at `--verify-context` tokens of KV, interleaved
+            rounds, and the ratio; with per-token acceptance a a verified step yields (1 - a^(k+1)) / (1 - a)
+            tokens, so the break-even a is where that equals the ratio (drafting taken as free).
 The speed-up target (issue 42: >= 2x on a copy-heavy workload) is refused as a verdict on a busy machine
 (benchmarks/verdicts.py): the figures are then indicative. Every figure names the CPU and kernel tier. The last
 stdout line is one JSON object of every figure.
 
 Run:  .venv/bin/python benchmarks/spec_decode.py [--models tiny-speaker small-llama] [--ks 1 2 3 4 5 6 7 8]
-          [--repeats 3] [--max-tokens 128]
+          [--repeats 3] [--max-tokens 128] [--draft tiny-speaker tiny-speaker-draft] [--draft-batch 8]
+          [--verify-model qwen2.5-0.5b] [--verify-context 256]
 """
 
 from __future__ import annotations
@@ -136,6 +145,70 @@ def bench_model(model: str, settings: dict, args, start, batch: int = 1) -> dict
     return out
 
 
+def verification_cost(model: str, ks: list[int], repeats: int, context: int, calls: int) -> dict:
+    """The forward pass of one sequence scoring k+1 tokens (a verification: its last token and k drafts, logits
+    at every position) against one decode step (one token), at `context` tokens of KV, for each k: the median
+    over `repeats` interleaved rounds of each round's median of `calls` passes, and the ratio. bfloat16, eager,
+    one process; the KV holds zeros (the cost does not depend on its values); sampling is not included."""
+    from runner_core import ModelRunner
+    from runner_core.engine.draft_model import DraftSeq
+    from runner_core.engine.input_batch import StepBatch
+
+    runner = ModelRunner(model=model, dtype="bfloat16", compile=False, max_num_seqs=1,
+                         max_model_len=context + max(ks) + 1, kv_cache_memory=None).load_model()
+    worker = runner.engine.worker
+    seq = DraftSeq("verify")
+    worker.memory.allocate(seq, context + max(ks) + 1)
+    sizes = [1, *(k + 1 for k in ks)]
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    try:
+        for r in range(repeats + 1):  # the first round warms up
+            for n in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
+                batch = StepBatch(request_ids=["verify"], starts=[context], num_new_tokens=[n],
+                                  token_ids=[3] * n, num_decodes=int(n == 1), sample_rows=[0],
+                                  new_blocks=[("verify", 0, seq.block_table)],
+                                  spec_rows=[(0, n - 1)] if n > 1 else [])
+                one = []
+                for _ in range(calls):
+                    t = time.perf_counter()
+                    worker.execute_model(batch)
+                    one.append(time.perf_counter() - t)
+                if r:
+                    times[n].append(sorted(one)[len(one) // 2])
+    finally:
+        runner.shutdown()
+    decode = verdicts.spread(times[1])
+    out = {"model": model, "context": context, "decode_s": decode, "ks": {}}
+    print(f"  {model} (bfloat16, context {context}): decode step {decode['median'] * 1e3:.1f} ms "
+          f"[{decode['min'] * 1e3:.1f}-{decode['max'] * 1e3:.1f}]")
+    print(f"  {'k':>3} {'verify k+1 ms [range]':>26} {'cost ratio':>10} {'break-even a':>12}")
+    for k in ks:
+        v = verdicts.spread(times[k + 1])
+        ratio = v["median"] / decode["median"]
+        a = break_even_acceptance(k, ratio)
+        out["ks"][k] = {"verify_s": v, "cost_ratio": ratio, "break_even_acceptance": a}
+        print(f"  {k:>3} {v['median'] * 1e3:>10.1f} [{v['min'] * 1e3:.1f}-{v['max'] * 1e3:.1f}]{'':>6} "
+              f"{ratio:>10.2f} {'-' if a is None else f'{a:.2f}':>12}", flush=True)
+    return out
+
+
+def break_even_acceptance(k: int, ratio: float) -> float | None:
+    """The per-token acceptance a at which the expected tokens of a verified step, (1 - a^(k+1)) / (1 - a),
+    equal `ratio` (the verification's cost in decode steps; drafting taken as free); None past k+1."""
+    if ratio <= 1:
+        return 0.0
+    if ratio >= k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        if (1 - a ** (k + 1)) / (1 - a) < ratio:
+            lo = a
+        else:
+            hi = a
+    return (lo + hi) / 2
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["tiny-speaker", "small-llama"], help="presets or model directories")
@@ -147,6 +220,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft", nargs=2, metavar=("TARGET", "DRAFT"), default=["tiny-speaker", "tiny-speaker-draft"],
                     help="the draft-model pair, measured at batch 1 and --draft-batch ('' '' skips it)")
     ap.add_argument("--draft-batch", type=int, default=8)
+    ap.add_argument("--verify-model", default="qwen2.5-0.5b", help="the model whose verification pass is priced "
+                    "against a decode step ('' skips it)")
+    ap.add_argument("--verify-context", type=int, default=256, help="KV tokens before the verified ones")
+    ap.add_argument("--verify-calls", type=int, default=5, help="passes timed per setting per round")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.max_tokens < 1 or any(k < 1 for k in args.ks):
         ap.error("--repeats, --max-tokens and every --ks value must be >= 1 (3 or more repeats for a median with "
@@ -167,11 +244,16 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{target} with the draft {draft}: batch {batch}, {args.max_tokens} tokens each, {args.repeats} "
                   f"rounds of {len(drafts)} settings", flush=True)
             models[f"{target} + {draft}, batch {batch}"] = bench_model(target, drafts, args, start, batch)
+    verify = None
+    if args.verify_model:
+        print(f"{args.verify_model}: one verification pass of k+1 tokens against one decode step", flush=True)
+        verify = verification_cost(args.verify_model, args.ks, args.repeats, args.verify_context, args.verify_calls)
     end_load = os.getloadavg()[0]
     print(f"load average after: {end_load:.2f}; CPU and tier: {name}")
     figures = {"machine": name, "models": models, "ks": args.ks, "max_tokens": args.max_tokens,
                "repeats": args.repeats, "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min,
-               "speedup_target": SPEEDUP_TARGET, "quiet_at_start": start.as_dict(), "load_average_after": end_load}
+               "speedup_target": SPEEDUP_TARGET, "verification_cost": verify, "quiet_at_start": start.as_dict(),
+               "load_average_after": end_load}
     print(json.dumps(figures))
     return figures
 

@@ -57,7 +57,8 @@ SMOKE = {
                                                 "--schema-max-tokens", "64"]),
     "benchmarks/parallel_sampling.py": (None, ["--model", TINY, "--repeats", "1", "--max-tokens", "8"]),
     "benchmarks/spec_decode.py": (None, ["--models", TINY, "--ks", "1", "2", "--repeats", "1", "--max-tokens", "8",
-                                         "--draft", TINY, TINY, "--draft-batch", "2"]),
+                                         "--draft", TINY, TINY, "--draft-batch", "2",
+                                         "--verify-model", TINY, "--verify-context", "16", "--verify-calls", "1"]),
 }
 # the same variables each target reads, pointed at the tiny preset and this run's folders
 MAKE_VARS = {"bench-quant": {"BENCH_MODELS": TINY}, "bench-serve": {"SWEEP_MODEL": TINY}}
