@@ -33,7 +33,7 @@ import torch
 from runner_core.engine.input_batch import StepBatch
 from runner_core.engine.worker import Worker
 from runner_core.errors import ConfigError
-from runner_core.layers.sampler import SamplingMetadata, greedy, processed_probs
+from runner_core.layers.sampler import SamplingMetadata, draw, greedy, processed_probs
 from runner_core.loader.model_loader import ModelLoader
 from runner_core.memory.draft import draft_config
 
@@ -210,12 +210,7 @@ class DraftModelProposer:
         if meta.all_greedy:
             return greedy(logits).tolist(), None
         probs = processed_probs(logits, meta)
-        noise = torch.empty_like(probs)
-        if len(meta.generators) < noise.shape[0]:
-            noise.exponential_()
-        for row, generator in meta.generators.items():
-            noise[row].exponential_(generator=generator)
-        drawn = greedy(probs / noise)
+        drawn = draw(probs, meta)
         if not meta.all_random:
             drawn = torch.where(meta.temperature == 0, greedy(logits), drawn)
         return drawn.tolist(), probs

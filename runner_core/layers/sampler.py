@@ -148,10 +148,15 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample_random(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-        probs = processed_probs(logits, meta)
-        q = torch.empty_like(probs)
-        if len(meta.generators) < q.shape[0]:
-            q.exponential_()  # one draw for every unseeded row
-        for row, generator in meta.generators.items():
-            q[row].exponential_(generator=generator)
-        return greedy(probs.div_(q))
+        return draw(processed_probs(logits, meta), meta, in_place=True)
+
+
+def draw(probs: Tensor, meta: SamplingMetadata, in_place: bool = False) -> Tensor:
+    """One token per row of `probs` [B, V] drawn from it: argmax(probs / E), E exponential (a seeded row's from its
+    generator, the others' in one draw); `in_place` overwrites `probs`."""
+    q = torch.empty_like(probs)
+    if len(meta.generators) < q.shape[0]:
+        q.exponential_()  # one draw for every unseeded row
+    for row, generator in meta.generators.items():
+        q[row].exponential_(generator=generator)
+    return greedy(probs.div_(q) if in_place else probs / q)
