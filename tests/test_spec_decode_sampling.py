@@ -197,11 +197,16 @@ def test_sampled_output_through_the_engine_follows_the_same_distribution(tmp_pat
                 assert runner.memory_stats()["spec_decoding"]["num_accepted_tokens"] > 50
         finally:
             runner.shutdown()
-    counts = torch.stack([torch.bincount(samples[k], minlength=32) for k in ("plain", "spec")]).double()
-    total = counts.sum(0)
-    small = total / 2 < 5
+    stat, critical, table = homogeneity(samples["plain"], samples["spec"], 32)
+    assert stat < critical, (stat, table)
+
+
+def homogeneity(a: torch.Tensor, b: torch.Tensor, vocab: int) -> tuple[float, float, torch.Tensor]:
+    """(the two-sample chi-square statistic of token samples `a` and `b`, its critical value at alpha = 0.001,
+    the table): tokens with fewer than 5 expected per side pooled."""
+    counts = torch.stack([torch.bincount(x, minlength=vocab) for x in (a, b)]).double()
+    small = counts.sum(0) / 2 < 5
     table = torch.cat([counts[:, ~small], counts[:, small].sum(1, keepdim=True)], 1) if small.any() else counts
     table = table[:, table.sum(0) > 0]
     expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-    stat = float(((table - expected) ** 2 / expected).sum())
-    assert stat < _chi_square_critical(table.shape[1] - 1), (stat, table)
+    return float(((table - expected) ** 2 / expected).sum()), _chi_square_critical(table.shape[1] - 1), table
