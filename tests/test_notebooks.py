@@ -286,6 +286,31 @@ def check_parallel_logprobs_structured(nb) -> None:
     assert re.search(r"the mask costs [+-][\d.]+ ms per step at batch 8 \([\d.]+x\)", text)
 
 
+# ---- lesson 13 (speculative decoding) --------------------------------------------------------------------------
+def check_speculative_decoding(nb) -> None:
+    text = _stream_text(nb)
+    steps = [tuple(map(int, r)) for r in re.findall(r"^ +\d+  .{26} (\d)/(\d) ", text, re.M)]
+    assert steps and any(a > 0 for a, _ in steps) and any(d > a for a, d in steps)  # accepted, and rolled back
+    assert "rolled back)" in text and "greedy output equal without speculation: True" in text
+    gained, taken = map(int, re.search(r"^(\d+) tokens in (\d+) steps", text, re.M).groups())
+    assert gained == 24 and taken < gained  # fewer steps than tokens: drafts were accepted
+    table = re.findall(r"^ +(\d) +(\d+)% +([\d.]+)  ((?:\d+% ?)+)$", text, re.M)
+    assert [int(k) for k, *_ in table] == [1, 2, 4, 8]
+    for k, _, length, by_pos in table:
+        assert 1 <= float(length) <= int(k) + 1 and len(by_pos.split()) == int(k)
+    measured = re.findall(r"^batch +(\d+): +\d+ tokens/s without, +\d+ with k=4: ([\d.]+)x", text, re.M)
+    assert [int(b) for b, _ in measured] == [1, 4, 16] and all(float(x) > 0 for _, x in measured)
+    predicted = re.findall(r"^ +(\d) +(\d+) +[\d.]+ ms +[\d.]+ ms +[\d.]+ +([\d.]+)x$", text, re.M)
+    assert len(predicted) == 12
+    for k in ("2", "4", "8"):  # the cost model: the speedup falls as the batch grows
+        mine = [float(x) for kk, _, x in predicted if kk == k]
+        assert mine == sorted(mine, reverse=True) and mine[0] > 1
+    _figure_titled(nb, "Draft, verify, accept, roll back")
+    _figure_titled(nb, "Acceptance rate by draft position")
+    _figure_titled(nb, "Measured speedup of k=4 prompt lookup")
+    _figure_titled(nb, "Predicted speedup, Llama-3.1-8B on an H100")
+
+
 CHECKS = {
     "01-quickstart.ipynb": check_quickstart,
     "02-compile-tuning.ipynb": check_compile_tuning,
@@ -299,6 +324,7 @@ CHECKS = {
     "10-tuning.ipynb": check_tuning,
     "11-whatif.ipynb": check_whatif,
     "12-parallel-sampling-logprobs-structured.ipynb": check_parallel_logprobs_structured,
+    "13-speculative-decoding.ipynb": check_speculative_decoding,
 }
 
 

@@ -2,8 +2,9 @@
 dicts with its fields), one figure for both dashboards: left, each step's draft tokens proposed and accepted (a
 point for several steps in a long run: their mean), with the mean acceptance length (1 + accepted / drafts, the
 tokens a verified sequence gains per step); right, the acceptance rate by draft position over the run (accepted at
-position j / drafts that reached j: it falls with j, since a prefix is accepted). A pure function, like
-workbench/views/timeline.py, whose palette it uses; the step view (step_view.py) places it.
+position j / drafts that reached j: it falls with j, since a prefix is accepted). `draft_grid` draws a few steps
+of one sequence, a row each: its drafts accepted or rolled back and the target's own token (lesson 13). Pure
+functions, like workbench/views/timeline.py, whose palette they use; the step view (step_view.py) places the first.
 """
 
 from __future__ import annotations
@@ -79,4 +80,30 @@ def spec_decoding(steps: Sequence[Any], max_points: int = 400) -> go.Figure:
     fig.update_xaxes(title_text="draft position", dtick=1, row=1, col=2)
     fig.update_yaxes(title_text="tokens", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(range=[0, 1], tickformat=".0%", row=1, col=2)
+    return fig
+
+
+def draft_grid(rows: Sequence[tuple[int, int, int]], k: int) -> go.Figure:
+    """Draft, verify, accept, roll back, one row a step: `rows` as (step, draft tokens verified, accepted); the
+    cells of positions 1..k are the drafts (accepted, or rejected and rolled back, or not drafted), the next
+    one the token the target itself gave (the bonus when every draft was accepted, else the replacement)."""
+    fill = {"accepted": 3, "model": 2, "rejected": 1, "none": 0}
+    scale = [[0.0, "#FFFFFF"], [0.25, "#FFFFFF"], [0.25, PALETTE[3]], [0.5, PALETTE[3]], [0.5, PALETTE[0]],
+             [0.75, PALETTE[0]], [0.75, PALETTE[2]], [1.0, PALETTE[2]]]
+    z, text = [], []
+    for _, drafted, accepted in rows:
+        kinds = (["accepted"] * accepted + ["rejected"] * (drafted - accepted) + ["model"]
+                 + ["none"] * (k - drafted))
+        z.append([fill[kind] for kind in kinds])
+        text.append(["" if kind == "none" else kind for kind in kinds])
+    fig = go.Figure(go.Heatmap(z=z, x=[f"draft {j}" for j in range(1, k + 1)] + ["+1"],
+                               y=[f"step {step}" for step, _, _ in rows], text=text, texttemplate="%{text}",
+                               colorscale=scale, zmin=-0.5, zmax=3.5, showscale=False, xgap=2, ygap=2,
+                               hovertemplate="%{y}, %{x}: %{text}<extra></extra>"))
+    gained = sum(a + 1 for _, _, a in rows)
+    fig.update_layout(template=TEMPLATE, height=max(200, 28 * len(rows) + 90), margin=dict(l=70, r=20, t=50, b=30),
+                      title=dict(text=f"Draft, verify, accept, roll back: {gained} tokens in {len(rows)} steps "
+                                      f"(green accepted, red rolled back, blue the target's own token)",
+                                 x=0.01, font=dict(size=14)),
+                      yaxis=dict(autorange="reversed"))
     return fig
