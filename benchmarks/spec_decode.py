@@ -211,7 +211,8 @@ def break_even_acceptance(k: int, ratio: float) -> float | None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=["tiny-speaker", "small-llama"], help="presets or model directories")
+    ap.add_argument("--models", nargs="*", default=["tiny-speaker", "small-llama"],
+                    help="presets or model directories for the n-gram section (none: skipped)")
     ap.add_argument("--ks", nargs="+", type=int, default=list(range(1, 9)), help="num_speculative_tokens values")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens of each request")

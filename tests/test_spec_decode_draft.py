@@ -57,6 +57,14 @@ def test_preemption_with_a_draft_model_frees_and_rebuilds_the_draft_kv(plain):
     assert stats["num_accepted_tokens"] > 0 and stats["draft_kv_free_blocks"] == 12
 
 
+def test_a_prompt_longer_than_the_token_budget_reaches_the_draft_in_pieces():
+    long = " ".join(PROMPTS) + " and the value of the file is returned to the caller of the function"
+    fields = {"max_num_batched_tokens": 16, "max_num_seqs": 4}
+    plain, _ = _tokens(fields, [long, PROMPTS[0]])
+    out, stats = _tokens({**fields, "speculative_config": DRAFT}, [long, PROMPTS[0]])
+    assert out == plain and stats["num_accepted_tokens"] > 0
+
+
 def test_sampling_with_the_draft_q_runs_and_accepts():
     params = SamplingParams(max_tokens=24, temperature=0.8, top_k=50, seed=3, ignore_eos=True)
     out, stats = _tokens({"speculative_config": DRAFT}, PROMPTS[:4], params)

@@ -174,7 +174,8 @@ class MemoryEstimate:
         par = f"tp={self.tensor_parallel_size}, pp={self.pipeline_parallel_size}"
         rows = [
             ("weights", self.weights_bytes, self.storage + (
-                f", {self.dense_weights_bytes / MiB:.1f} MiB in {self.dtype}" if self.quantization else "")),
+                f", {self.dense_weights_bytes / MiB:.1f} MiB in {self.dtype}" if self.quantization else "") + (
+                f", draft model {self.draft_weights_bytes / MiB:.1f} MiB" if self.draft_weights_bytes else "")),
             ("KV pool", self.kv_pool_bytes,
              f"{self.kv_pool_tokens} tokens x {self.kv_bytes_per_token / 1024:.1f} KiB/token"),
             ("activation peak", self.activation_peak_bytes,
