@@ -110,8 +110,11 @@ def test_both_dashboards_switch_speculation_without_a_reload(spec_session):
         ui.wait(60)
         assert s.models["tiny-speaker"].runner is runner  # the same weights: reconfigured, not reloaded
         assert s.models["tiny-speaker"].config.speculative_config["num_speculative_tokens"] == 2
-        s.generate(PROMPT, max_tokens=16, temperature=0.0, ignore_eos=True, timeout=60)
+        ui.prompt.value, ui.max_tokens.value, ui.temperature.value, ui.ignore_eos.value = PROMPT, 16, 0.0, True
+        ui.generate_button.click()
         ui.wait(60)
+        assert ui.handle.spec_decoding["num_drafts"] > 0
+        assert "finished" in ui.stats.value and "tokens a verified step" in ui.stats.value  # the answer's line
         assert len(ui.figures["spec_decoding"].data[2].y) == 2  # acceptance by position: k=2 positions
     finally:
         ui.close()

@@ -22,7 +22,7 @@ from workbench.api.logprobs import chat_fields, completion_fields
 from workbench.api.names import served_names, session_name
 from workbench.api.prometheus import ApiMetrics
 from workbench.api.prompts import PromptEncoder, max_model_len
-from workbench.api.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, spec_of, usage
+from workbench.api.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage
 
 
 def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | None = None,
@@ -159,7 +159,7 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
             return request_error(handle.exception).response()
         return fmt.final(new_id(fmt.prefix), model, handle,
                          usage(job.usage_prompt_tokens(), sum(len(c.token_ids) for c in handle.output.outputs),
-                               spec_of(handle)))
+                               handle.spec_decoding))
 
     async def _events(job: Job, first: str, body, model: str, fmt):
         """The stream's chunks: each choice's text as it comes (a chunk per choice, by index), its finish reason
@@ -188,7 +188,7 @@ def create_app(session, *, api_key: str | None = None, metrics: ApiMetrics | Non
                 err = request_error(job.handle.exception)
                 yield from_chunk(error_body(err.message, type=err.type, param=err.param, code=err.code))
             elif body.include_usage:
-                use = usage(job.usage_prompt_tokens(), job.handle.num_tokens, spec_of(job.handle))
+                use = usage(job.usage_prompt_tokens(), job.handle.num_tokens, job.handle.spec_decoding)
                 yield from_chunk({**fmt.chunk(rid, model, "", None), "choices": [], "usage": use})
             yield "data: [DONE]\n\n"
         finally:  # the client left (the task is cancelled) or the stream ended

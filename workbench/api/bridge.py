@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-from workbench.api.protocol import spec_of
-
 
 class Job:
     """One served request of `n` completions (`stream`: its text pieces are wanted as they come). `next()`
@@ -40,7 +38,7 @@ class Job:
             pass
 
     def _done(self, handle) -> None:
-        self.metrics.observe(handle.metrics, self.model or handle.model, spec_of(handle))
+        self.metrics.observe(handle.metrics, self.model or handle.model, handle.spec_decoding)
         self._wake(None)
 
     async def next(self, request=None, poll_s: float = 0.5) -> str:

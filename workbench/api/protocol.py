@@ -168,12 +168,6 @@ SPEC_USAGE_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num
                    "mean_acceptance_length")
 
 
-def spec_of(handle) -> dict | None:
-    """A finished request's speculation figures (its RequestOutput's metrics["spec_decoding"]), None without."""
-    output = handle.output
-    return None if output is None else (output.metrics or {}).get("spec_decoding")
-
-
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

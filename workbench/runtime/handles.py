@@ -200,6 +200,12 @@ class RequestHandle:
         tpot = self.metrics.tpot
         return 1 / tpot if tpot else None
 
+    @property
+    def spec_decoding(self) -> dict | None:
+        """Speculative decoding's figures of the finished request (SpecDecodingStats as a dict: drafts, draft and
+        accepted tokens, by position, acceptance rate, mean acceptance length); None without speculation."""
+        return None if self.output is None else (self.output.metrics or {}).get("spec_decoding")
+
     def stream(self, timeout: float | None = None, index: int = 0) -> Iterator[str]:
         """Yield completion `index`'s text pieces until the request finishes; raises its error if it failed.
         `timeout` bounds the wait for each next piece (TimeoutError)."""

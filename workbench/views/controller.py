@@ -360,6 +360,10 @@ class ViewController:
         parts = [f"{h.num_tokens} tokens"] + ([f"{rate:.1f} tokens/s"] if rate else [])
         if h.done:
             parts.append(f"finished: {h.finish_reason}")
+            spec = h.spec_decoding
+            if spec and spec["num_drafts"]:  # speculation verified drafts for it
+                parts.append(f"drafts: {spec['acceptance_rate']:.0%} accepted, "
+                             f"{spec['mean_acceptance_length']:.2f} tokens a verified step")
             if h.exception is not None and self._error_shown_for is not h:
                 self._error_shown_for = h
                 self.show_error(f"Generate: {h.exception}")
