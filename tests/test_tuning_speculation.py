@@ -33,3 +33,22 @@ def test_a_sweep_switches_speculation_live_and_restores_the_runner():
     rows = [r for r in result.rows if r["stage"] == "scheduler"]
     assert rows and all(r["rebuilt"] != "reload" for r in rows)
     assert all(r["output_throughput"] > 0 for r in result.rows)
+
+
+def test_a_session_sweep_switches_speculation_on_the_loaded_model():
+    """The same knob through session.tune (workbench's SessionBackend: session.reconfigure by the sweep)."""
+    from tests.sessions import TINY
+    from workbench import Session
+
+    s = Session()
+    try:
+        entry = s.load_model("tiny-speaker", **TINY)
+        runner = entry.runner
+        space = SweepSpace(concurrency=[2], scheduler={"speculative_config": speculation_values([2])})
+        result = s.tune(space, WORKLOAD, target=Target("tpot_p99_ms", 1e6), repeats=1, warmup=0).result(300)
+        assert s.models["tiny-speaker"].runner is runner  # reconfigured, never reloaded
+        tried = [p["settings"].get("speculative_config") for p in result.points]
+        assert None in tried and any(t and t["num_speculative_tokens"] == 2 for t in tried)
+        assert s.models["tiny-speaker"].config.speculative_config is None  # the sweep put it back
+    finally:
+        s.close()
