@@ -197,8 +197,9 @@ def test_both_views_make_every_form_alike_and_a_served_one_checks_bounds_and_roo
     from workbench.views.fields import Field
 
     panel_view, widgets_view = SessionDashboard(session), SessionWidgets(session, auto_refresh=False)
-    every = [c for form in (forms.LOAD_FORM, forms.COMPILE_FORM, forms.GENERATE_FORM, forms.WORKLOAD_FORM,
-                            [[forms.WINDOW_FIELD]], forms.TUNE_FORM, forms.WHATIF_FORM) for row in form for c in row]
+    every = [c for form in (forms.LOAD_FORM, forms.COMPILE_FORM, forms.SPEC_FORM, forms.GENERATE_FORM,
+                            forms.WORKLOAD_FORM, [[forms.WINDOW_FIELD]], forms.TUNE_FORM, forms.WHATIF_FORM)
+             for row in form for c in row]
     for control in every:  # each view has every control, labelled and set alike
         p, w = getattr(panel_view, control.attr), getattr(widgets_view, control.attr)
         assert (p.label if isinstance(control, Field) else p.name) == w.description == control.label
