@@ -57,6 +57,26 @@ def test_preemption_with_a_draft_model_frees_and_rebuilds_the_draft_kv(plain):
     assert stats["num_accepted_tokens"] > 0 and stats["draft_kv_free_blocks"] == 12
 
 
+def test_an_aborted_request_frees_its_draft_blocks():
+    runner = ModelRunner({**BASE, "speculative_config": DRAFT}).load_model()
+    try:
+        engine = runner.engine
+        draft = engine.spec.proposer.memory
+        engine.add_request(PROMPTS[0], GREEDY, request_id="a")
+        engine.add_request(PROMPTS[1], GREEDY, request_id="b")
+        for _ in range(3):
+            engine.step()
+        held = draft.num_blocks - draft.num_free_blocks
+        assert held > 0
+        engine.abort_request("a")
+        assert draft.num_blocks - draft.num_free_blocks < held
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert draft.num_free_blocks == draft.num_blocks
+    finally:
+        runner.shutdown()
+
+
 def test_a_prompt_longer_than_the_token_budget_reaches_the_draft_in_pieces():
     long = " ".join(PROMPTS) + " and the value of the file is returned to the caller of the function"
     fields = {"max_num_batched_tokens": 16, "max_num_seqs": 4}
