@@ -4,6 +4,8 @@ and off live (reconfigure, never a reload) and leaves the runner as it was. No t
 
 from __future__ import annotations
 
+import pytest
+
 from runner_core.tuning import Lengths, RunnerBackend, SweepSpace, Target, Workload, speculation_values, tune
 from runner_core.tuning.results import settings_label
 
@@ -52,3 +54,13 @@ def test_a_session_sweep_switches_speculation_on_the_loaded_model():
         assert s.models["tiny-speaker"].config.speculative_config is None  # the sweep put it back
     finally:
         s.close()
+
+
+def test_the_tuning_forms_k_values_become_the_speculation_knob():
+    from workbench.views.controller import tune_plan
+
+    space, _, _, _ = tune_plan("1, 2", "", "tpot_p99_ms", 100.0, 1, 8, speculation="2, 4")
+    assert space.scheduler == {"speculative_config": speculation_values([2, 4])}
+    assert tune_plan("1", "", "tpot_p99_ms", 100.0, 1, 8)[0].scheduler == {}  # empty: as loaded
+    with pytest.raises(ValueError, match="n-gram speculation k values: 'x'"):
+        tune_plan("1", "", "tpot_p99_ms", 100.0, 1, 8, speculation="2, x")

@@ -11,7 +11,7 @@ import io
 from concurrent.futures import Future
 from pathlib import Path
 
-from runner_core.tuning import SweepSpace, Target, Workload, propose_space
+from runner_core.tuning import SweepSpace, Target, Workload, propose_space, speculation_values
 from workbench.runtime.handles import RequestHandle
 from workbench.runtime.model_roots import ModelRoots
 from workbench.session import Session
@@ -33,15 +33,19 @@ def parse_values(text: str, field: str) -> list[int]:
     return values
 
 
-def tune_plan(concurrency: str, max_num_seqs: str, metric: str, limit: float, repeats: int, requests: int):
+def tune_plan(concurrency: str, max_num_seqs: str, metric: str, limit: float, repeats: int, requests: int,
+              speculation: str = ""):
     """(SweepSpace, Workload, Target, repeats) from the Tuning form's fields (lists as text: "1, 2, 4"; an
-    empty max_num_seqs list leaves it as loaded); ValueError naming the field at fault."""
+    empty max_num_seqs or speculation list leaves it as loaded; k values: off, then n-gram at each k);
+    ValueError naming the field at fault."""
     levels = parse_values(concurrency, "concurrency values")
     if not levels:
         raise ValueError("concurrency values: give at least one, such as 1, 2, 4, 8")
     seqs = parse_values(max_num_seqs, "max_num_seqs values")
     f = TUNE_FIELDS
-    space = SweepSpace(concurrency=levels, scheduler={"max_num_seqs": seqs} if seqs else {})
+    ks = parse_values(speculation, "n-gram speculation k values")
+    knobs = {"max_num_seqs": seqs, "speculative_config": speculation_values(ks) if ks else []}
+    space = SweepSpace(concurrency=levels, scheduler={name: values for name, values in knobs.items() if values})
     return (space, Workload(num_requests=f["requests"].check(requests)),
             Target(f["metric"].check(metric), f["limit"].check(limit)), f["repeats"].check(repeats))
 IMAGE_PLACEHOLDER = "<image>"  # where a multimodal prompt's image goes (LLaVA's placeholder)
@@ -103,7 +107,7 @@ class ViewController:
     include the buttons `load_button`, `unload_button`, `compile_button`, `generate_button`,
     `cancel_button`, `workload_button`, `tune_start`, `tune_cancel` (each with
     `.on_click(callback(event))`), the `workload_n` number input and the Tuning form's fields
-    (`tune_concurrency`, `tune_seqs`, `tune_metric`, `tune_limit`, `tune_repeats`, `tune_requests`:
+    (`tune_concurrency`, `tune_seqs`, `tune_spec`, `tune_metric`, `tune_limit`, `tune_repeats`, `tune_requests`:
     each with `.value`) and `tune_progress` (0 to 100)."""
 
     def __init__(self, session: Session | None = None, model_roots: ModelRoots | None = None):
@@ -180,7 +184,8 @@ class ViewController:
 
     def on_tune(self) -> None:
         self.start_tune(self.tune_concurrency.value, self.tune_seqs.value, self.tune_metric.value,
-                        self.tune_limit.value, self.tune_repeats.value, self.tune_requests.value)
+                        self.tune_limit.value, self.tune_repeats.value, self.tune_requests.value,
+                        self.tune_spec.value)
 
     def on_active(self, name: str | None) -> None:
         """The user picked another active model (ignored while the view syncs the picker)."""
@@ -295,10 +300,11 @@ class ViewController:
         return status, figures, recommendation
 
     def start_tune(self, concurrency: str, max_num_seqs: str, metric: str, limit: float, repeats: int,
-                   requests: int):
+                   requests: int, speculation: str = ""):
         """Start a sweep of the active model from the form's fields (see tune_plan); the job or None."""
         def start():
-            space, workload, target, n = tune_plan(concurrency, max_num_seqs, metric, limit, repeats, requests)
+            space, workload, target, n = tune_plan(concurrency, max_num_seqs, metric, limit, repeats, requests,
+                                                   speculation)
             return self.session.tune(space, workload, target=target, repeats=n)
 
         job = self.guard("Tune", start)

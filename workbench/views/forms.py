@@ -108,6 +108,8 @@ TUNE_METRICS = ("tpot_p99_ms", "ttft_p99_ms", "e2e_p99_ms", "itl_p99_ms", "tpot_
 TUNE_FIELDS = {
     "concurrency": Field("tune_concurrency", "concurrency values", "text", "1, 2, 4, 8", width=2 * WIDTH),
     "max_num_seqs": Field("tune_seqs", "max_num_seqs values", "text", "", placeholder="as loaded", width=2 * WIDTH),
+    "speculation": Field("tune_spec", "n-gram speculation k values", "text", "", placeholder="as loaded",
+                         width=2 * WIDTH, help="e.g. 2, 4: speculation off, then at each k (live, no reload)"),
     "metric": Field("tune_metric", "target metric", "choice", "tpot_p99_ms", options=TUNE_METRICS),
     "limit": Field("tune_limit", "limit (ms)", "float", 100.0, low=0),
     "repeats": Field("tune_repeats", "repeats", "int", 3, low=1, high=20),
@@ -115,7 +117,7 @@ TUNE_FIELDS = {
 }
 TUNE_DEFAULTS = {key: field.default for key, field in TUNE_FIELDS.items()}
 _tune = list(TUNE_FIELDS.values())
-TUNE_FORM = (_tune[:2], _tune[2:], (Action("tune_start", "Start sweep", primary=True, icon="play"),
+TUNE_FORM = (_tune[:3], _tune[3:], (Action("tune_start", "Start sweep", primary=True, icon="play"),
                                     Action("tune_cancel", "Cancel sweep", icon="stop")))
 
 # ---- What-if (the model's choices are the view's: WhatifControls.whatif_models) ------------------------------
