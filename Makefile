@@ -19,7 +19,7 @@ BINDER_CACHE ?= build/binder-cache
 # options added to the one command a target runs: make bench-memory ARGS="--quick --model tiny-llama"
 ARGS ?=
 
-.PHONY: setup preset run generate lab browser lint test test-busy binder-check bench bench-memory bench-poll bench-contention bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-kernels bench-peers bench-llamacpp-peer bench-quant bench-serve bench-whatif sweep soak fuzz lesson-screenshots clean
+.PHONY: setup preset preset-draft run generate lab browser lint test test-busy binder-check bench bench-memory bench-poll bench-contention bench-compile bench-cuda-graphs gpu-check bench-parallel bench-models bench-kernels bench-peers bench-llamacpp-peer bench-quant bench-serve bench-whatif sweep soak fuzz lesson-screenshots clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ $(STAMP): pyproject.toml Makefile
 # Re-trains the shipped tiny-speaker preset, as shipped, into runner_core/models/preset_data/tiny-speaker (CPU)
 preset: setup
 	nice -n 10 $(PY) -m runner_tools.train_preset --steps 1000
+
+# Re-trains tiny-speaker's shipped draft model (speculative decoding), as shipped, with tiny-speaker's tokenizer (CPU)
+preset-draft: setup
+	nice -n 10 $(PY) -m runner_tools.train_preset --steps 1000 --hidden-size 64 --layers 2 --heads 2 \
+		--tokenizer-from runner_core/models/preset_data/tiny-speaker --out runner_core/models/preset_data/tiny-speaker-draft
 
 # The Panel dashboard with $(MODEL) loaded, on http://127.0.0.1:$(PORT)/ (loopback only).
 run: setup

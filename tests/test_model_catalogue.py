@@ -60,8 +60,8 @@ def test_a_config_only_model_plans_but_the_loader_refuses_it_with_the_fix():
 
 
 def test_an_unknown_model_is_answered_with_every_kind(tmp_path):
-    kinds = (r"pass a directory holding config.json, a preset \(tiny-llama, small-llama.*tiny-speaker\) or a "
-             r"config-only model \(llama-3-70b, llama-3.1-8b.*qwen3-30b-a3b; no weights")
+    kinds = (r"pass a directory holding config.json, a preset \(tiny-llama, small-llama.*tiny-speaker, "
+             r"tiny-speaker-draft\) or a config-only model \(llama-3-70b, llama-3.1-8b.*qwen3-30b-a3b; no weights")
     with pytest.raises(UnknownModelError, match=r"unknown model 'no-such-model' \(no such directory\): " + kinds):
         resolve_model("no-such-model")
     with pytest.raises(ValueError, match=f"{tmp_path} has no config.json\\): " + kinds):  # a ValueError too
