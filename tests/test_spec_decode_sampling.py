@@ -150,7 +150,7 @@ def test_speculative_config_is_normalised_and_unsupported_combinations_are_refus
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2: speculative decoding does not run over "
                                           r"pipeline stages yet"):
         RunnerConfig(model="tiny-llama", pipeline_parallel_size=2, speculative_config={"num_speculative_tokens": 2})
-    with pytest.raises(ConfigError, match="simulated runner: the what-if cost model does not price verification"):
+    with pytest.raises(ConfigError, match="is set for a simulated runner: its steps draw tokens"):
         from runner_core.simulator import SimulatedRunner
 
         SimulatedRunner({"model": "tiny-llama", "speculative_config": {"num_speculative_tokens": 2}}).load_model()
