@@ -68,6 +68,7 @@ class _FinishingHandle:
 
     def __init__(self):
         self.pieces, self.output, self.exception, self.tokens_per_s = ["It is"], None, None, 50.0
+        self.spec_decoding = None  # no speculation
 
     @property
     def num_tokens(self) -> int:
